@@ -1,0 +1,71 @@
+"""The `zb` command group.
+
+Subcommands live in one small module each and are imported only when invoked, so `zb --help`
+stays instant (torch takes seconds to import). Register a command by adding it to COMMANDS;
+register only commands that work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from zb import __version__
+
+# name -> "module:attribute"; order is the order shown in `zb --help`.
+COMMANDS: dict[str, str] = {
+    "train": "zb.cli.train:train",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group that imports a subcommand's module only when that command is used."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        target = COMMANDS.get(name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        return getattr(importlib.import_module(module_name), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+@click.option("-q", "--quiet", count=True, help="Less log output (warnings and errors only).")
+@click.version_option(__version__, prog_name="zb")
+@click.pass_context
+def cli(ctx: click.Context, verbose: int, quiet: int) -> None:
+    """zb: train language models across poorly connected machines.
+
+    FSDP2 shards the model over a node's local ranks; DiLoCo syncs nodes every H inner steps
+    over an elastic set of nodes coordinated by one global store (`zb store`).
+    """
+    from zb.log import setup_logging
+
+    ctx.obj = {"verbosity": verbose - quiet}
+    setup_logging(verbose - quiet)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point: expected failures become one line and an exit code."""
+    from zb.errors import ZbError
+    from zb.cli.terminal import abort
+
+    try:
+        cli.main(args=argv, prog_name="zb", standalone_mode=False)
+    except click.exceptions.Abort:
+        abort("interrupted", 130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except ZbError as e:
+        abort(str(e), e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        abort("interrupted", 130)

@@ -1,0 +1,38 @@
+"""`zb train`: an elastic training worker (FSDP2 inside the node, DiLoCo across nodes)."""
+
+from __future__ import annotations
+
+import click
+
+from zb.cli.config_options import config_options, pop_config_flags, split_config_files
+
+EPILOG = """Config sources, later wins: defaults < @files (left to right) < env twins < flags.
+Example: zb train @configs/debug/normal.toml --optim.lr 3e-4.
+Local ranks: torchrun --nproc_per_node 2 -m zb train ..., or zb train --nproc-per-node 2 ...
+Metrics: one JSON object per line in <log.dir>/metrics.jsonl."""
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
+@click.argument("config_files", nargs=-1, metavar="[@CONFIG.toml]...")
+@click.option("--print-config", is_flag=True, help="Print the resolved config with the source of every value, then exit.")
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Launch N local ranks through torch's launcher (same as torchrun --nproc_per_node N -m zb train).")
+@config_options()
+def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int | None, **kwargs) -> None:
+    """Train a model: the built-in default with no arguments (a short CPU run on offline data)."""
+    from zb.config import describe, load_config
+
+    flags = pop_config_flags(kwargs)
+    files = split_config_files(config_files, flags)
+    cfg = load_config(files, flags)
+    if print_config:
+        click.echo(describe(cfg), nl=False)
+        return
+    if nproc_per_node is not None:
+        from zb.train.launch import launch_local_ranks
+
+        launch_local_ranks(nproc_per_node)
+        return
+    from zb.train.run import run
+
+    run(cfg)

@@ -1,0 +1,296 @@
+"""Load and validate the config tree (zb.config_schema).
+
+Sources, later wins: defaults < TOML files given as @path (left to right) < env twins < flags.
+Every key `section.key` has the env twin ZB_<SECTION>_<KEY> unless the schema names another (Prime's
+GLOBAL_* and ZERO_BAND_* variables). Errors name the key and where its value came from; unknown keys
+in files and flags are errors, unknown ZB_* variables only warnings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import logging
+import os
+import sys
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from zb.config_schema import Config
+from zb.errors import InvalidInput
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger("zb.config")
+
+# ZB_* variables that are not config keys but are read elsewhere (kernel path switch, test knobs).
+KNOWN_ENV = {"ZB_USE_CPP", "ZB_LOG_ALL_RANKS", "ZB_NETNS_TESTS", "ZB_BUILD_DIR"}
+
+DEFAULT = "default"
+
+
+class ConfigError(InvalidInput):
+    """A config value is invalid; the message names the key and its source."""
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    key: str            # "optim.lr"
+    type: Any           # int, float, str, bool
+    optional: bool      # None is allowed
+    default: Any
+    doc: str
+    choices: tuple
+    aliases: dict
+    env: str            # env twin name
+    per_node: bool
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def _section_cls(f: dataclasses.Field, tp: Any) -> type | None:
+    if not f.metadata.get("section"):
+        return None
+    return f.metadata.get("optional") or _unwrap_optional(tp)[0]
+
+
+def _collect(cls: type, prefix: str = "") -> dict[str, KeySpec]:
+    specs: dict[str, KeySpec] = {}
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        sub = _section_cls(f, hints[f.name])
+        if sub is not None:
+            specs.update(_collect(sub, key + "."))
+            continue
+        tp, optional = _unwrap_optional(hints[f.name])
+        env = f.metadata.get("env") or "ZB_" + key.replace(".", "_").upper()
+        specs[key] = KeySpec(key, tp, optional, f.default, f.metadata.get("doc", ""), f.metadata.get("choices", ()),
+                             f.metadata.get("aliases", {}), env, f.metadata.get("per_node", False))
+    return specs
+
+
+KEYS: dict[str, KeySpec] = _collect(Config)
+SECTIONS: set[str] = {k.rsplit(".", 1)[0] for k in KEYS if "." in k} | {
+    ".".join(k.split(".")[:i]) for k in KEYS for i in range(1, k.count(".") + 1)}
+
+
+def _describe(source: str) -> str:
+    return "" if source == DEFAULT else f" (from {source})"
+
+
+def _suggest(key: str) -> str:
+    close = difflib.get_close_matches(key, list(KEYS), n=1)
+    return f"; did you mean {close[0]}?" if close else "; see `zb train --help` for the keys"
+
+
+def _convert(spec: KeySpec, value: Any, source: str) -> Any:
+    """Turn a TOML value or a string from env/flags into the key's type, or raise naming key and source."""
+    where = _describe(source)
+    if isinstance(value, str) and spec.optional and value.strip().lower() in ("none", "null"):
+        return None
+    try:
+        if spec.type is bool:
+            value = _to_bool(value)
+        elif spec.type is int:
+            value = _to_int(value)
+        elif spec.type is float:
+            if isinstance(value, bool):
+                raise ValueError
+            value = float(value)
+        elif spec.type is str:
+            if not isinstance(value, str):
+                raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"{spec.key} = {value!r}{where}: expected {spec.type.__name__}") from None
+    if spec.type is str:
+        value = spec.aliases.get(value, value)
+        if spec.choices and value not in spec.choices:
+            raise ConfigError(f"{spec.key} = {value!r}{where}: must be one of {', '.join(spec.choices)}")
+    return value
+
+
+def _to_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _to_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip().replace("_", "")
+        return int(float(text)) if "e" in text.lower() and float(text).is_integer() else int(text)
+    raise ValueError
+
+
+def _flatten_toml(table: Mapping[str, Any], source: str, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in table.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict):
+            if key not in SECTIONS:
+                raise ConfigError(f"unknown section [{key}] in {source}" + _suggest(key))
+            flat[key] = {}  # marks the section as present (an empty [diloco] turns DiLoCo on)
+            flat.update(_flatten_toml(value, source, key + "."))
+        elif key in KEYS:
+            flat[key] = value
+        else:
+            raise ConfigError(f"unknown key {key} in {source}" + _suggest(key))
+    return flat
+
+
+def read_toml(path: str) -> dict[str, Any]:
+    """Flat {key: value} of one config file; a missing or malformed file is an InvalidInput."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        table = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    return _flatten_toml(table, str(path))
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """{key: (raw value, variable name)} for every env twin that is set; warns on unknown ZB_* names."""
+    by_env = {spec.env: spec.key for spec in KEYS.values()}
+    found = {}
+    for name, raw in environ.items():
+        if name in by_env:
+            found[by_env[name]] = (raw, name)
+        elif name.startswith("ZB_") and name not in KNOWN_ENV:
+            hint = difflib.get_close_matches(name, list(by_env) + list(KNOWN_ENV), n=1)
+            log.warning("ignoring unknown environment variable %s%s", name, f" (did you mean {hint[0]}?)" if hint else "")
+    return found
+
+
+def normalize_key(key: str) -> str:
+    """`--optim.warmup-steps` and `optim.warmup_steps` name the same key."""
+    return key.lstrip("-").replace("-", "_")
+
+
+def load_config(files: list[str] = (), flags: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Resolve the config from files, env twins and flags; validate it; record each value's source."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, tuple[Any, str]] = {}
+    present: set[str] = set()
+    for path in files:
+        for key, value in read_toml(path).items():
+            if value == {}:
+                present.add(key)
+            else:
+                values[key] = (value, f"file {path}")
+    for key, (raw, name) in env_values(environ).items():
+        values[key] = (raw, f"env {name}")
+    for key, raw in (flags or {}).items():
+        key = normalize_key(key)
+        if key not in KEYS:
+            raise ConfigError(f"unknown key {key}" + _suggest(key))
+        values[key] = (raw, f"flag --{key}")
+    return build(values, present)
+
+
+def build(values: Mapping[str, tuple[Any, str]], present: set[str] = frozenset()) -> Config:
+    cfg = Config()
+    sources = {key: DEFAULT for key in KEYS}
+    for section in present:
+        _ensure_section(cfg, section)
+    for key, (value, source) in values.items():
+        spec = KEYS[key]
+        owner = _ensure_section(cfg, key.rsplit(".", 1)[0])
+        setattr(owner, key.rsplit(".", 1)[1], _convert(spec, value, source))
+        sources[key] = source
+    object.__setattr__(cfg, "_sources", sources)
+    from zb.config_checks import validate
+
+    validate(cfg)
+    return cfg
+
+
+def _ensure_section(cfg: Config, path: str) -> Any:
+    """The section object at `path`, creating an optional section (diloco) on first use."""
+    obj: Any = cfg
+    for name in path.split("."):
+        child = getattr(obj, name)
+        if child is None:
+            opt = next(f for f in dataclasses.fields(obj) if f.name == name).metadata["optional"]
+            child = opt()
+            setattr(obj, name, child)
+        obj = child
+    return obj
+
+
+def source_of(cfg: Config, key: str) -> str:
+    return getattr(cfg, "_sources", {}).get(key, DEFAULT)
+
+
+def fail(cfg: Config, key: str, message: str) -> typing.NoReturn:
+    """Raise a ConfigError for `key` that names its value and where that value came from."""
+    raise ConfigError(f"{key} = {get(cfg, key)!r}{_describe(source_of(cfg, key))}: {message}")
+
+
+def get(cfg: Config, key: str) -> Any:
+    obj: Any = cfg
+    for name in key.split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, name)
+    return obj
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as nested plain data (what goes into checkpoints and fingerprints)."""
+    return dataclasses.asdict(cfg)
+
+
+def describe(cfg: Config) -> str:
+    """The resolved config as TOML, each value annotated with its source (for --print-config)."""
+    lines: list[str] = []
+    current = None
+    for key, spec in KEYS.items():
+        section, name = key.rsplit(".", 1)
+        if section.split(".")[0] == "diloco" and cfg.diloco is None:
+            if current != "diloco":
+                lines += ["", "# [diloco] is off: set any diloco.* key to turn DiLoCo on"]
+                current = "diloco"
+            continue
+        if section != current:
+            lines += ["", f"[{section}]"]
+            current = section
+        value = get(cfg, key)
+        text = f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}"
+        lines.append(text.ljust(44) + f"  # {source_of(cfg, key)}  ({spec.env})")
+    return "\n".join(lines).strip() + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(value)

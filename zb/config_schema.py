@@ -1,0 +1,189 @@
+"""The config tree: one dataclass per subsystem, a docstring under every field.
+
+Each subsystem receives only its own section. Key names follow Prime (ZeroBand) where Prime had
+the key, so Prime users feel at home. The loader (zb.config) turns TOML files, env twins and
+--section.key flags into this tree and validates it; `knob()` carries what the loader and --help
+need: the doc line, allowed values, value aliases and, for Prime-compatible keys, the env name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def knob(default: Any, doc: str, *, choices: tuple = (), aliases: dict | None = None, env: str | None = None,
+         per_node: bool = False) -> Any:
+    """A config field. `aliases` maps accepted spellings to canonical values (Prime's "uint8" -> "int8");
+    `env` overrides the ZB_<SECTION>_<KEY> twin; `per_node` marks keys that may differ between nodes."""
+    meta = {"doc": doc, "choices": choices, "aliases": aliases or {}, "env": env, "per_node": per_node}
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, doc: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": doc, "section": True})
+
+
+@dataclass
+class ModelConfig:
+    name: str = knob("debug", "Model size from the size table (debug, tiny, 150M, 1B, 7B, 10B, 13B, 70B).")
+    type: str = knob("llama2", "Model family: llama2 (MHA-style defaults) or llama3 (GQA, larger RoPE theta).",
+                     choices=("llama2", "llama3"))
+    dim: Optional[int] = knob(None, "Override the hidden size of the named size.")
+    n_layers: Optional[int] = knob(None, "Override the number of transformer blocks.")
+    n_heads: Optional[int] = knob(None, "Override the number of attention heads.")
+    n_kv_heads: Optional[int] = knob(None, "Override the number of key/value heads (grouped-query attention).")
+    vocab_size: Optional[int] = knob(None, "Override the vocabulary size (default: the tokenizer's, rounded up).")
+    rope_theta: Optional[float] = knob(None, "Override the RoPE base frequency.")
+    attn_impl: str = knob("auto", "Attention kernel: auto (flash-attn on CUDA when installed, else SDPA), sdpa, flash.",
+                          choices=("auto", "sdpa", "flash"))
+
+
+@dataclass
+class TrainConfig:
+    micro_bs: int = knob(4, "Micro batch size per local rank (sequences per forward pass).")
+    seed: int = knob(1337, "Seed for model init and data order; every node must use the same one.")
+    device: str = knob("auto", "auto (CUDA + NCCL when available, else CPU + gloo), cpu or cuda.",
+                       choices=("auto", "cpu", "cuda"))
+    param_dtype: str = knob("auto", "FSDP2 compute dtype of params: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16.",
+                            choices=("auto", "fp32", "bf16"))
+    reduce_dtype: str = knob("fp32", "FSDP2 gradient reduction dtype.", choices=("fp32", "bf16"))
+    ac_ckpt: bool = knob(False, "Activation checkpointing of every transformer block (less memory, more compute).")
+    reshard_after_forward: bool = knob(True, "FSDP2: free gathered params after forward (less memory).")
+    torch_compile: bool = knob(False, "torch.compile each block (GPU runs; slow to start on CPU).")
+    log_model_hash: bool = knob(False, "Log a hash of the (outer) params, so agreement between nodes can be checked.")
+    log_interval: int = knob(1, "Log a step line and a `step` metrics event every N steps.", per_node=True)
+    max_steps: Optional[int] = knob(None, "Stop after this many steps (default: optim.total_steps).", per_node=True)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = knob(4e-4, "Peak learning rate of the inner AdamW.")
+    weight_decay: float = knob(0.1, "AdamW weight decay.")
+    adam_betas1: float = knob(0.9, "AdamW beta1.")
+    adam_betas2: float = knob(0.95, "AdamW beta2.")
+    eps: float = knob(1e-8, "AdamW epsilon.")
+    warmup_steps: int = knob(100, "Linear warmup steps.")
+    total_steps: int = knob(1000, "Length of the LR schedule in steps; also the default run length.", per_node=True)
+    sched_type: str = knob("cosine", "LR schedule after warmup: cosine, linear or wsd (warmup-stable-decay).",
+                           choices=("cosine", "linear", "wsd"))
+    min_lr_ratio: float = knob(0.1, "Final LR as a fraction of optim.lr.")
+    decay_ratio: float = knob(0.2, "wsd only: fraction of total_steps spent decaying at the end.")
+    batch_size: int = knob(32, "Sequences per optimizer step per node (per DiLoCo worker), over all local ranks.")
+    grad_clip: float = knob(1.0, "Clip the global grad norm to this value (0 disables).")
+    z_loss: bool = knob(False, "Add max-z-loss (weight z_loss_weight) to keep logits bounded.")
+    z_loss_weight: float = knob(2e-4, "Weight of the max-z-loss.")
+
+
+@dataclass
+class DataConfig:
+    seq_length: int = knob(256, "Tokens per training sequence.")
+    fake: bool = knob(False, "Random tokens, for throughput measurements (nothing to learn).")
+    dataset_name_or_paths: str = knob("builtin", "Where text comes from: builtin (offline generated text), "
+                                      "local files or globs (.txt, .jsonl, .parquet; comma separated), "
+                                      "or a Hugging Face dataset name.")
+    dataset_config: Optional[str] = knob(None, "Hugging Face dataset config (subset) name.")
+    split: str = knob("train", "Dataset split to read.")
+    text_column: str = knob("text", "Column holding the text in jsonl/parquet/HF sources.")
+    tokenizer: str = knob("bytes", "Tokenizer: bytes (built in, 256 + specials) or a Hugging Face tokenizer name or path.")
+    data_rank: Optional[int] = knob(None, "This node's data shard (default: its global rank).")
+    data_world_size: Optional[int] = knob(None, "Number of data shards (default: the global world size).")
+    streaming: bool = knob(True, "Stream Hugging Face datasets instead of downloading them whole.")
+    shuffle_buffer: int = knob(0, "Streaming shuffle buffer in documents (0: keep file order, exact resume).")
+    eval_fraction: float = knob(0.01, "Fraction of documents held out for evaluation (disjoint from training).")
+    retries: int = knob(5, "Retries, with exponential backoff, on transient HTTP errors from the hub.")
+
+
+@dataclass
+class EvalConfig:
+    interval: int = knob(0, "Evaluate the held-out split every N steps (0: only at the end; -1: never).", per_node=True)
+    batches: int = knob(8, "Micro batches per evaluation.", per_node=True)
+
+
+@dataclass
+class LogConfig:
+    dir: str = knob("logs", "Directory for metrics.jsonl (one per node: give each node its own).", per_node=True)
+    progress: str = knob("auto", "Progress display: auto (rich on a terminal, log lines otherwise), rich, plain.",
+                         choices=("auto", "rich", "plain"), per_node=True)
+
+
+@dataclass
+class DilocoConfig:
+    inner_steps: int = knob(100, "H: inner steps between two outer syncs.")
+    outer_lr: float = knob(0.7, "Outer learning rate.")
+    outer_momentum: float = knob(0.9, "Outer optimizer momentum.")
+    nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.")
+    outer_optimizer: str = knob("sgd", "Outer optimizer: sgd (with momentum/nesterov) or avg (plain averaging).",
+                                choices=("sgd", "avg"))
+    compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32) or int8 (4x fewer bytes on the wire).",
+                            choices=("none", "int8"), aliases={"no": "none", "uint8": "int8"})
+    streams: int = knob(1, "Parallel process groups (TCP connections) per replica group for the all-reduce.")
+    retry_all_reduce: int = knob(3, "Retries of a failed pseudo-gradient sync, each without the failed peers.")
+    bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).")
+    min_bandwidth_mbps: float = knob(10.0, "Slowest link expected (Mbit/s); bounds each transfer's deadline.")
+    blocking_join: bool = knob(True, "Joiners fetch state from a live node before the step they join (else live recovery).")
+    drift_guard: bool = knob(False, "Compare params_hash across nodes each outer step and resync a node that differs.")
+
+
+@dataclass
+class RemoteConfig:
+    path: Optional[str] = knob(None, "Remote checkpoint location (fsspec URL: s3://, gs://, or a local directory).")
+    interval: Optional[int] = knob(None, "Upload every N steps (default: every checkpoint).")
+
+
+@dataclass
+class CkptConfig:
+    interval: Optional[int] = knob(None, "Checkpoint every N steps (a multiple of diloco.inner_steps under DiLoCo).")
+    path: Optional[str] = knob(None, "Directory for durable checkpoints on this node's disk.")
+    remote: RemoteConfig = section(RemoteConfig, "Remote copies of checkpoints.")
+    topk: Optional[int] = knob(None, "Keep only the newest K committed checkpoints.")
+    resume: Optional[str] = knob(None, "Resume from a checkpoint path, or `latest`.")
+    ram_dir: str = knob("/dev/shm/zb", "RAM-backed staging directory for snapshots.", per_node=True)
+    live_recovery: bool = knob(False, "Keep a RAM snapshot after every outer step and serve it to joiners.")
+    grace_period: float = knob(30.0, "Seconds allowed for the final checkpoint after SIGTERM.", per_node=True)
+
+
+@dataclass
+class ElasticConfig:
+    addr: Optional[str] = knob(None, "Address of the global store (`zb store`).", env="GLOBAL_ADDR")
+    port: int = knob(29600, "Port of the global store.", env="GLOBAL_PORT")
+    unique_id: Optional[str] = knob(None, "This node's unique id (generated if absent).", env="GLOBAL_UNIQUE_ID",
+                                    per_node=True)
+    world_size: int = knob(1, "Initial quorum: nodes the first outer step waits for (up to start_timeout).",
+                           env="GLOBAL_WORLD_SIZE", per_node=True)
+    rank: int = knob(0, "Preferred starting global rank.", env="GLOBAL_RANK", per_node=True)
+    host_store: bool = knob(False, "This node hosts the store itself (Prime style; a single point of failure).",
+                            per_node=True)
+    store_timeout: float = knob(300.0, "Seconds before a global store operation times out.",
+                                env="ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS", per_node=True)
+    polling_interval: float = knob(0.1, "Seconds between polls of the store while waiting.",
+                                   env="ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS", per_node=True)
+    heartbeat_interval: float = knob(2.0, "Seconds between heartbeats.",
+                                     env="ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS")
+    heartbeat_timeout: float = knob(10.0, "Seconds of silence after which a node is dead.",
+                                    env="ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS")
+    pg_timeout: float = knob(60.0, "Global process group timeout (transfers have tighter deadlines of their own).",
+                             env="ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS")
+    connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", per_node=True)
+    start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", per_node=True)
+    sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step.")
+    live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
+                                         env="ZERO_BAND_LIVE_RECO_ADDR", per_node=True)
+    live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",
+                                         env="ZERO_BAND_LIVE_RECO_PORT", per_node=True)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = section(ModelConfig, "The model.")
+    train: TrainConfig = section(TrainConfig, "The training loop.")
+    optim: OptimConfig = section(OptimConfig, "The inner optimizer and LR schedule.")
+    data: DataConfig = section(DataConfig, "Training data.")
+    eval: EvalConfig = section(EvalConfig, "Held-out evaluation.")
+    log: LogConfig = section(LogConfig, "Logs and metrics.")
+    elastic: ElasticConfig = section(ElasticConfig, "Membership: the global store, identity, heartbeats, timeouts.")
+    ckpt: CkptConfig = section(CkptConfig, "Checkpoints and live recovery.")
+    # Optional: without a [diloco] section zb train is plain FSDP2 on one node. Any diloco.* key
+    # (or an empty [diloco] table) turns it on.
+    diloco: Optional[DilocoConfig] = field(default=None, metadata={"doc": "DiLoCo across nodes.", "section": True,
+                                                                   "optional": DilocoConfig})

@@ -1,0 +1,23 @@
+"""Expected failures, each with the exit code DESIGN.md promises.
+
+A library function raises one of these with a message that says what went wrong and what to do;
+the CLI prints that one line and exits with the code. Anything else is a bug and gets a traceback.
+"""
+
+
+class ZbError(Exception):
+    """Base class of expected failures; `exit_code` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class InvalidInput(ZbError):
+    """The invocation is invalid: usage, config, values, missing or incompatible input files."""
+
+    exit_code = 2
+
+
+class EnvironmentFailure(ZbError):
+    """The environment failed the command: port in use, store or peers unreachable, disk full."""
+
+    exit_code = 1
