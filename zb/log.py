@@ -47,3 +47,10 @@ def setup_logging(verbosity: int = 0) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+
+
+def retarget_stream(stream) -> None:
+    """Point zb's log handler at `stream` (rich swaps sys.stderr while a progress bar is live)."""
+    for handler in logging.getLogger("zb").handlers:
+        if isinstance(handler, logging.StreamHandler):
+            handler.setStream(stream)

@@ -1,0 +1,108 @@
+"""Config: sources and their order, env twins, every error path, and the shipped configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zb.config import KEYS, ConfigError, describe, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_valid_and_diloco_is_off():
+    cfg = load_config([], {}, environ={})
+    assert cfg.diloco is None
+    assert cfg.optim.lr > 0
+
+
+def test_later_sources_win(tmp_path):
+    a = write(tmp_path, "a.toml", "[optim]\nlr = 0.1\nwarmup_steps = 5\n")
+    b = write(tmp_path, "b.toml", "[optim]\nlr = 0.2\n")
+    cfg = load_config([a, b], {}, environ={})
+    assert cfg.optim.lr == 0.2 and cfg.optim.warmup_steps == 5
+    cfg = load_config([a, b], {}, environ={"ZB_OPTIM_LR": "0.3"})
+    assert cfg.optim.lr == 0.3
+    cfg = load_config([a, b], {"optim.lr": "0.4"}, environ={"ZB_OPTIM_LR": "0.3"})
+    assert cfg.optim.lr == 0.4
+    assert f"flag --optim.lr" in describe(cfg)
+
+
+def test_dashes_and_underscores_name_the_same_key():
+    cfg = load_config([], {"--optim.warmup-steps": "7"}, environ={})
+    assert cfg.optim.warmup_steps == 7
+
+
+def test_prime_env_names_and_aliases():
+    env = {"GLOBAL_WORLD_SIZE": "3", "ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "12"}
+    cfg = load_config([], {"diloco.compression": "uint8"}, environ=env)
+    assert cfg.elastic.world_size == 3 and cfg.elastic.heartbeat_timeout == 12.0
+    assert cfg.diloco is not None and cfg.diloco.compression == "int8"
+    assert load_config([], {"diloco.compression": "no"}, environ={}).diloco.compression == "none"
+
+
+def test_empty_diloco_table_turns_diloco_on(tmp_path):
+    cfg = load_config([write(tmp_path, "d.toml", "[diloco]\n")], {}, environ={})
+    assert cfg.diloco is not None and cfg.diloco.inner_steps == 100
+
+
+def test_unknown_env_var_is_a_warning_not_an_error(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="zb.config"):
+        load_config([], {}, environ={"ZB_OPTIM_LRR": "1"})
+    assert "ZB_OPTIM_LRR" in caplog.text and "ZB_OPTIM_LR" in caplog.text
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[optim]\nlrr = 1\n", "unknown key optim.lrr in"),
+    ("[optimizer]\nlr = 1\n", "unknown section [optimizer]"),
+    ("[optim]\nlr = -1.0\n", "optim.lr = -1.0 (from file"),
+    ("[optim]\nlr = 'fast'\n", "optim.lr = 'fast' (from file"),
+    ("[optim]\nbatch_size = 10\n[train]\nmicro_bs = 4\n", "must be a multiple of train.micro_bs"),
+    ("[optim]\nwarmup_steps = 5000\n", "longer than optim.total_steps"),
+    ("[diloco]\ncompression = 'fp8'\n", "must be one of none, int8"),
+    ("[train]\nmicro_bs = 2.5\n", "expected int"),
+    ("[optim\nlr = 1\n", "is not valid TOML"),
+])
+def test_bad_files_name_key_and_file(tmp_path, text, message):
+    path = write(tmp_path, "bad.toml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config([path], {}, environ={})
+    assert message in str(e.value)
+    assert e.value.exit_code == 2
+
+
+def test_bad_flag_and_env_values_name_their_source():
+    with pytest.raises(ConfigError, match=r"flag --optim.total_steps.*must be positive"):
+        load_config([], {"optim.total_steps": "0"}, environ={})
+    with pytest.raises(ConfigError, match=r"env ZB_TRAIN_SEED"):
+        load_config([], {}, environ={"ZB_TRAIN_SEED": "abc"})
+    with pytest.raises(ConfigError, match="unknown key optim.lrr; did you mean optim.lr"):
+        load_config([], {"optim.lrr": "1"}, environ={})
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["/nonexistent/x.toml"], {}, environ={})
+
+
+def test_every_key_has_a_doc_and_one_env_twin():
+    envs = [spec.env for spec in KEYS.values()]
+    assert len(envs) == len(set(envs))
+    assert all(spec.doc for spec in KEYS.values())
+
+
+@pytest.mark.parametrize("path", sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").rglob("*.toml")))
+def test_shipped_configs_validate(path):
+    from zb.models import model_args
+
+    cfg = load_config([str(REPO / path)], {}, environ={})
+    model_args(cfg.model, vocab_size=50_000, max_seq_len=cfg.data.seq_length)

@@ -1,0 +1,78 @@
+"""Man pages generated from the click definitions, so they cannot drift from --help.
+
+Regenerate: `python -m zb.cli.manpages man/`; tests/test_manpages.py fails when man/ is stale.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from zb import __version__
+
+
+def _escape(text: str) -> str:
+    lines = [line.replace("\\", "\\e").replace("-", "\\-") for line in text.splitlines()]
+    # A roff line starting with . or ' is a request: protect it.
+    return "\n".join("\\&" + line if line.startswith((".", "'")) else line for line in lines)
+
+
+def _option_entries(cmd: click.Command, ctx: click.Context) -> list[str]:
+    out = []
+    for param in cmd.get_params(ctx):
+        record = param.get_help_record(ctx)
+        if record is None or isinstance(param, click.Argument):
+            continue
+        names, help_text = record
+        out += [".TP", f"\\fB{_escape(names)}\\fR", _escape(help_text or "")]
+    return out
+
+
+def render(cmd: click.Command, name: str, parent: click.Context | None = None) -> str:
+    """The roff source of one command's man page."""
+    ctx = click.Context(cmd, info_name=name, parent=parent)
+    title = name.replace(" ", "-").upper()
+    usage = " ".join(cmd.collect_usage_pieces(ctx))
+    short = cmd.get_short_help_str(limit=200)
+    lines = [f'.TH {title} 1 "" "zb {__version__}" "zb manual"', ".SH NAME", f"{_escape(name)} \\- {_escape(short)}",
+             ".SH SYNOPSIS", f"\\fB{_escape(name)}\\fR {_escape(usage)}", ".SH DESCRIPTION",
+             _escape(cmd.help or "")]
+    lines += [".SH OPTIONS"] + _option_entries(cmd, ctx)
+    if cmd.epilog:
+        lines += [".SH NOTES", _escape(cmd.epilog)]
+    if isinstance(cmd, click.Group):
+        lines += [".SH COMMANDS"]
+        for sub in cmd.list_commands(ctx):
+            lines += [".TP", f"\\fB{sub}\\fR", _escape(cmd.get_command(ctx, sub).get_short_help_str(limit=200)),
+                      f"See \\fBzb\\-{sub}\\fR(1)."]
+    return "\n".join(lines) + "\n"
+
+
+def all_pages() -> dict[str, str]:
+    """{file name: roff text} for `zb` and every registered subcommand."""
+    from zb.cli import cli
+
+    root_ctx = click.Context(cli, info_name="zb")
+    pages = {"zb.1": render(cli, "zb")}
+    for sub in cli.list_commands(root_ctx):
+        pages[f"zb-{sub}.1"] = render(cli.get_command(root_ctx, sub), f"zb {sub}", parent=root_ctx)
+    return pages
+
+
+def write_pages(directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for fname, text in all_pages().items():
+        path = directory / fname
+        path.write_text(text)
+        written.append(path)
+    for stale in set(directory.glob("zb*.1")) - set(written):
+        stale.unlink()
+    return written
+
+
+if __name__ == "__main__":
+    for p in write_pages(Path(sys.argv[1] if len(sys.argv) > 1 else "man")):
+        print(p)

@@ -1,0 +1,66 @@
+"""Metric sinks: `<log dir>/metrics.jsonl`, one JSON object per line.
+
+Every line has `event`, `time` (unix seconds) and `node` (unique id); field names are part of the
+interface (DESIGN.md): add, don't rename. Each line is written with a single write() and flushed,
+so a killed process leaves a file whose every complete line parses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN/Inf: write them as strings so every line stays valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class MetricsSink:
+    """Appends events to metrics.jsonl. Safe to call from several threads (heartbeat, uploader)."""
+
+    def __init__(self, log_dir: str | Path | None, node: str, enabled: bool = True):
+        self.node = node
+        self._lock = threading.Lock()
+        self._file = None
+        self.path: Path | None = None
+        if enabled and log_dir is not None:
+            self.path = Path(log_dir) / "metrics.jsonl"
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+
+    def log(self, event: str, **fields: Any) -> dict[str, Any]:
+        record = {"event": event, "time": round(time.time(), 3), "node": self.node}
+        record.update({k: _clean(v) for k, v in fields.items()})
+        if self._file is not None:
+            line = json.dumps(record, separators=(",", ":")) + "\n"
+            with self._lock:
+                self._file.write(line)
+                self._file.flush()
+        return record
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+                self._file = None
+
+
+def read_metrics(path: str | Path, event: str | None = None) -> list[dict[str, Any]]:
+    """All complete records of a metrics file (optionally one event type); for tests and scripts."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            if event is None or record.get("event") == event:
+                records.append(record)
+    return records

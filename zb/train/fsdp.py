@@ -1,0 +1,55 @@
+"""Shard the model over the node's local ranks with FSDP2: one `fully_shard` per block plus the root.
+
+A lone process (local world size 1) keeps the plain module: sharding over one rank only adds
+copies. Mixed precision then comes from autocast instead of FSDP2's policy (see `autocast`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zb.config_schema import TrainConfig
+from zb.train.device import Placement
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward: memory for compute."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def shard_model(model: nn.Module, cfg: TrainConfig, placement: Placement) -> nn.Module:
+    """Move to the device and, with several local ranks, apply FSDP2 per block and at the root."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return model.to(placement.device)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(placement.device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=placement.param_dtype, reduce_dtype=placement.reduce_dtype)
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        # The last block's params are needed again right away by backward: keep them gathered.
+        reshard = cfg.reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def autocast(model: nn.Module, placement: Placement):
+    """bf16 compute for an unsharded model (FSDP2 handles it through its policy otherwise)."""
+    if is_sharded(model) or placement.param_dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=placement.device.type, dtype=placement.param_dtype)

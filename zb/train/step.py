@@ -1,0 +1,103 @@
+"""One optimizer step over a node's batch, and held-out evaluation.
+
+The node's batch (optim.batch_size sequences) is split over local ranks and, on each rank, into
+micro batches whose gradients accumulate. FSDP2 averages gradients over the local ranks, so the
+update equals that of one process taking the whole batch (a test holds the two against each other).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zb.models.loss import cross_entropy
+from zb.train.device import Placement
+from zb.train.fsdp import autocast, is_sharded
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss: float        # mean cross-entropy over the node's batch (z-loss excluded)
+    z_loss: float
+    grad_norm: float
+    lr: float
+    stop: bool = False  # some local rank was asked to stop: the whole node stops after this step
+
+
+def local_mean(values: list[float], device: torch.device) -> list[float]:
+    """Mean of each value over the node's local ranks (gloo has no AVG: sum, then divide)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+class Trainer:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, placement: Placement,
+                 grad_clip: float, z_loss_weight: float):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.placement, self.grad_clip, self.z_loss_weight = placement, grad_clip, z_loss_weight
+
+    def _forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = inputs.to(self.placement.device, non_blocking=True)
+        labels = labels.to(self.placement.device, non_blocking=True)
+        with autocast(self.model, self.placement):
+            logits = self.model(inputs)
+        return cross_entropy(logits, labels, self.z_loss_weight)
+
+    def train_step(self, micro_batches: list[Batch], stop_requested: bool = False) -> StepResult:
+        self.model.train()
+        n = len(micro_batches)
+        ce_sum, z_sum = 0.0, 0.0
+        for i, (inputs, labels) in enumerate(micro_batches):
+            if is_sharded(self.model):
+                # Reduce-scatter gradients only after the last micro batch.
+                self.model.set_requires_gradient_sync(i == n - 1)
+            loss, z_loss = self._forward(inputs, labels)
+            (loss / n).backward()
+            ce_sum += (loss.detach() - z_loss).item() if self.z_loss_weight else loss.item()
+            z_sum += z_loss.item()
+        grad_norm = self._clip()
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        # One local all-reduce per step carries the logged losses and the stop flag together.
+        loss, z, stop = local_mean([ce_sum / n, z_sum / n, float(stop_requested)], self.placement.device)
+        return StepResult(loss=loss, z_loss=z, grad_norm=grad_norm, lr=lr, stop=stop > 0)
+
+    def _clip(self) -> float:
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch], num_batches: int) -> float:
+        """Mean held-out loss over `num_batches` micro batches per rank (same count on every rank)."""
+        self.model.eval()
+        total, it = 0.0, iter(batches)
+        count = 0
+        for _ in range(num_batches):
+            batch = next(it, None)
+            if batch is None:
+                break
+            loss, z_loss = self._forward(*batch)
+            total += (loss - z_loss).item() if self.z_loss_weight else loss.item()
+            count += 1
+        self.model.train()
+        mean, counted = local_mean([total, float(count)], self.placement.device)
+        return mean / counted if counted else float("nan")
+
+
+def take(loader: Iterator[Batch], n: int) -> list[Batch]:
+    return [next(loader) for _ in range(n)]
