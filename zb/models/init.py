@@ -1,0 +1,82 @@
+"""Deterministic weight init: every node, device and sharding gets bit-identical weights from one seed.
+
+Each parameter's full fp32 value is drawn on the CPU from its own torch.Generator, seeded by
+(seed, canonical parameter name). Per-name seeds make the result independent of parameter order and
+of wrappers (activation checkpointing, torch.compile) that rename modules. If a parameter is
+sharded (a DTensor, as FSDP2 makes it), each rank keeps only its own slice of the full value,
+computed locally: no communication, and the same numbers as an unsharded init.
+
+Scheme (torchtitan's): embeddings N(0, 1); input projections trunc-normal std 0.02; output
+projections of each block std 0.02 / sqrt(2 * (layer_id + 1)) (depth-scaled); norms 1; the final
+output layer trunc-normal std dim^-0.5 cut at 3 std.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+INIT_STD = 0.02
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def canonical_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"{seed}:{canonical_name(name)}".encode(), digest_size=8).digest()
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def _std_for(name: str, layer_id: int | None, dim: int) -> tuple[str, float]:
+    """(kind, std) for a parameter by its canonical name."""
+    if name.endswith("norm.weight"):
+        return "ones", 0.0
+    if name.startswith("tok_embeddings."):
+        return "normal", 1.0
+    if name.startswith("output."):
+        return "trunc", dim ** -0.5
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
+        return "trunc", INIT_STD / (2 * (layer_id + 1)) ** 0.5
+    return "trunc", INIT_STD
+
+
+def full_value(name: str, shape: torch.Size, seed: int, layer_id: int | None, dim: int) -> torch.Tensor:
+    """The full fp32 CPU value of one parameter."""
+    kind, std = _std_for(canonical_name(name), layer_id, dim)
+    out = torch.empty(shape, dtype=torch.float32)
+    if kind == "ones":
+        return out.fill_(1.0)
+    gen = param_generator(seed, name)
+    if kind == "normal":
+        return out.normal_(0.0, std, generator=gen)
+    return nn.init.trunc_normal_(out, 0.0, std, a=-3 * std, b=3 * std, generator=gen)
+
+
+def fill_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` into `param`, or into this rank's slice of it when `param` is a DTensor."""
+    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+        from torch.distributed.tensor import distribute_tensor
+
+        # src_data_rank=None: every rank computed the same full value, so each slices locally.
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local.to(param.device))
+    else:
+        param.copy_(full.to(param.device))
+
+
+def _layer_id(name: str) -> int | None:
+    parts = canonical_name(name).split(".")
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+@torch.no_grad()
+def init_transformer(model: nn.Module, seed: int) -> None:
+    dim = model.args.dim
+    for name, param in model.named_parameters():
+        fill_(param, full_value(name, param.shape, seed, _layer_id(name), dim))
