@@ -63,7 +63,7 @@ class Trainer:
                 self.model.set_requires_gradient_sync(i == n - 1)
             loss, z_loss = self._forward(inputs, labels)
             (loss / n).backward()
-            ce_sum += (loss.detach() - z_loss).item() if self.z_loss_weight else loss.item()
+            ce_sum += loss.item() - self.z_loss_weight * z_loss.item()  # log CE alone
             z_sum += z_loss.item()
         grad_norm = self._clip()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -92,7 +92,7 @@ class Trainer:
             if batch is None:
                 break
             loss, z_loss = self._forward(*batch)
-            total += (loss - z_loss).item() if self.z_loss_weight else loss.item()
+            total += loss.item() - self.z_loss_weight * z_loss.item()
             count += 1
         self.model.train()
         mean, counted = local_mean([total, float(count)], self.placement.device)
