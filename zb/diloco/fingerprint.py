@@ -1,0 +1,53 @@
+"""The run fingerprint: the settings every node of a run must share.
+
+The first node publishes it in the store; a joiner (or a resumed node) whose settings differ is
+refused with exit 2, naming the keys, before it touches the run. Settings not listed here may
+differ per node: LR schedule and its position (optim.*), batch and micro batch sizes, log, eval,
+checkpoint and timing settings, total_steps and max_steps.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from zb import __version__
+from zb.config import get
+from zb.config_schema import Config
+from zb.errors import InvalidInput
+
+RUN_DEFINING = [
+    "model.name", "model.type", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
+    "model.vocab_size", "model.rope_theta", "data.seq_length", "data.tokenizer", "train.seed",
+    "diloco.inner_steps", "diloco.compression", "diloco.outer_optimizer", "diloco.outer_lr",
+    "diloco.outer_momentum", "diloco.nesterov",
+]
+
+
+def fingerprint(cfg: Config, local_world_size: int, vocab_size: int) -> dict[str, Any]:
+    values = {key: get(cfg, key) for key in RUN_DEFINING}
+    values.update({"local_world_size": local_world_size, "vocab_size_resolved": vocab_size,
+                   "zb_version": __version__})
+    return values
+
+
+def encode(values: dict[str, Any]) -> str:
+    return json.dumps(values, sort_keys=True, separators=(",", ":"))
+
+
+def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    keys = sorted(set(mine) | set(theirs))
+    return [f"{k} (run: {theirs.get(k)!r}, this node: {mine.get(k)!r})" for k in keys if mine.get(k) != theirs.get(k)]
+
+
+def check_against(mine: dict[str, Any], published: str) -> None:
+    """Raise InvalidInput (exit 2) naming every differing key."""
+    try:
+        theirs = json.loads(published)
+    except ValueError:
+        raise InvalidInput("the run's published fingerprint is unreadable; is this store used by another tool?") \
+            from None
+    diff = differences(mine, theirs)
+    if diff:
+        raise InvalidInput("this node's settings differ from the run's: " + "; ".join(diff)
+                           + ". Use the run's settings to join it.")

@@ -1,0 +1,107 @@
+"""Outer params and the outer optimizer, on CPU in fp32, for this rank's FSDP shard only.
+
+One flat buffer holds the outer copy of every local shard (a view per parameter), so the outer
+optimizer is a single vectorized SGD step and no extra GPU memory is used. Pseudo-gradient =
+outer params - current params: the direction the inner steps moved, sign-flipped, so that an
+SGD step with lr 1 and no momentum lands exactly on the average of the nodes' params.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zb.config_schema import DilocoConfig
+
+
+def local_shard(param: torch.Tensor) -> torch.Tensor:
+    """The part of `param` this rank holds: the local shard of an FSDP2 DTensor, else the tensor."""
+    data = param.data
+    return data.to_local() if hasattr(data, "to_local") else data
+
+
+class OuterState:
+    """fp32 CPU outer params + pseudo-gradient buffer + outer optimizer for one rank's shards."""
+
+    def __init__(self, model: nn.Module, cfg: DilocoConfig):
+        self.params = [p for p in model.parameters()]
+        self.names = [n for n, _ in model.named_parameters()]
+        self.shapes = [local_shard(p).shape for p in self.params]
+        self.numels = [s.numel() for s in self.shapes]
+        total = sum(self.numels)
+        pin = torch.cuda.is_available() and local_shard(self.params[0]).is_cuda
+        self.flat = nn.Parameter(torch.zeros(total, dtype=torch.float32, pin_memory=pin), requires_grad=False)
+        self.flat.grad = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
+        self.views = self._views(self.flat.data)
+        self.grad_views = self._views(self.flat.grad)
+        self.optimizer = self._build_optimizer(cfg)
+        self.pull_from_model()
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, offset = [], 0
+        for shape, n in zip(self.shapes, self.numels):
+            out.append(flat[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+    def _build_optimizer(self, cfg: DilocoConfig) -> torch.optim.Optimizer:
+        if cfg.outer_optimizer == "avg":
+            return torch.optim.SGD([self.flat], lr=1.0)
+        return torch.optim.SGD([self.flat], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                               nesterov=cfg.nesterov and cfg.outer_momentum > 0)
+
+    @property
+    def numel(self) -> int:
+        return self.flat.numel()
+
+    def param_ranges(self) -> list[tuple[int, int]]:
+        """(start, end) of each parameter in the flat buffers, in order."""
+        ranges, offset = [], 0
+        for n in self.numels:
+            ranges.append((offset, offset + n))
+            offset += n
+        return ranges
+
+    @torch.no_grad()
+    def pull_from_model(self) -> None:
+        """Outer params := the model's current shards (at start, and after state arrives)."""
+        for view, p in zip(self.views, self.params):
+            view.copy_(local_shard(p), non_blocking=False)
+
+    @torch.no_grad()
+    def pseudo_gradient_of(self, index: int) -> torch.Tensor:
+        """Fill and return the pseudo-gradient view of parameter `index`: outer - current."""
+        g = self.grad_views[index]
+        g.copy_(local_shard(self.params[index]))
+        torch.sub(self.views[index], g, out=g)
+        return g
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply the (averaged) pseudo-gradient in flat.grad with the outer optimizer."""
+        self.optimizer.step()
+
+    @torch.no_grad()
+    def push_to_model(self) -> None:
+        """Model shards := outer params, in the model's own dtype and device."""
+        for view, p in zip(self.views, self.params):
+            local_shard(p).copy_(view, non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The node-identical outer state as named tensors (for joiners and snapshots)."""
+        out = {"outer/params": self.flat.data}
+        buf = self.optimizer.state.get(self.flat, {}).get("momentum_buffer")
+        if buf is not None:
+            out["outer/momentum"] = buf
+        return out
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.flat.data.copy_(tensors["outer/params"])
+        if "outer/momentum" in tensors:
+            state = self.optimizer.state[self.flat]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(self.flat.data)
+            state["momentum_buffer"].copy_(tensors["outer/momentum"])

@@ -1,0 +1,85 @@
+"""Pseudo-gradient all-reduce in buckets, overlapping the copy of one with the transfer of another.
+
+The main thread fills the flat pseudo-gradient buffer parameter by parameter (outer - current,
+a device-to-CPU copy on GPU); as soon as a bucket's range is complete it is handed to one worker
+thread that all-reduces it (AVG over the replica group). So the network is busy while the rest is
+still being copied. Any failure in the worker is re-raised in the caller, as PeerFailure.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from zb.collectives import all_reduce
+from zb.config_schema import DilocoConfig
+from zb.diloco.outer import OuterState
+
+
+@dataclass
+class SyncStats:
+    seconds: float = 0.0      # wall time from the first copy to the last bucket reduced
+    wire_bytes: int = 0       # bytes this rank sent
+    buckets: int = 0
+
+    @property
+    def mbps(self) -> float:
+        return 8 * self.wire_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+def bucket_ranges(numel: int, bucket_values: int) -> list[tuple[int, int]]:
+    bucket_values = max(1, bucket_values)
+    return [(a, min(a + bucket_values, numel)) for a in range(0, numel, bucket_values)]
+
+
+class _Reducer(threading.Thread):
+    """Worker thread: all-reduces buckets in order until told to stop or a transfer fails."""
+
+    def __init__(self, outer: OuterState, group: dist.ProcessGroup, streams: Sequence[dist.ProcessGroup],
+                 cfg: DilocoConfig):
+        super().__init__(name="zb-pseudograd-allreduce", daemon=True)
+        self.outer, self.group, self.streams, self.cfg = outer, group, streams, cfg
+        self.todo: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.wire_bytes = 0
+
+    def run(self) -> None:
+        while (item := self.todo.get()) is not None:
+            if self.error is not None:
+                continue  # drain: the buffer is undefined after a failure anyway
+            a, b = item
+            try:
+                stats = all_reduce(self.outer.flat.grad[a:b], self.group, op=ReduceOp.AVG,
+                                   compression=self.cfg.compression, streams=self.streams,
+                                   min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
+                self.wire_bytes += stats.wire_bytes
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                self.error = e
+
+
+def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: DilocoConfig,
+                         streams: Sequence[dist.ProcessGroup] = ()) -> SyncStats:
+    """Fill outer.flat.grad with the replica group's average pseudo-gradient; raise on failure."""
+    t0 = time.perf_counter()
+    ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
+    reducer = _Reducer(outer, group, streams, cfg)
+    reducer.start()
+    next_bucket = 0
+    try:
+        for index, (_, end) in enumerate(outer.param_ranges()):
+            outer.pseudo_gradient_of(index)
+            while next_bucket < len(ranges) and ranges[next_bucket][1] <= end:
+                reducer.todo.put(ranges[next_bucket])
+                next_bucket += 1
+    finally:
+        reducer.todo.put(None)
+        reducer.join()
+    if reducer.error is not None:
+        raise reducer.error
+    return SyncStats(time.perf_counter() - t0, reducer.wire_bytes, len(ranges))
