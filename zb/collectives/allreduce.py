@@ -1,0 +1,98 @@
+"""all_reduce(tensor, group, ...): fp32 through the backend, or the int8 ring of ring.py."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from zb.collectives.errors import PeerFailure
+from zb.collectives.ring import Deadlines, RingPart, run_ring
+from zb.collectives.kernels import BLOCK, num_blocks
+from zb.collectives.pieces import split_blocks
+from zb.errors import InvalidInput
+
+COMPRESSIONS = ("none", "int8")
+
+
+@dataclass
+class AllReduceStats:
+    """What one call cost: bytes this rank sent (payload, all streams) and wall seconds."""
+
+    compression: str
+    numel: int
+    world_size: int
+    wire_bytes: int
+    seconds: float
+
+
+def _check(tensor: torch.Tensor, op: ReduceOp, compression: str, groups: Sequence[dist.ProcessGroup]) -> None:
+    if compression not in COMPRESSIONS:
+        raise InvalidInput(f"compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise InvalidInput(f"op {op}: only ReduceOp.SUM and ReduceOp.AVG are supported")
+    if tensor.dtype not in (torch.float32, torch.bfloat16):
+        raise InvalidInput(f"all_reduce takes float32 or bfloat16 tensors, got {tensor.dtype}")
+    if any(g.size() != groups[0].size() or g.rank() != groups[0].rank() for g in groups):
+        raise InvalidInput("all stream groups must have the same members and ranks as the main group")
+
+
+def _slices(n: int, parts: int) -> list[tuple[int, int]]:
+    """Block-aligned [start, stop) ranges splitting n values over the streams."""
+    bounds = split_blocks(num_blocks(n), parts)
+    return [(min(a * BLOCK, n), min(b * BLOCK, n)) for a, b in zip(bounds, bounds[1:])]
+
+
+def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: Deadlines) -> int:
+    """Backend all-reduce (gloo or NCCL), one slice per stream in flight at once."""
+    world = groups[0].size()
+    works = []
+    for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))):
+        if b > a:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM  # gloo has no AVG: divide afterwards, identically everywhere
+            works.append((g, b - a, g.allreduce([flat[a:b]], opts)))
+    for g, n, work in works:
+        timeout = deadlines.for_bytes(8 * n * (world - 1) // world, first=True)
+        try:
+            work.wait(timeout)
+        except Exception as e:  # noqa: BLE001 - gloo names an address, not a rank
+            raise PeerFailure(f"fp32 all-reduce failed: {str(e).splitlines()[0]}", rank=None,
+                              observer=g.rank()) from e
+    if avg:
+        flat.div_(world)
+    return 8 * flat.numel() * (world - 1) // world
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp = ReduceOp.SUM,
+               compression: str = "none", streams: Sequence[dist.ProcessGroup] = (),
+               min_bandwidth_mbps: float = 10.0, timeout_floor_s: float = 10.0,
+               start_timeout_s: float = 300.0, piece_values: int = 1 << 20,
+               window: int = 4) -> AllReduceStats:
+    """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc."""
+    groups = [group, *streams]
+    _check(tensor, op, compression, groups)
+    t0 = time.perf_counter()
+    world = group.size()
+    if world == 1 or tensor.numel() == 0:
+        return AllReduceStats(compression, tensor.numel(), world, 0, 0.0)
+    if compression == "int8" and tensor.is_cuda:
+        raise InvalidInput("the int8 ring runs on CPU tensors over a gloo group; use compression='none' for GPU tensors")
+    deadlines = Deadlines(min_bandwidth_mbps, timeout_floor_s, start_timeout_s)
+    flat = tensor.view(-1) if tensor.dtype == torch.float32 and tensor.is_contiguous() else tensor.reshape(-1).float()
+    avg = op == ReduceOp.AVG
+    if compression == "none":
+        wire = _fp32(flat, groups, avg, deadlines)
+    else:
+        parts = [RingPart(flat[a:b], g, avg, deadlines, piece_values, window)
+                 for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
+        run_ring(parts)
+        wire = sum(p.wire_bytes for p in parts)
+    if flat.data_ptr() != tensor.data_ptr() or flat.dtype != tensor.dtype:
+        tensor.copy_(flat.view(tensor.shape))
+    return AllReduceStats(compression, tensor.numel(), world, wire, time.perf_counter() - t0)

@@ -1,0 +1,92 @@
+"""Just-in-time build of csrc/zb_quant.cpp, cached, with a logged fallback to the PyTorch twins.
+
+The first process to need the kernels compiles them (~8 s) into torch's extension cache
+(TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); concurrent ranks wait on torch's file
+lock and load the same build; later processes load it in ~1 s. ZB_USE_CPP selects the path:
+unset or "auto" = C++ if it builds, else the twins (one logged line says why); "0" = twins;
+"1" = C++ or an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+from zb.errors import EnvironmentFailure, InvalidInput
+
+log = logging.getLogger("zb.collectives")
+
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "zb_quant.cpp"
+# No -ffast-math, and no FMA contraction: every rounding is the one the twin performs.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_tag() -> str:
+    """-march=native code must not be shared across CPU models: the cache name carries the flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _mode() -> str:
+    value = os.environ.get("ZB_USE_CPP", "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("0", "false", "no", "off"):
+        return "0"
+    if value in ("1", "true", "yes", "on"):
+        return "1"
+    raise InvalidInput(f"ZB_USE_CPP={value!r}: use 1 (C++ kernels), 0 (PyTorch twins) or auto")
+
+
+def _build() -> None:
+    """Compile (or load from the cache) and register torch.ops.zb.*; raises on any failure."""
+    if not SOURCE.is_file():
+        raise FileNotFoundError(f"kernel source {SOURCE} not found (install zb from a source checkout)")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise FileNotFoundError(f"no C++ compiler ({compiler}) on PATH")
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(name=f"zb_quant_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+
+
+def use_cpp() -> bool:
+    """True when torch.ops.zb.* is loaded; decided (and logged) once per process."""
+    with _lock:
+        if "cpp" in _state:
+            return bool(_state["cpp"])
+        mode = _mode()
+        if mode == "0":
+            _state["cpp"] = False
+            log.info("int8 kernels: PyTorch twins (ZB_USE_CPP=0)")
+            return False
+        try:
+            _build()
+        except Exception as e:  # noqa: BLE001 - any build failure means: use the twins
+            if mode == "1":
+                raise EnvironmentFailure(f"ZB_USE_CPP=1 but the C++ kernels did not build: {e}") from e
+            _state["cpp"] = False
+            log.warning("int8 kernels: PyTorch twins (C++ build failed: %s)", str(e).strip().splitlines()[-1:])
+            return False
+        _state["cpp"] = True
+        log.info("int8 kernels: C++ (torch.ops.zb, %d threads)", _threads())
+        return True
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()

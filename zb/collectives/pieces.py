@@ -1,0 +1,90 @@
+"""How the int8 ring cuts a flat tensor: chunks per rank, pieces per chunk, wire messages.
+
+Boundaries fall on quantization blocks, so a block never straddles two messages and every rank
+derives the same layout from (numel, world size, piece size) alone.
+
+A message carries one piece: an 8-byte header (int32 status, int32 suspect rank), the float32
+scales, then the uint8 codes. Status FAILED tells the receiver that the sender gave up and whom
+it suspects, so a failure travels the ring at once instead of each rank waiting out a deadline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zb.collectives.kernels import BLOCK, num_blocks
+
+HEADER = 8
+OK, FAILED = 0, 1
+
+
+def split_blocks(nblocks: int, parts: int) -> list[int]:
+    """Block offsets of `parts` near-equal runs of blocks (len parts + 1)."""
+    base, extra = divmod(nblocks, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+@dataclass(frozen=True)
+class Piece:
+    start: int  # first value
+    stop: int  # one past the last value
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER + 4 * num_blocks(self.numel) + self.numel
+
+
+class Layout:
+    """chunks[c][p]: piece p of chunk c, for a tensor of n values over `world` ranks."""
+
+    def __init__(self, n: int, world: int, piece_values: int, block: int = BLOCK) -> None:
+        self.n, self.world, self.block = n, world, block
+        nb = num_blocks(n, block)
+        chunk_bounds = split_blocks(nb, world)
+        biggest = max(b - a for a, b in zip(chunk_bounds, chunk_bounds[1:]))
+        self.m = max(1, -(-biggest * block // max(piece_values, block)))
+        self.chunks: list[list[Piece]] = []
+        for a, b in zip(chunk_bounds, chunk_bounds[1:]):
+            inner = split_blocks(b - a, self.m)
+            self.chunks.append([Piece(min((a + i) * block, n), min((a + j) * block, n))
+                                for i, j in zip(inner, inner[1:])])
+
+    @property
+    def messages(self) -> int:
+        """Messages each rank sends (and receives): 2 (W - 1) steps of m pieces."""
+        return 2 * (self.world - 1) * self.m
+
+
+def views(buf: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(header int32[2], scales float32[blocks], codes uint8[numel]) inside one message buffer."""
+    nb = num_blocks(numel)
+    header = buf[:HEADER].view(torch.int32)
+    scales = buf[HEADER:HEADER + 4 * nb].view(torch.float32)
+    codes = buf[HEADER + 4 * nb:HEADER + 4 * nb + numel]
+    return header, scales, codes
+
+
+class BufferPool:
+    """Reuses message buffers: allocating fresh MB-sized buffers per message costs page faults."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        for i, buf in enumerate(self._free):
+            if buf.numel() >= nbytes:
+                return self._free.pop(i)[:nbytes]
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
+
+    def put(self, buf: torch.Tensor) -> None:
+        base = buf._base if buf._base is not None else buf
+        self._free.append(base)

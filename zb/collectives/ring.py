@@ -1,0 +1,200 @@
+"""The int8 ring all-reduce: reduce-scatter accumulating in fp32, then all-gather of bytes.
+
+Numbered steps, as rank r of W sees them (chunk indices mod W, m pieces per chunk):
+1. Message k = (step t = k // m, piece p = k % m) goes to the right neighbour and always holds
+   piece p of chunk r - t; message k from the left neighbour holds piece p of chunk r - t - 1.
+2. Step 0: quantize our own piece of chunk r and send it.
+3. Reduce-scatter steps 0 .. W-3: for each received piece, add our fp32 values and re-quantize
+   the partial sum in one fused kernel (`reduce_quantize`), send it on (message k + m).
+4. Step W-2 (we own chunk r + 1): same, divided by W for AVG, and we keep exactly the values we
+   send (`write_back`): the owner fixes the chunk's final quantized form once.
+5. All-gather steps W-1 .. 2W-4: dequantize the received piece into our tensor and forward the
+   very same bytes; the last step only dequantizes. So every rank holds identical bits.
+Sends are asynchronous and receives are posted `window` messages ahead, so quantizing piece k+1
+overlaps the transfer of piece k. Each wait is bounded by a deadline from the message size and
+the minimum bandwidth. On failure we send a FAILED header (naming the suspect) as our next
+message, so the right neighbour raises at once with the same suspect rather than timing out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zb.collectives import kernels
+from zb.collectives.errors import PeerFailure
+from zb.collectives.pieces import FAILED, OK, BufferPool, Layout, Piece, views
+
+
+@dataclass
+class Deadlines:
+    min_bandwidth_mbps: float
+    floor_s: float  # per transfer, on top of size / bandwidth
+    start_s: float  # for the first message: peers may enter the all-reduce late
+
+    def for_bytes(self, nbytes: int, first: bool = False) -> timedelta:
+        seconds = self.floor_s + nbytes * 8 / (self.min_bandwidth_mbps * 1e6)
+        return timedelta(seconds=max(seconds, self.start_s) if first else seconds)
+
+
+class RingPart:
+    """One ring over one process group for one contiguous fp32 slice; driven by advance(k)."""
+
+    def __init__(self, flat: torch.Tensor, pg: dist.ProcessGroup, avg: bool, deadlines: Deadlines,
+                 piece_values: int, window: int) -> None:
+        self.flat, self.pg, self.avg, self.deadlines = flat, pg, avg, deadlines
+        self.rank, self.world = pg.rank(), pg.size()
+        self.left, self.right = (self.rank - 1) % self.world, (self.rank + 1) % self.world
+        self.layout = Layout(flat.numel(), self.world, piece_values)
+        self.window, self.pool = window, BufferPool()
+        self.recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
+        self.sends: list[tuple[int, torch.Tensor, dist.Work]] = []
+        self.next_post = 0
+        self.sent_upto = 0  # messages [0, sent_upto) are handed to gloo
+        self.wire_bytes = 0
+
+    # message k <-> (piece, chunk) -------------------------------------------------------------
+    def _piece(self, k: int, incoming: bool) -> Piece:
+        step, p = divmod(k, self.layout.m)
+        chunk = (self.rank - step - (1 if incoming else 0)) % self.world
+        return self.layout.chunks[chunk][p]
+
+    @property
+    def total(self) -> int:
+        return self.layout.messages
+
+    # receives --------------------------------------------------------------------------------
+    def _post_recvs(self, upto: int) -> None:
+        while self.next_post < min(upto, self.total):
+            k, self.next_post = self.next_post, self.next_post + 1
+            piece = self._piece(k, incoming=True)
+            if piece.numel:
+                buf = self.pool.get(piece.nbytes)
+                self.recvs[k] = (buf, self.pg.recv([buf], self.left, k))
+
+    def _wait_recv(self, k: int, piece: Piece) -> torch.Tensor:
+        buf, work = self.recvs.pop(k)
+        self._wait(work, self.deadlines.for_bytes(piece.nbytes, first=(k == 0)), self.left, "receive from")
+        header = views(buf, piece.numel)[0]
+        if int(header[0]) == FAILED:
+            suspect = int(header[1])
+            raise PeerFailure(f"rank {self.left} reported a failed transfer with rank {suspect}",
+                              rank=None if suspect < 0 else suspect, observer=self.rank)
+        return buf
+
+    # sends -----------------------------------------------------------------------------------
+    def _send(self, k: int, buf: torch.Tensor) -> None:
+        self.sends.append((k, buf, self.pg.send([buf], self.right, k)))
+        self.wire_bytes += buf.numel()
+        self._reap_sends(block=False)
+
+    def _reap_sends(self, block: bool) -> None:
+        keep = []
+        for k, buf, work in self.sends:
+            if block:
+                self._wait(work, self.deadlines.for_bytes(buf.numel()), self.right, "send to")
+            elif not work.is_completed():
+                keep.append((k, buf, work))
+                continue
+            self.pool.put(buf)
+        self.sends = keep
+
+    def _wait(self, work: dist.Work, timeout: timedelta, peer: int, what: str) -> None:
+        try:
+            ok = work.wait(timeout)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistError variants
+            raise PeerFailure(f"int8 all-reduce: {what} rank {peer} failed: {str(e).splitlines()[0]}",
+                              rank=peer, observer=self.rank) from e
+        if ok is False:
+            raise PeerFailure(f"int8 all-reduce: {what} rank {peer} did not finish within "
+                              f"{timeout.total_seconds():.1f} s", rank=peer, observer=self.rank)
+
+    # one step of the pipeline ----------------------------------------------------------------
+    def advance(self, k: int) -> None:
+        """Produce and send message k (k < total), consuming received message k - m."""
+        if k >= self.total:
+            return
+        m = self.layout.m
+        self._post_recvs(k + self.window)
+        piece = self._piece(k, incoming=False)
+        if piece.numel:
+            buf = self._quantize_own(piece) if k < m else self._combine(k - m, piece)
+            self._send(k, buf)
+        self.sent_upto = k + 1
+
+    def finish(self) -> None:
+        """Consume the last all-gather step, then wait for every send."""
+        m = self.layout.m
+        self._post_recvs(self.total)
+        for j in range(self.total - m, self.total):
+            piece = self._piece(j, incoming=True)
+            if piece.numel:
+                buf = self._wait_recv(j, piece)
+                _, scales, codes = views(buf, piece.numel)
+                kernels.dequantize(codes, scales, self.flat[piece.start:piece.stop])
+                self.pool.put(buf)
+        self._reap_sends(block=True)
+
+    def _quantize_own(self, piece: Piece) -> torch.Tensor:
+        buf = self.pool.get(piece.nbytes)
+        header, scales, codes = views(buf, piece.numel)
+        header.fill_(OK)
+        kernels.quantize(self.flat[piece.start:piece.stop], codes, scales)
+        return buf
+
+    def _combine(self, j: int, piece: Piece) -> torch.Tensor:
+        """Turn received message j into our message j + m (same piece, one step on)."""
+        inbuf = self._wait_recv(j, piece)
+        _, in_scales, in_codes = views(inbuf, piece.numel)
+        own = self.flat[piece.start:piece.stop]
+        step = j // self.layout.m
+        if step >= self.world - 1:  # all-gather: keep the bytes and forward them as they are
+            kernels.dequantize(in_codes, in_scales, own)
+            return inbuf
+        out = self.pool.get(piece.nbytes)
+        header, scales, codes = views(out, piece.numel)
+        header.fill_(OK)
+        owner = step == self.world - 2
+        kernels.reduce_quantize(in_codes, in_scales, own, codes, scales,
+                                divisor=float(self.world) if (owner and self.avg) else 1.0, write_back=owner)
+        self.pool.put(inbuf)
+        return out
+
+    # failure ---------------------------------------------------------------------------------
+    def notify_failure(self, suspect: int | None) -> None:
+        """Best effort: our next message becomes a FAILED header so the right neighbour stops now."""
+        for k in range(self.sent_upto, self.total):
+            piece = self._piece(k, incoming=False)
+            if not piece.numel:
+                continue
+            buf = torch.zeros(piece.nbytes, dtype=torch.uint8)
+            header = views(buf, piece.numel)[0]
+            header[0], header[1] = FAILED, -1 if suspect is None else suspect
+            try:
+                self.pg.send([buf], self.right, k).wait(timedelta(seconds=2))
+            except Exception:  # noqa: BLE001 - the right neighbour may be the one that is gone
+                pass
+            return
+
+
+def run_ring(parts: list[RingPart]) -> None:
+    """Drive every part (one per stream) round-robin in this thread; raises PeerFailure."""
+    longest = max(p.total for p in parts)
+    try:
+        for k in range(longest):
+            for part in parts:
+                part.advance(k)
+        for part in parts:
+            part.finish()
+    except PeerFailure as failure:
+        for part in parts:
+            part.notify_failure(failure.rank)
+        raise
+
+
+def now() -> float:
+    return time.perf_counter()
