@@ -1,0 +1,123 @@
+"""Packing documents into batches, with a resumable position.
+
+Documents are tokenized, each followed by EOS, concatenated, and cut into windows of
+seq_length + 1 tokens; inputs are a window's first seq_length tokens, labels its last seq_length.
+The state is where the stream stands: the document being consumed and how many of its tokens were
+used, so `load_state_dict` makes the loader yield exactly the batches it would have yielded.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterator
+
+import torch
+
+from zb.data.hashing import mix64
+from zb.data.stream import DocStream, shuffled, start_position
+
+log = logging.getLogger("zb.data")
+
+AFTER = -1  # offset meaning "resume after this document" (shuffled streams)
+
+
+class DataLoader:
+    """Infinite iterator of (inputs, labels), LongTensors [micro_bs, seq_length] on the CPU."""
+
+    def __init__(self, stream: DocStream, tokenizer, *, micro_bs: int, seq_length: int, shard: int, num_shards: int,
+                 split: str, shuffle_buffer: int = 0, seed: int = 0, resume_note: str = ""):
+        self.stream, self.tokenizer = stream, tokenizer
+        self.micro_bs, self.seq_length = micro_bs, seq_length
+        self.shard, self.num_shards, self.split = shard, num_shards, split
+        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.exact_resume = shuffle_buffer == 0
+        self.resume_note = resume_note or ("" if self.exact_resume else
+                                           f"data.shuffle_buffer = {shuffle_buffer}: resuming skips the documents "
+                                           "still in the shuffle buffer")
+        self._pos, self._tokens, self._off = start_position(), [], 0
+        self._docs: Iterator | None = None
+        self._resume_offset: int | None = 0  # not None: (re)open the stream at self._pos first
+
+    def __iter__(self) -> "DataLoader":
+        return self
+
+    def _open(self) -> None:
+        offset, self._resume_offset = self._resume_offset, None
+        docs = self.stream.documents(self._pos)
+        if offset == AFTER:
+            next(docs)  # read into the shuffle buffer before the state was saved
+        if self.shuffle_buffer:
+            docs = shuffled(docs, self.shuffle_buffer, mix64(self.seed, self.shard, self._pos["epoch"],
+                                                             self._pos["count"]))
+        self._docs, self._tokens, self._off = docs, [], 0
+        if offset and offset != AFTER:
+            self._next_doc()  # the document being consumed at the saved position
+            self._off = offset
+
+    def _next_doc(self) -> None:
+        pos, text = next(self._docs)
+        self._pos = pos
+        self._tokens = self.tokenizer.encode(text)
+        self._tokens.append(self.tokenizer.eos_id)
+        self._off = 0
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._resume_offset is not None:
+            self._open()
+        need = self.micro_bs * (self.seq_length + 1)
+        out: list[int] = []
+        while len(out) < need:
+            if self._off >= len(self._tokens):
+                self._next_doc()
+            take = min(need - len(out), len(self._tokens) - self._off)
+            out.extend(self._tokens[self._off:self._off + take])
+            self._off += take
+        windows = torch.tensor(out, dtype=torch.long).view(self.micro_bs, self.seq_length + 1)
+        return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        offset = self._off if self.exact_resume else AFTER
+        if self._resume_offset is not None:
+            offset = self._resume_offset
+        return {"kind": "documents", **self._pos, "offset": offset, "shard": self.shard,
+                "num_shards": self.num_shards, "split": self.split}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "documents":
+            raise ValueError(f"not a document loader state: {state}")
+        if (state.get("shard"), state.get("num_shards")) != (self.shard, self.num_shards):
+            log.info("data state from shard %s of %s loaded into shard %s of %s: continuing at its position",
+                     state.get("shard"), state.get("num_shards"), self.shard, self.num_shards)
+        self._pos = {k: int(state[k]) for k in ("epoch", "part", "doc", "count")}
+        self._resume_offset = int(state["offset"])
+        self._docs = None
+
+
+class FakeLoader:
+    """Random tokens for throughput runs: batch k is a pure function of (seed, shard, split, k)."""
+
+    exact_resume = True
+    resume_note = ""
+
+    def __init__(self, vocab_size: int, *, micro_bs: int, seq_length: int, shard: int, split: str, seed: int = 0):
+        self.vocab_size, self.micro_bs, self.seq_length = vocab_size, micro_bs, seq_length
+        self.shard, self.split, self.seed = shard, split, seed
+        self.batch = 0
+
+    def __iter__(self) -> "FakeLoader":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        salt = 1 if self.split == "eval" else 0
+        gen = torch.Generator().manual_seed(mix64(self.seed, self.shard, salt, self.batch) & (2**63 - 1))
+        self.batch += 1
+        windows = torch.randint(0, self.vocab_size, (self.micro_bs, self.seq_length + 1), generator=gen)
+        return windows[:, :-1], windows[:, 1:]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": "fake", "batch": self.batch}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") != "fake":
+            raise ValueError(f"not a fake loader state: {state}")
+        self.batch = int(state["batch"])

@@ -1,0 +1,96 @@
+"""Which documents a rank reads: the parts (builtin stream, local files, hub files) and the round robin.
+
+Shards: shard = data_rank * local_world_size + local_rank, of data_world_size * local_world_size.
+- builtin and local files: every rank walks all parts and keeps every num_shards-th document.
+- hub datasets: files are dealt to data ranks when there are at least as many files as data ranks
+  (a node downloads only its own files), then to local ranks when the node has at least as many
+  files as local ranks; wherever files run short, documents are dealt instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from zb.config_schema import DataConfig
+from zb.data.files import FilePart, find_local_files, looks_local
+from zb.data.stream import BuiltinPart, Part
+
+log = logging.getLogger("zb.data")
+KEY = "data.dataset_name_or_paths"
+
+
+@dataclass
+class Plan:
+    parts: list[Part]
+    rr_index: int
+    rr_count: int
+
+
+def source_kind(data_cfg: DataConfig) -> str:
+    """"fake", "builtin", "local" or "hub"."""
+    if data_cfg.fake:
+        return "fake"
+    spec = data_cfg.dataset_name_or_paths.strip()
+    if spec == "builtin":
+        return "builtin"
+    return "local" if looks_local(spec) else "hub"
+
+
+def plan(data_cfg: DataConfig, *, data_rank: int, data_world_size: int, local_rank: int, local_world_size: int,
+         seed: int) -> Plan:
+    shard = data_rank * local_world_size + local_rank
+    num_shards = data_world_size * local_world_size
+    kind = source_kind(data_cfg)
+    if kind == "builtin":
+        return Plan([BuiltinPart(seed)], shard, num_shards)
+    if kind == "local":
+        files = find_local_files(data_cfg.dataset_name_or_paths)
+        return Plan([FilePart(p, str(p), data_cfg.text_column) for p in files], shard, num_shards)
+    return _hub_plan(data_cfg, data_rank, data_world_size, local_rank, local_world_size)
+
+
+def _hub_plan(data_cfg: DataConfig, data_rank: int, data_world_size: int, local_rank: int,
+              local_world_size: int) -> Plan:
+    from zb.data.hub import open_dataset, rank_files, select_files
+
+    name = data_cfg.dataset_name_or_paths.strip()
+    ds = open_dataset(name, key=KEY, retries=data_cfg.retries)
+    files = select_files(ds.files, data_cfg.split, data_cfg.dataset_config, f"{KEY} = {name!r}")
+    mine, split_by_rank = rank_files(files, data_rank, data_world_size)
+    if not split_by_rank:
+        rr_index, rr_count = data_rank * local_world_size + local_rank, data_world_size * local_world_size
+    elif len(mine) >= local_world_size:
+        mine, rr_index, rr_count = mine[local_rank::local_world_size], 0, 1
+    else:
+        rr_index, rr_count = local_rank, local_world_size
+    mine = _present_if_offline(ds, mine)
+    log.info("dataset %s@%s: %d data files, this rank reads %d (documents 1 of every %d)",
+             name, ds.revision[:12], len(files), len(mine), rr_count)
+    parts = [FilePart(ds.local_path(f), f.path, data_cfg.text_column, ensure=_fetcher(ds, f, data_cfg.retries))
+             for f in mine]
+    if not data_cfg.streaming:
+        for part in parts:
+            part._local()  # download everything up front
+    return Plan(parts, rr_index, rr_count)
+
+
+def _fetcher(ds, remote, retries: int):
+    def ensure() -> Path:
+        return ds.fetch(remote, retries)
+
+    return ensure
+
+
+def _present_if_offline(ds, files: list) -> list:
+    """Offline, a rank reads the assigned files that are on disk (subset-data --max-shards fetches a few)."""
+    from zb.data.hub import offline
+
+    if not offline():
+        return files
+    present = [f for f in files if ds.local_path(f).is_file()]
+    if len(present) < len(files):
+        log.warning("offline: %d of this rank's %d files are in %s; reading those", len(present), len(files),
+                    ds.root)
+    return present
