@@ -24,6 +24,10 @@ def section(cls: type, doc: str) -> Any:
     return field(default_factory=cls, metadata={"doc": doc, "section": True})
 
 
+# The defaults are the built-in run of `zb train` with no arguments: the debug model on the
+# offline text, a couple of minutes on 2 CPU cores. Real runs set their values in configs/.
+
+
 @dataclass
 class ModelConfig:
     name: str = knob("debug", "Model size from the size table (debug, tiny, 150M, 1B, 7B, 10B, 13B, 70B).")
@@ -41,7 +45,7 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_bs: int = knob(4, "Micro batch size per local rank (sequences per forward pass).")
+    micro_bs: int = knob(8, "Micro batch size per local rank (sequences per forward pass).")
     seed: int = knob(1337, "Seed for model init and data order; every node must use the same one.")
     device: str = knob("auto", "auto (CUDA + NCCL when available, else CPU + gloo), cpu or cuda.",
                        choices=("auto", "cpu", "cuda"))
@@ -52,24 +56,24 @@ class TrainConfig:
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered params after forward (less memory).")
     torch_compile: bool = knob(False, "torch.compile each block (GPU runs; slow to start on CPU).")
     log_model_hash: bool = knob(False, "Log a hash of the (outer) params, so agreement between nodes can be checked.")
-    log_interval: int = knob(1, "Log a step line and a `step` metrics event every N steps.", per_node=True)
+    log_interval: int = knob(10, "Log a step line and a `step` metrics event every N steps.", per_node=True)
     max_steps: Optional[int] = knob(None, "Stop after this many steps (default: optim.total_steps).", per_node=True)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = knob(4e-4, "Peak learning rate of the inner AdamW.")
+    lr: float = knob(3e-3, "Peak learning rate of the inner AdamW.")
     weight_decay: float = knob(0.1, "AdamW weight decay.")
     adam_betas1: float = knob(0.9, "AdamW beta1.")
     adam_betas2: float = knob(0.95, "AdamW beta2.")
     eps: float = knob(1e-8, "AdamW epsilon.")
-    warmup_steps: int = knob(100, "Linear warmup steps.")
-    total_steps: int = knob(1000, "Length of the LR schedule in steps; also the default run length.", per_node=True)
+    warmup_steps: int = knob(20, "Linear warmup steps.")
+    total_steps: int = knob(200, "Length of the LR schedule in steps; also the default run length.", per_node=True)
     sched_type: str = knob("cosine", "LR schedule after warmup: cosine, linear or wsd (warmup-stable-decay).",
                            choices=("cosine", "linear", "wsd"))
     min_lr_ratio: float = knob(0.1, "Final LR as a fraction of optim.lr.")
     decay_ratio: float = knob(0.2, "wsd only: fraction of total_steps spent decaying at the end.")
-    batch_size: int = knob(32, "Sequences per optimizer step per node (per DiLoCo worker), over all local ranks.")
+    batch_size: int = knob(16, "Sequences per optimizer step per node (per DiLoCo worker), over all local ranks.")
     grad_clip: float = knob(1.0, "Clip the global grad norm to this value (0 disables).")
     z_loss: bool = knob(False, "Add max-z-loss (weight z_loss_weight) to keep logits bounded.")
     z_loss_weight: float = knob(2e-4, "Weight of the max-z-loss.")
@@ -77,7 +81,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    seq_length: int = knob(256, "Tokens per training sequence.")
+    seq_length: int = knob(128, "Tokens per training sequence.")
     fake: bool = knob(False, "Random tokens, for throughput measurements (nothing to learn).")
     dataset_name_or_paths: str = knob("builtin", "Where text comes from: builtin (offline generated text), "
                                       "local files or globs (.txt, .jsonl, .parquet; comma separated), "
@@ -96,7 +100,7 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
-    interval: int = knob(0, "Evaluate the held-out split every N steps (0: only at the end; -1: never).", per_node=True)
+    interval: int = knob(50, "Evaluate the held-out split every N steps (0: only at the end; -1: never).", per_node=True)
     batches: int = knob(8, "Micro batches per evaluation.", per_node=True)
 
 

@@ -32,7 +32,7 @@ def _option_entries(cmd: click.Command, ctx: click.Context) -> list[str]:
 
 def render(cmd: click.Command, name: str, parent: click.Context | None = None) -> str:
     """The roff source of one command's man page."""
-    ctx = click.Context(cmd, info_name=name, parent=parent)
+    ctx = click.Context(cmd, info_name=name, parent=parent, **cmd.context_settings)
     title = name.replace(" ", "-").upper()
     usage = " ".join(cmd.collect_usage_pieces(ctx))
     short = cmd.get_short_help_str(limit=200)
@@ -54,7 +54,7 @@ def all_pages() -> dict[str, str]:
     """{file name: roff text} for `zb` and every registered subcommand."""
     from zb.cli import cli
 
-    root_ctx = click.Context(cli, info_name="zb")
+    root_ctx = click.Context(cli, info_name="zb", **cli.context_settings)
     pages = {"zb.1": render(cli, "zb")}
     for sub in cli.list_commands(root_ctx):
         pages[f"zb-{sub}.1"] = render(cli.get_command(root_ctx, sub), f"zb {sub}", parent=root_ctx)
