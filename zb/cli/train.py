@@ -35,4 +35,7 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
         return
     from zb.train.run import run
 
-    run(cfg)
+    counters = run(cfg)
+    if counters.stop_signal is not None:
+        # Stopped cleanly by a signal: the conventional 128 + signal number, so scripts can tell.
+        raise SystemExit(128 + int(counters.stop_signal))

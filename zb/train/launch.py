@@ -29,10 +29,14 @@ def launch_local_ranks(nproc: int, argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = _strip_nproc(argv[argv.index("train") + 1:] if "train" in argv else argv)
     args = get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "zb", "train", *rest])
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         run(args)
+    except SignalException as e:
+        # Ctrl-C reached the launcher too; the ranks have stopped cleanly (or been stopped by it).
+        sys.exit(128 + int(e.sigval))
     except ChildFailedError as e:
         # The rank's own one-line error is already on stderr; keep its exit code (2 = invalid input).
         codes = [f.exitcode for f in e.failures.values() if f.exitcode and f.exitcode > 0]

@@ -7,6 +7,7 @@ Run: `zb train` (built-in default), `zb train @configs/debug/normal.toml`, or
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class Counters:
     tokens: int = 0
     run_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
+    stop_signal: int | None = None  # set when a signal stopped the run early (exit code 128 + it)
 
 
 def run(cfg: Config) -> Counters:
@@ -91,6 +93,8 @@ def _loop(cfg, trainer, train_loader, eval_loader, accum, total, counters, sink,
         if cfg.eval.interval > 0 and counters.step % cfg.eval.interval == 0 and counters.step < total:
             _evaluate(cfg, trainer, eval_loader, counters, sink)
         if result.stop:
+            # Another local rank may have received the signal: report SIGINT then.
+            counters.stop_signal = stop.signum or signal.SIGINT
             log.warning("stopped at step %d on request", counters.step)
             break
 
@@ -113,7 +117,8 @@ def _evaluate(cfg: Config, trainer: Trainer, eval_loader, counters: Counters, si
 
 
 def _final_eval(cfg: Config, trainer: Trainer, eval_loader, counters: Counters, sink: MetricsSink) -> None:
-    if cfg.eval.interval >= 0 and counters.step > 0:
+    # A run stopped by a signal leaves promptly: launchers kill what lingers.
+    if cfg.eval.interval >= 0 and counters.step > 0 and counters.stop_signal is None:
         _evaluate(cfg, trainer, eval_loader, counters, sink)
     elapsed = time.perf_counter() - counters.started
     log.info("done: %d steps, %s tokens in %.1f s", counters.step, f"{counters.tokens:,}", elapsed)

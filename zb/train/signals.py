@@ -21,6 +21,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
         self.signal_name: str | None = None
+        self.signum: int | None = None
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
 
@@ -38,7 +39,7 @@ class StopRequest:
         now = time.monotonic()
         if not self.requested:
             self.requested, self._first_at = True, now
-            self.signal_name = signal.Signals(signum).name
+            self.signum, self.signal_name = signum, signal.Signals(signum).name
             log.warning("%s received: stopping after this step (send it again to abort)", self.signal_name)
         elif now - self._first_at > SAME_REQUEST_WINDOW_S:
             raise KeyboardInterrupt

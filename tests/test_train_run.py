@@ -1,0 +1,81 @@
+"""`zb train` end to end: it learns, writes the metrics schema, and stops cleanly on SIGINT."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, subprocess_env
+from zb.metrics import read_metrics
+
+FAST = ["--train.device", "cpu", "--log.progress", "plain", "--optim.warmup_steps", "5"]
+
+
+def _zb(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zb", "train", *FAST, *args], capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env(), cwd=REPO)
+
+
+def test_default_source_learns_and_metrics_follow_the_schema(tmp_path):
+    proc = _zb("--optim.total_steps", "60", "--eval.interval", "30", "--log.dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert all({"event", "time", "node"} <= set(r) for r in records)
+    steps = [r for r in records if r["event"] == "step"]
+    for field in ("step", "outer_step", "loss", "lr", "tokens", "tokens_per_s", "run_tokens", "run_tokens_per_s"):
+        assert field in steps[0]
+    evals = [r for r in records if r["event"] == "eval"]
+    assert [e["step"] for e in evals] == [30, 60]
+    uniform = math.log(320)
+    assert evals[-1]["loss"] < 0.6 * uniform, f"held-out loss {evals[-1]['loss']} is not well below uniform {uniform}"
+    assert "step 60/60" in proc.stderr
+
+
+def test_fake_data_runs(tmp_path):
+    proc = _zb("--data.fake", "--optim.total_steps", "5", "--log.dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(read_metrics(tmp_path / "metrics.jsonl", "step")) == 1  # log_interval 10: only the last step
+
+
+def _wait_for_steps(path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and len(read_metrics(path, "step")) >= n:
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("training did not log steps in time")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_sigint_stops_cleanly_without_orphans(tmp_path, nproc):
+    args = [sys.executable, "-m", "zb", "train", *FAST, "--optim.total_steps", "100000", "--train.log_interval", "1",
+            "--log.dir", str(tmp_path)]
+    if nproc > 1:
+        args += ["--nproc-per-node", str(nproc), "--optim.batch_size", "16"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=REPO, start_new_session=True)
+    try:
+        _wait_for_steps(tmp_path / "metrics.jsonl", 2, proc)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        # A terminal's Ctrl-C reaches the whole foreground process group.
+        import os
+
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped at step" in err
+    gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"orphans left: {alive}"
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines)
