@@ -1,0 +1,137 @@
+"""Harness for elastic tests: a real `zb store` and real node processes (tests/elastic_node.py).
+
+Every node prints JSON lines to its own file; the harness reads them to decide what the survivors
+agree on. Every wait is bounded; `close()` kills whatever is left (tests call it in a finally).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, free_port, subprocess_env
+
+# The short-timeout test profile (README, "Elastic runs and zb store"): safe on 2 busy cores.
+PROFILE = {
+    "ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS": "0.5",
+    "ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "5",
+    "ZB_ELASTIC_SYNC_DEADLINE": "10",
+    "ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS": "5",
+    "ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "30",
+    "ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS": "0.05",
+    "ZB_ELASTIC_CONNECT_TIMEOUT": "10",
+    "ZB_ELASTIC_START_TIMEOUT": "40",
+}
+NODE = str(REPO / "tests" / "elastic_node.py")
+
+
+class Node:
+    def __init__(self, uid: str, proc: subprocess.Popen, out: Path, err: Path) -> None:
+        self.uid, self.proc, self.out, self.err = uid, proc, out, err
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        found = []
+        for line in self.out.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if kind is None or event.get("event") == kind:
+                found.append(event)
+        return found
+
+    def signal(self, sig: int) -> float:
+        self.proc.send_signal(sig)
+        return time.time()
+
+    def log_tail(self, n: int = 15) -> str:
+        return "\n".join(self.err.read_text().splitlines()[-n:])
+
+
+class Cluster:
+    def __init__(self, tmp: Path, **env: str) -> None:
+        self.tmp, self.port = tmp, free_port()
+        self.env = subprocess_env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(self.port), **PROFILE)
+        self.env.update(env)
+        self.nodes: dict[str, Node] = {}
+        self.store: subprocess.Popen | None = None
+
+    # -- processes --------------------------------------------------------------------------
+    def start_store(self) -> None:
+        self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
+                                      stdout=subprocess.DEVNULL, stderr=open(self.tmp / "store.err", "a"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("zb store did not start listening within 30 s")
+
+    def kill_store(self) -> None:
+        self.store.kill()
+        self.store.wait(10)
+
+    def start(self, uid: str, rank: int = 0, world_size: int = 1, *args: str, **env: str) -> Node:
+        out, err = self.tmp / f"{uid}.{len(self.nodes)}.out", self.tmp / f"{uid}.{len(self.nodes)}.err"
+        node_env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank), GLOBAL_WORLD_SIZE=str(world_size), **env)
+        proc = subprocess.Popen([sys.executable, NODE, *args], env=node_env, stdout=open(out, "w"),
+                                stderr=open(err, "w"))
+        node = Node(uid, proc, out, err)
+        self.nodes[f"{uid}.{len(self.nodes)}"] = node
+        return node
+
+    def start_world(self, n: int, *args: str) -> list[Node]:
+        return [self.start(chr(ord("a") + i), i, n, *args) for i in range(n)]
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGCONT)
+                node.proc.kill()
+            node.proc.wait(10)
+        if self.store is not None and self.store.poll() is None:
+            self.store.kill()
+            self.store.wait(10)
+
+    # -- what the survivors agree on ----------------------------------------------------------
+    def agreement(self, nodes: list[Node], size: int, after: float = 0.0, timeout: float = 60.0) -> dict:
+        """Wait until every node in `nodes` summed correctly over one world of `size` with the same
+        mesh version, node list and distinct ranks; returns that view plus when it first happened."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = _common_view(nodes, size, after)
+            if found is not None:
+                return found
+            for node in nodes:
+                assert node.proc.poll() is None, f"node {node.uid} exited early:\n{node.log_tail()}"
+            time.sleep(0.2)
+        views = {n.uid: [(s["version"], s["size"], s["ok"]) for s in n.events("step")][-3:] for n in nodes}
+        tails = "\n".join(f"--- {n.uid}\n{n.log_tail()}" for n in nodes)
+        raise AssertionError(f"no agreement on a world of {size} within {timeout} s; last steps {views}\n{tails}")
+
+
+def _common_view(nodes: list[Node], size: int, after: float) -> dict | None:
+    by_version: dict[int, list[dict]] = {}
+    for node in nodes:
+        for step in node.events("step"):
+            if step["time"] >= after and step["size"] == size and step["ok"]:
+                by_version.setdefault(step["version"], []).append(step)
+    for version, steps in sorted(by_version.items()):
+        firsts = {s["uid"]: s for s in reversed(steps)}     # first step of each node at this version
+        if set(firsts) != {n.uid for n in nodes}:
+            continue
+        views = {(tuple(s["nodes"]), s["leader"]) for s in firsts.values()}
+        ranks = sorted(s["rank"] for s in firsts.values())
+        assert len(views) == 1, f"nodes disagree at mesh version {version}: {views}"
+        assert ranks == list(range(size)), f"ranks not compact at mesh version {version}: {ranks}"
+        assert all(s["nodes"][s["rank"]] == s["uid"] for s in firsts.values())
+        return {"version": version, "nodes": list(views.pop()[0]), "time": min(s["time"] for s in firsts.values())}
+    return None

@@ -1,0 +1,159 @@
+"""Elastic mesh on real processes (loopback, gloo, CPU): joins, leaves, crashes, hangs, store loss.
+
+Each test asserts what the survivors agree on (mesh version, node list, compact ranks) and that an
+all-reduce over the new groups gives the right sum (done by tests/elastic_node.py, checked here).
+Timeouts come from the short-timeout profile in tests/elastic_cluster.py (see README).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from elastic_cluster import Cluster
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    c.start_store()
+    yield c
+    c.close()
+
+
+def membership(node, **match) -> list[dict]:
+    return [e for e in node.events("membership") if all(e.get(k) == v for k, v in match.items())]
+
+
+def test_static_world_of_three(cluster):
+    a, b, c = cluster.start_world(3)
+    view = cluster.agreement([a, b, c], 3)
+    assert view["nodes"] == ["a", "b", "c"]      # preferred ranks honoured at the first seed
+    assert not any(e["joiner"] for n in (a, b, c) for e in n.events("ready"))
+
+
+def test_join(cluster):
+    a, b = cluster.start_world(2)
+    first = cluster.agreement([a, b], 2)
+    c = cluster.start("c", 0, 2)
+    view = cluster.agreement([a, b, c], 3, after=first["time"])
+    assert view["version"] > first["version"] and view["nodes"][:2] == ["a", "b"]
+    assert c.events("ready")[0]["joiner"] is True
+    assert membership(a, joined=["c"])
+
+
+def test_graceful_leave(cluster):
+    a, b = cluster.start_world(2)
+    c = cluster.start("c", 2, 3, "--leave-after", "8")
+    first = cluster.agreement([a, b, c], 3)
+    c.proc.wait(30)
+    assert c.proc.returncode == 0
+    view = cluster.agreement([a, b], 2, after=first["time"])
+    assert view["version"] > first["version"]
+    assert membership(a, left=["c"], died=[])
+
+
+@pytest.mark.parametrize("victim", ["c", "a"], ids=["follower", "leader"])
+def test_sigkill(cluster, victim):
+    nodes = dict(zip("abc", cluster.start_world(3)))
+    first = cluster.agreement(list(nodes.values()), 3)
+    killed_at = nodes.pop(victim).signal(signal.SIGKILL)
+    view = cluster.agreement(list(nodes.values()), 2, after=killed_at)
+    assert victim not in view["nodes"] and view["version"] > first["version"]
+    assert membership(nodes["b"], died=[victim])
+    if victim == "a":
+        assert view["nodes"][0] == "b"          # the next in line took over
+
+
+def test_sigterm_sends_deathrattle(cluster):
+    a, b, c = cluster.start_world(3)
+    cluster.agreement([a, b, c], 3)
+    sent = c.signal(signal.SIGTERM)
+    c.proc.wait(20)
+    view = cluster.agreement([a, b], 2, after=sent)
+    assert membership(a, left=["c"])
+    assert view["time"] - sent < 5          # not the heartbeat timeout
+
+
+def test_sigstop_evicted_then_rejoins(cluster):
+    a, b, c = cluster.start_world(3)
+    first = cluster.agreement([a, b, c], 3)
+    stopped = c.signal(signal.SIGSTOP)
+    evicted = cluster.agreement([a, b], 2, after=stopped)
+    time.sleep(1.0)
+    resumed = c.signal(signal.SIGCONT)
+    back = cluster.agreement([a, b, c], 3, after=resumed)
+    assert first["version"] < evicted["version"] < back["version"]
+    assert back["nodes"][:2] == ["a", "b"] and back["nodes"][2] == "c"
+    assert any(e["joiner"] for e in c.events("step") if e["version"] == back["version"])
+
+
+def test_two_deaths_at_once(cluster):
+    nodes = cluster.start_world(4)
+    cluster.agreement(nodes, 4)
+    killed = nodes[1].signal(signal.SIGKILL)
+    nodes[3].signal(signal.SIGKILL)
+    view = cluster.agreement([nodes[0], nodes[2]], 2, after=killed)
+    assert view["nodes"] == ["a", "c"]
+
+
+def test_join_and_death_in_one_resolution(cluster, tmp_path):
+    a, b, c = cluster.start_world(3, "--step-time", "2.0")
+    first = cluster.agreement([a, b, c], 3)
+    d = cluster.start("d", 0, 1, "--step-time", "2.0")
+    _wait_join_request(cluster, "d")
+    killed = c.signal(signal.SIGKILL)
+    view = cluster.agreement([a, b, d], 3, after=killed)
+    assert view["nodes"] == ["a", "b", "d"] and view["version"] == first["version"] + 1
+    assert membership(a, joined=["d"], died=["c"])
+
+
+def _wait_join_request(cluster, uid: str, timeout: float = 30) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, use_libuv=True, timeout=timedelta(seconds=10))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if store.check(["zb/joins"]) and f'"uid":"{uid}"' in store.get("zb/joins").decode():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{uid} never asked to join")
+
+
+def test_duplicate_unique_id_refused(cluster):
+    a, b = cluster.start_world(2)
+    first = cluster.agreement([a, b], 2)
+    dup = cluster.start("a", 0, 1)
+    assert dup.proc.wait(30) == 1
+    assert "belongs to a live node" in dup.events("error")[0]["message"]
+    view = cluster.agreement([a, b], 2, after=time.time())
+    assert view["version"] == first["version"]
+
+
+def test_unreachable_store(tmp_path):
+    c = Cluster(tmp_path, ZB_ELASTIC_CONNECT_TIMEOUT="2")   # no store started
+    try:
+        node = c.start("a")
+        started = time.monotonic()
+        assert node.proc.wait(30) == 1
+        assert time.monotonic() - started < 20
+        assert "unreachable" in node.events("error")[0]["message"]
+    finally:
+        c.close()
+
+
+def test_store_restart_mid_run(cluster):
+    a, b, c = cluster.start_world(3)
+    first = cluster.agreement([a, b, c], 3)
+    cluster.kill_store()
+    time.sleep(2.0)
+    down = [e for n in (a, b, c) for e in n.events("step") if not e["store_ok"]]
+    cluster.start_store()
+    restarted = time.time()
+    view = cluster.agreement([a, b, c], 3, after=restarted)
+    assert view["version"] > first["version"] and view["nodes"] == ["a", "b", "c"]
+    assert down, "nodes should keep stepping (on the old groups) while the store is away"

@@ -1,0 +1,105 @@
+"""Heartbeats and the liveness table.
+
+One thread per node bumps the node's counter every `heartbeat_interval` and reads the counters of
+the nodes it is told to watch. Liveness is judged on this process's own monotonic clock: a peer is
+alive while its counter keeps changing, and dead once it has not changed for `heartbeat_timeout`.
+No wall clock crosses the network, so skew between continents cannot kill anyone.
+
+The thread has its own store client (a client is not shared across threads). When the store is
+unreachable it logs once, keeps trying every interval, and re-creates its client when the store is
+back. Stopping the thread never sends a deathrattle (see zb.elastic.deathrattle).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterable
+
+from zb.elastic import keys
+from zb.elastic.store import read_many, store_errors
+
+log = logging.getLogger("zb.elastic")
+
+
+class Liveness:
+    """When each watched counter was last seen changing, on the local monotonic clock."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._seen: dict[str, tuple[bytes, float]] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, uid: str, value: bytes, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            old = self._seen.get(uid)
+            if old is None or old[0] != value:
+                self._seen[uid] = (value, now)
+
+    def silent_for(self, uid: str, now: float | None = None) -> float:
+        """Seconds since `uid`'s counter last changed (0 for a node never observed: no evidence)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            seen = self._seen.get(uid)
+        return 0.0 if seen is None else now - seen[1]
+
+    def is_dead(self, uid: str, now: float | None = None) -> bool:
+        return self.silent_for(uid, now) > self.timeout
+
+    def forget_all(self) -> None:
+        """After a store restart every counter starts over; old observations mean nothing."""
+        with self._lock:
+            self._seen.clear()
+
+
+def observe_counters(store, liveness: Liveness, uids: Iterable[str]) -> None:
+    """One round trip: read the counters of `uids` into the liveness table (missing reads as b"")."""
+    uids = list(uids)
+    now = time.monotonic()
+    for uid, value in zip(uids, read_many(store, [keys.heartbeat(u) for u in uids])):
+        liveness.observe(uid, value, now)
+
+
+class Heartbeat(threading.Thread):
+    """Bumps this node's counter and observes the watched nodes, every interval, until stopped."""
+
+    def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], object],
+                 watch: Callable[[], list[str]]) -> None:
+        super().__init__(name="zb-heartbeat", daemon=True)
+        self.uid, self.interval, self.liveness = uid, interval, liveness
+        self._connect, self._watch = connect, watch
+        self._stop_event = threading.Event()
+        self._store = None
+        self.beats = 0
+        self.outage_since: float | None = None
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            started = time.monotonic()
+            self._beat()
+            self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _beat(self) -> None:
+        try:
+            if self._store is None:
+                self._store = self._connect()
+            self._store.add(keys.heartbeat(self.uid), 1)
+            observe_counters(self._store, self.liveness, self._watch())
+            self.beats += 1
+            if self.outage_since is not None:
+                log.warning("heartbeat: store reachable again after %.1f s", time.monotonic() - self.outage_since)
+                self.outage_since = None
+        except store_errors() as e:
+            self._store = None
+            if self.outage_since is None:
+                self.outage_since = time.monotonic()
+                log.error("heartbeat: STORE UNREACHABLE (%s); training goes on, retrying every %.1f s",
+                          str(e).splitlines()[0][:160], self.interval)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop beating (no deathrattle: a restart of the thread is not a departure)."""
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout)

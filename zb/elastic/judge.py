@@ -1,0 +1,79 @@
+"""Who is in, who is out, and who leads, for one round, as seen by one node.
+
+Every node applies the same rules to what it reads from the store and to its own liveness table;
+the lowest-ranked member not excluded is the acting leader. Deadlines (all from ElasticConfig,
+measured from this node's own check-in on its own clock):
+
+- a member that said goodbye is out at once;
+- a member whose heartbeat has been silent for `heartbeat_timeout` is dead;
+- a member blamed for a failed collective (a suspect) that has not checked in within
+  `heartbeat_interval` is out (its closed connection named it: no need to wait for the timeout);
+- a member that has not checked in within `sync_deadline` missed the sync and is out;
+- a lower-ranked member that checked in but has not written the next world within
+  `stuck_after` (2 x sync_deadline + heartbeat_timeout) is stuck and is passed over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zb.elastic.heartbeat import Liveness
+from zb.elastic.snapshot import Snapshot
+from zb.elastic.world import JoinRequest, Observation, World
+
+
+@dataclass
+class Deadlines:
+    suspect_grace: float
+    sync_deadline: float
+    stuck_after: float
+
+    @staticmethod
+    def from_config(cfg) -> "Deadlines":
+        return Deadlines(suspect_grace=cfg.heartbeat_interval, sync_deadline=cfg.sync_deadline,
+                         stuck_after=2 * cfg.sync_deadline + cfg.heartbeat_timeout)
+
+
+@dataclass
+class Verdict:
+    acting_leader: str | None
+    settled: bool               # every member checked in or is out: the leader may write
+    observation: Observation
+
+
+def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: float, dl: Deadlines) -> Verdict:
+    """The verdict of round `world.round`, `since` seconds after this node checked in."""
+    lines = [c for c in snap.checkins if world.tokens.get(c.uid) == c.token]
+    checked = {c.uid for c in lines}
+    suspects = {s for c in lines for s in c.suspects}
+    my_rank = world.nodes.index(me) if me in world.nodes else len(world.nodes)
+    excluded, settled = set(), True
+    for rank, m in enumerate(world.nodes):
+        if m == me or (m, world.tokens.get(m, "")) in snap.gone:
+            continue
+        if m in checked:
+            if rank < my_rank and since > dl.stuck_after:
+                excluded.add(m)
+            continue
+        out = liveness.is_dead(m) or since > dl.sync_deadline or (m in suspects and since > dl.suspect_grace)
+        if out:
+            excluded.add(m)
+        else:
+            settled = False
+    acting = next((m for m in world.nodes if m not in excluded
+                   and (m, world.tokens.get(m, "")) not in snap.gone), None)
+    joiners = admissible_joiners(world, snap, liveness)
+    obs = Observation(checked=checked | {me}, gone=snap.gone, excluded=excluded, joiners=joiners,
+                      join_end=len(snap.joins), failure=any(c.failed for c in lines))
+    return Verdict(acting_leader=acting, settled=settled, observation=obs)
+
+
+def admissible_joiners(world: World, snap: Snapshot, liveness: Liveness) -> list[JoinRequest]:
+    """Requests past the cursor from live nodes with the run's local world size."""
+    return [r for r in snap.joins[world.join_cursor:]
+            if r.uid and r.local_world_size == world.local_world_size and not liveness.is_dead(r.uid)]
+
+
+def members_all_out(world: World, snap: Snapshot, liveness: Liveness) -> bool:
+    """True when no member of `world` is alive: a joiner may then seed the next world itself."""
+    return all((m, world.tokens.get(m, "")) in snap.gone or liveness.is_dead(m) for m in world.nodes)

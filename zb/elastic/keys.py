@@ -1,0 +1,34 @@
+"""Every key zb writes in the global store, in one place.
+
+Lists (join requests, leave notices, check-ins) are single keys grown with the store's atomic
+`append`, one JSON line or token line per entry, so one `get` reads all of them; counters use `add`.
+A restarted store is empty: every reader treats a missing key as "nothing yet".
+"""
+
+from __future__ import annotations
+
+ROOT = "zb"
+
+WORLD = f"{ROOT}/world"          # JSON of the current World; written only with compare_set
+JOINS = f"{ROOT}/joins"          # append-only: one JSON join request per line
+GONE = f"{ROOT}/gone"            # append-only: "<uid> <token>" per line (the deathrattle)
+
+
+def heartbeat(uid: str) -> str:
+    """Counter bumped by the node's heartbeat thread (`add`)."""
+    return f"{ROOT}/hb/{uid}"
+
+
+def checkin(round_: int) -> str:
+    """Append-only: one JSON line per node that reached the outer-step boundary of `round_`."""
+    return f"{ROOT}/checkin/{round_}"
+
+
+def probe(uid: str) -> str:
+    """"ip:port" of the node's reachability listener on its gloo interface."""
+    return f"{ROOT}/probe/{uid}"
+
+
+def mesh_prefix(version: int, local_rank: int) -> str:
+    """PrefixStore of the global ProcessGroupGloo of replica group `local_rank` at mesh `version`."""
+    return f"{ROOT}/mesh/{version}/r{local_rank}"

@@ -1,0 +1,66 @@
+"""Keeping a node's local ranks of one mind: local rank 0 decides, the others follow.
+
+The view travels as JSON bytes in a uint8 tensor over the node's own local group (NCCL on GPU,
+gloo on CPU), never pickled. Failure reports of all local ranks are merged into local rank 0 with
+one MAX all-reduce. Waits here are bounded by the local group's own timeout (the trainer's).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _device(group):
+    import torch
+    import torch.distributed as dist
+
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_json(group, local_rank: int, payload: dict[str, Any] | None) -> dict[str, Any]:
+    """Local rank 0's `payload`, on every local rank (payload ignored elsewhere)."""
+    if group is None:
+        return payload
+    import torch
+    import torch.distributed as dist
+
+    device = _device(group)
+    data = json.dumps(payload).encode() if local_rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, group_src=0, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if local_rank == 0
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, group_src=0, group=group)
+    return json.loads(buf.cpu().numpy().tobytes().decode()) if local_rank != 0 else payload
+
+
+def merge_failures(group, world_size: int, failed: bool, suspects: set[int]) -> tuple[bool, set[int]]:
+    """Union of every local rank's (failed, suspect group ranks) for the current global world."""
+    if group is None:
+        return failed, suspects
+    import torch
+    import torch.distributed as dist
+
+    flags = torch.zeros(world_size + 1, dtype=torch.int32, device=_device(group))
+    flags[0] = int(failed)
+    for rank in suspects:
+        if 0 <= rank < world_size:
+            flags[rank + 1] = 1
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    flags = flags.cpu().tolist()
+    return bool(flags[0]), {i for i in range(world_size) if flags[i + 1]}
+
+
+def all_ok(group, ok: bool) -> bool:
+    """True only if every local rank says ok (e.g. built its global group)."""
+    if group is None:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(ok)], dtype=torch.int32, device=_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())

@@ -1,0 +1,180 @@
+"""The membership protocol of one node (its local rank 0): join, check in, lead, accept.
+
+- join: append a request to keys.JOINS and wait until a world holds this node (uid and token).
+  With no world in the store yet (a fresh or restarted store), any waiting node seeds one once the
+  quorum is there or its deadline passed; with a world whose members are all gone or dead, a joiner
+  seeds the next one itself. Bounded by elastic.store_timeout.
+- resolve (every outer step): append a check-in for the current round, then poll. The acting
+  leader (see zb.elastic.judge) writes the next world with compare_set against the exact text it
+  read, so a stale leader (frozen, then woken up) can never overwrite a newer world: it finds
+  itself evicted and joins again as a new member.
+- the store going away never raises out of resolve: the node keeps its current world, logs loudly
+  and retries at the next call; a restarted (empty) store gets new clients, new requests, a new seed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from zb.elastic import keys
+from zb.elastic.heartbeat import Liveness, observe_counters
+from zb.elastic.judge import Deadlines, admissible_joiners, judge, members_all_out
+from zb.elastic.snapshot import Snapshot, encode_line, read_snapshot
+from zb.elastic.store import store_errors
+from zb.elastic.world import Observation, World, next_world
+from zb.errors import EnvironmentFailure
+
+log = logging.getLogger("zb.elastic")
+
+
+class StoreDown(Exception):
+    """The store could not be reached during a resolution; the caller keeps its current world."""
+
+
+class Membership:
+    def __init__(self, cfg, uid: str, token: str, local_world_size: int, liveness: Liveness,
+                 connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None) -> None:
+        self.cfg, self.uid, self.token, self.lws = cfg, uid, token, local_world_size
+        self.liveness, self._connect, self._before_join = liveness, connect, before_join
+        self.deadlines = Deadlines.from_config(cfg)
+        self.store = None
+        self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
+        self.world: World | None = None
+        self.failed, self.suspects = False, set()
+
+    # -- store -----------------------------------------------------------------------------
+    def ensure_store(self):
+        if self.store is None:
+            self.store = self._connect()
+            self.store_epoch += 1
+            self.liveness.forget_all()
+        return self.store
+
+    def _drop_store(self, e: BaseException) -> StoreDown:
+        self.store = None
+        log.error("STORE UNREACHABLE during resolution (%s): keeping mesh version %s, training goes on, "
+                  "retrying at the next outer step", str(e).splitlines()[0][:160], self.world and self.world.version)
+        return StoreDown(str(e))
+
+    # -- joining -----------------------------------------------------------------------------
+    def join(self, quorum: int, quorum_timeout: float) -> World:
+        """Register and wait for admission; raises EnvironmentFailure after elastic.store_timeout."""
+        try:
+            store = self.ensure_store()
+            snap = read_snapshot(store, None)
+            if snap.world is not None and self._before_join is not None:
+                self._before_join(snap)
+            last = self.world
+            store.append(keys.JOINS, encode_line({
+                "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
+                "last_version": last.version if last else 0,
+                "last_rank": last.rank_of(self.uid) or 0 if last else 0, "local_world_size": self.lws}))
+            self.world = self._wait_admitted(quorum, time.monotonic() + quorum_timeout)
+            return self.world
+        except store_errors() as e:
+            raise self._drop_store(e) from None
+
+    def _wait_admitted(self, quorum: int, quorum_deadline: float) -> World:
+        give_up = time.monotonic() + self.cfg.store_timeout
+        while time.monotonic() < give_up:
+            snap = read_snapshot(self.store, None)
+            world = snap.world
+            if world is not None and world.rank_of(self.uid, self.token) is not None:
+                return world
+            if world is not None and world.local_world_size != self.lws:
+                raise EnvironmentFailure(f"this node has {self.lws} local ranks but the run's nodes have "
+                                         f"{world.local_world_size}; start it with the same --nproc-per-node")
+            self._observe(snap, world)
+            if self._may_seed(world, snap, quorum, quorum_deadline):
+                self._seed(world, snap)
+            time.sleep(self.cfg.polling_interval)
+        raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
+                                 "member resolved the world (are the other nodes running and reaching the store?)")
+
+    def _observe(self, snap: Snapshot, world: World | None) -> None:
+        cursor = world.join_cursor if world else 0
+        uids = {r.uid for r in snap.joins[cursor:] if r.uid} | set(world.nodes if world else [])
+        observe_counters(self.store, self.liveness, sorted(uids))
+
+    def _may_seed(self, world: World | None, snap: Snapshot, quorum: int, quorum_deadline: float) -> bool:
+        if world is not None:
+            return members_all_out(world, snap, self.liveness)
+        live = {r.uid for r in admissible_joiners(World(local_world_size=self.lws), snap, self.liveness)}
+        return len(live) >= quorum or time.monotonic() >= quorum_deadline
+
+    def _seed(self, world: World | None, snap: Snapshot) -> None:
+        base = world or World(local_world_size=self.lws)
+        joiners = admissible_joiners(base, snap, self.liveness)
+        obs = Observation(checked=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
+                          join_end=len(snap.joins))
+        new = next_world(base, obs)
+        if self._write(snap.raw_world, new):
+            log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
+
+    def _write(self, expected: bytes, new: World) -> bool:
+        """compare_set against the exact text read: only one writer per round can win."""
+        text = new.encode()
+        return self.store.compare_set(keys.WORLD, expected.decode(), text).decode() == text
+
+    # -- resolving -----------------------------------------------------------------------------
+    def resolve(self) -> World:
+        """The next world (this node in it); raises StoreDown if the store cannot be reached.
+
+        A client that fails is re-created once at once: a store restarted at the same address is
+        then used in the same call instead of one outer step later.
+        """
+        try:
+            return self._resolve()
+        except StoreDown:
+            return self._resolve()
+
+    def _resolve(self) -> World:
+        try:
+            store = self.ensure_store()
+            snap = read_snapshot(store, None)
+            if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
+                return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
+            if snap.world.encode() != self.world.encode():
+                return self._rejoin("the world moved on without this node")
+            return self._round(self.world)
+        except store_errors() as e:
+            raise self._drop_store(e) from None
+
+    def _rejoin(self, why: str) -> World:
+        log.warning("rejoining (%s); last mesh version %d", why, self.world.version if self.world else 0)
+        quorum = len(self.world.nodes) if self.world else 1
+        return self.join(quorum=quorum, quorum_timeout=self.cfg.sync_deadline)
+
+    def _round(self, world: World) -> World:
+        self.store.append(keys.checkin(world.round), encode_line({
+            "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects)}))
+        self.failed, self.suspects = False, set()
+        t0 = time.monotonic()
+        while True:
+            snap = read_snapshot(self.store, world.round)
+            if snap.raw_world.decode() != world.encode():
+                return self._accept(snap.world)
+            self._observe(snap, world)
+            verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
+            if verdict.acting_leader == self.uid and verdict.settled:
+                self._lead(world, snap, verdict.observation)
+                continue
+            time.sleep(self.cfg.polling_interval)
+
+    def _accept(self, new: World | None) -> World:
+        if new is None or new.rank_of(self.uid, self.token) is None:
+            log.warning("this node is not in mesh version %s (evicted: late, silent or blamed)",
+                        new.version if new else "-")
+            return self._rejoin("evicted")
+        self.world = new
+        return new
+
+    def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
+        new = next_world(world, obs)
+        if self._write(snap.raw_world, new):
+            if world.round >= 2:
+                self.store.delete_key(keys.checkin(world.round - 2))
+        else:
+            log.info("another node wrote round %d first", new.round)

@@ -1,0 +1,230 @@
+"""ElasticDeviceMesh: a fixed local group plus per-replica global gloo groups rebuilt on the fly.
+
+Local rank 0 of each node runs the membership protocol (zb.elastic.membership), the heartbeat
+thread and the reachability listener; it broadcasts each new world to its local ranks, and every
+local rank r then builds the ProcessGroupGloo of replica group r under keys.mesh_prefix(version, r).
+See zb/elastic/__init__.py for how the DiLoCo layer uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Protocol
+
+from zb.elastic import keys, localsync
+from zb.elastic.deathrattle import Deathrattle
+from zb.elastic.heartbeat import Heartbeat, Liveness
+from zb.elastic.identity import ensure_unique, new_token, new_unique_id
+from zb.elastic.membership import Membership, StoreDown
+from zb.elastic.probe import ProbeListener, check_peers
+from zb.elastic.snapshot import Snapshot
+from zb.elastic.store import connect, read_many, store_errors
+from zb.elastic.view import WorldView
+from zb.errors import EnvironmentFailure, InvalidInput, ZbError
+
+log = logging.getLogger("zb.elastic")
+
+REBUILD_ATTEMPTS = 3
+
+
+class EventSink(Protocol):
+    def log(self, event: str, **fields: Any) -> None: ...
+
+
+class ElasticDeviceMesh:
+    def __init__(self, cfg, local_group=None, *, local_rank: int = 0, local_world_size: int = 1,
+                 sink: EventSink | None = None) -> None:
+        if cfg.addr is None and not cfg.host_store and local_rank == 0:
+            raise InvalidInput("elastic.addr (GLOBAL_ADDR) is not set: point the node at a `zb store`")
+        self.cfg, self.local_group, self.sink = cfg, local_group, sink
+        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.view: WorldView | None = None
+        self.global_pg = None
+        self._failed, self._suspects = False, set()
+        self._store = None
+        self._store_epoch = 0
+        self._deathrattle: Deathrattle | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._probe: ProbeListener | None = None
+        self._membership: Membership | None = None
+        self._connect_timeout = cfg.connect_timeout
+        self._hosted = None            # the store object when this node hosts it (elastic.host_store)
+        self.rebuild_s = 0.0           # seconds the last global group rebuild took
+
+    @property
+    def is_joiner(self) -> bool:
+        return bool(self.view and self.view.is_joiner)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> WorldView:
+        """Connect, check the id, heartbeat, join (waiting for the quorum up to elastic.start_timeout),
+        build the global groups. Raises ZbError (one clear line) on an expected failure."""
+        payload = self._guarded(self._start_leader) if self.local_rank == 0 else None
+        return self._follow(payload)
+
+    def resolve(self) -> WorldView:
+        """Outer-step boundary: admit joiners, drop leavers/dead/late nodes, rebuild groups if needed."""
+        for _ in range(REBUILD_ATTEMPTS):
+            self._merge_local_failures()
+            payload = self._guarded(self._resolve_leader) if self.local_rank == 0 else None
+            view = self._follow(payload)
+            if self.global_pg is not None:
+                return view
+            self._failed = True
+        raise EnvironmentFailure(f"could not build the global groups in {REBUILD_ATTEMPTS} attempts; "
+                                 "see the log for the peers that failed to arrive")
+
+    maybe_reinit = resolve
+
+    def report_failure(self, suspect: int | None = None) -> None:
+        """A collective on global_pg failed; `suspect` is the group rank blamed (None: unknown)."""
+        self._failed = True
+        if suspect is not None:
+            self._suspects.add(int(suspect))
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop heartbeats; with graceful, send the deathrattle so peers drop this node at once."""
+        if self._deathrattle is not None:
+            if graceful:
+                self._deathrattle.rattle("leave")
+            self._deathrattle.uninstall()
+        for thread in (self._heartbeat, self._probe):
+            if thread is not None:
+                thread.stop()
+        self._heartbeat = self._probe = None
+
+    # -- local rank 0 --------------------------------------------------------------------------
+    def _connect(self):
+        client = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self._connect_timeout, self.cfg.store_timeout)
+        return client
+
+    def _start_leader(self) -> dict[str, Any]:
+        cfg = self.cfg
+        uid, token = cfg.unique_id or new_unique_id(), new_token()
+        from zb.log import set_node_id
+
+        set_node_id(uid)
+        if cfg.host_store:
+            from zb.elastic.storehost import host_in_worker
+
+            self._hosted = host_in_worker(cfg.addr or "127.0.0.1", cfg.port)
+        store = self._connect()
+        ensure_unique(store, uid, cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.polling_interval)
+        self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
+        liveness = Liveness(cfg.heartbeat_timeout)
+        self._membership = Membership(cfg, uid, token, self.local_world_size, liveness, self._connect,
+                                      before_join=self._check_reachable)
+        self._membership.store, self._membership.store_epoch = store, 1
+        self._start_threads(uid, token, liveness, store)
+        try:
+            world = self._membership.join(quorum=cfg.world_size, quorum_timeout=cfg.start_timeout)
+        except StoreDown as e:
+            raise EnvironmentFailure(f"the store went away while this node was joining: {e}") from None
+        return self._payload(world, store_ok=True)
+
+    def _start_threads(self, uid: str, token: str, liveness: Liveness, store) -> None:
+        self._deathrattle = Deathrattle(uid, token, self._connect)
+        self._deathrattle.install()
+        self._probe = ProbeListener()
+        self._probe.start()
+        store.set(keys.probe(uid), self._probe.endpoint)
+        members = lambda: list(self._membership.world.nodes) if self._membership.world else []  # noqa: E731
+        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members)
+        store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
+        self._heartbeat.start()
+
+    def _resolve_leader(self) -> dict[str, Any]:
+        m = self._membership
+        before = m.world
+        if self._failed:
+            m.failed = True
+            m.suspects |= {before.nodes[r] for r in self._suspects if r < len(before.nodes)}
+        try:
+            world = m.resolve()
+        except StoreDown:
+            return self._payload(before, store_ok=False)
+        return self._payload(world, store_ok=True)
+
+    def _payload(self, world, store_ok: bool) -> dict[str, Any]:
+        m = self._membership
+        changed = self.view is None or world.version != self.view.mesh_version or self.global_pg is None
+        view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch)
+        return view.to_dict()
+
+    def _check_reachable(self, snap: Snapshot) -> None:
+        peers = [u for u in snap.world.nodes if u != self._membership.uid]
+        endpoints = {u: e.decode() for u, e in zip(peers, read_many(self._membership.store, [keys.probe(u) for u in peers])) if e}
+        check_peers(endpoints, timeout=min(5.0, self.cfg.connect_timeout), still_alive=self._still_beating)
+
+    def _still_beating(self, uid: str) -> bool:
+        store = self._membership.store
+        first = read_many(store, [keys.heartbeat(uid)])[0]
+        time.sleep(2 * self.cfg.heartbeat_interval)
+        return read_many(store, [keys.heartbeat(uid)])[0] != first
+
+    def _guarded(self, fn) -> dict[str, Any]:
+        """Run local rank 0's part; on failure tell the other local ranks before raising."""
+        try:
+            return fn()
+        except ZbError as e:
+            localsync.broadcast_json(self.local_group, 0, {"error": str(e)})
+            raise
+
+    # -- every local rank ----------------------------------------------------------------------
+    def _follow(self, payload: dict[str, Any] | None) -> WorldView:
+        data = localsync.broadcast_json(self.local_group, self.local_rank, payload)
+        if "error" in data:
+            raise EnvironmentFailure(f"local rank 0 failed: {data['error']}")
+        view = WorldView.from_dict(data)
+        if self.local_rank != 0:
+            self._follower_setup(view)
+        if view.changed or self.global_pg is None:
+            self._rebuild(view)
+        if self.local_rank == 0 and (self.view is None or view.mesh_version != self.view.mesh_version):
+            self._emit(view)
+        self.view = view
+        return view
+
+    def _follower_setup(self, view: WorldView) -> None:
+        if self._store is None or view.store_epoch != self._store_epoch:
+            self._store = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self.cfg.connect_timeout, self.cfg.store_timeout)
+            self._store_epoch = view.store_epoch
+        if self._deathrattle is None:
+            self._deathrattle = Deathrattle(view.uid, view.token, lambda: self._store)
+            self._deathrattle.install()
+
+    def _rebuild(self, view: WorldView) -> None:
+        import torch.distributed as dist
+
+        store = self._membership.store if self.local_rank == 0 else self._store
+        started = time.monotonic()
+        try:
+            prefix = dist.PrefixStore(keys.mesh_prefix(view.mesh_version, self.local_rank), store)
+            pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
+                                       timedelta(seconds=self.cfg.pg_timeout))
+            ok = True
+        except (RuntimeError, *store_errors()) as e:
+            log.warning("building global group v%d failed: %s", view.mesh_version, str(e).splitlines()[0][:160])
+            pg, ok = None, False
+        self.global_pg = pg if localsync.all_ok(self.local_group, ok) else None
+        self.rebuild_s = time.monotonic() - started
+        if self.global_pg is not None:
+            self._failed, self._suspects = False, set()
+
+    def _merge_local_failures(self) -> None:
+        size = self.view.global_world_size if self.view else 0
+        self._failed, self._suspects = localsync.merge_failures(self.local_group, size, self._failed, self._suspects)
+
+    def _emit(self, view: WorldView) -> None:
+        old_leader = self.view.leader if self.view else None
+        log.info("membership: mesh v%d, world size %d, rank %d, leader %s, joined %s, left %s, died %s",
+                 view.mesh_version, view.global_world_size, view.global_rank, view.leader, view.joined,
+                 view.left, view.died)
+        if old_leader is not None and old_leader != view.leader:
+            log.warning("new leader: %s (was %s)", view.leader, old_leader)
+        if self.sink is not None:
+            self.sink.log("membership", mesh_version=view.mesh_version, global_world_size=view.global_world_size,
+                          leader=view.leader, joined=view.joined, left=view.left, died=view.died,
+                          global_rank=view.global_rank, new_leader=old_leader is not None and old_leader != view.leader)

@@ -1,0 +1,43 @@
+"""Hosting the global store: `zb store`, or a worker told to host it (elastic.host_store)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+from typing import Callable
+
+from zb.elastic.store import host, is_public
+
+log = logging.getLogger("zb.elastic")
+
+
+def worker_address(bind: str) -> str:
+    """The address workers should use: the bound one, or this host's name for a wildcard bind."""
+    return socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
+
+
+def serve(bind: str, port: int, ready: Callable[[dict], None]) -> None:
+    """Host the store until SIGINT/SIGTERM; `ready` gets the address info once it listens."""
+    store = host(bind, port)
+    addr = worker_address(bind)
+    ready({"host": bind, "port": store.port, "addr": addr, "public": is_public(bind),
+           "env": {"GLOBAL_ADDR": addr, "GLOBAL_PORT": str(store.port)}})
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        log.info("store on %s:%d stopped", bind, store.port)
+        del store
+
+
+def host_in_worker(bind: str, port: int):
+    """A worker hosting the store itself (Prime style): returns the store; keep it alive."""
+    log.warning("this node hosts the global store itself (elastic.host_store): it is a single point of "
+                "failure; prefer a separate `zb store` process")
+    return host(bind, port)

@@ -1,0 +1,114 @@
+"""The world record and the pure rule that turns one world into the next.
+
+A World is what the store holds under keys.WORLD: the members in rank order (rank = index), each
+member's incarnation token, the mesh version (bumps whenever the global groups must be rebuilt)
+and the round (bumps at every resolution, so compare_set never sees the same text twice). The
+rule is a pure function of the old world and what the acting leader observed, so it is easy to test
+and any node can apply it: there is no special node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class World:
+    version: int = 0                       # mesh version: global groups live under this prefix
+    round: int = 0                         # resolutions so far (store-local; restarts at 0 with the store)
+    nodes: list[str] = field(default_factory=list)        # unique ids, index = global rank
+    tokens: dict[str, str] = field(default_factory=dict)  # unique id -> incarnation token
+    join_cursor: int = 0                   # join requests consumed (lines of keys.JOINS)
+    local_world_size: int = 1              # local ranks per node, equal on every node
+    joined: list[str] = field(default_factory=list)   # new this round and in need of state
+    left: list[str] = field(default_factory=list)     # said goodbye (deathrattle)
+    died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
+
+    @property
+    def leader(self) -> str | None:
+        return self.nodes[0] if self.nodes else None
+
+    def rank_of(self, uid: str, token: str | None = None) -> int | None:
+        """Global rank of `uid` (of that incarnation, when `token` is given), else None."""
+        if uid not in self.nodes or (token is not None and self.tokens.get(uid) != token):
+            return None
+        return self.nodes.index(uid)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def decode(raw: bytes | str) -> "World | None":
+        """None for an empty value (a fresh store) or anything that is not a world record."""
+        try:
+            data = json.loads(raw or "null")
+            return World(**data) if isinstance(data, dict) else None
+        except (ValueError, TypeError):
+            return None
+
+
+@dataclass
+class JoinRequest:
+    uid: str
+    token: str
+    index: int                 # position in keys.JOINS (arrival order)
+    pref_rank: int = 0         # GLOBAL_RANK: only a preference
+    last_version: int = 0      # mesh version of the last world this node was in (0: new)
+    last_rank: int = 0         # its rank there
+    local_world_size: int = 1
+
+    def sort_key(self) -> tuple:
+        # Nodes of the newest world first, in their old order (a store restart keeps ranks),
+        # then newcomers by preferred rank and arrival.
+        return (-self.last_version, self.last_rank, self.pref_rank, self.index)
+
+
+@dataclass
+class Observation:
+    """What the acting leader saw for one round."""
+
+    checked: set[str]                  # members that checked in (with their current token)
+    gone: set[tuple[str, str]]         # (uid, token) pairs that sent a deathrattle
+    excluded: set[str]                 # dead, missed the sync, or stuck: removed as died
+    joiners: list[JoinRequest]         # live requests past the cursor
+    join_end: int                      # new cursor
+    failure: bool = False              # a check-in reported a failed collective: rebuild groups
+
+
+def next_world(old: World, obs: Observation) -> World:
+    """The world after one resolution; version bumps when members change or groups failed."""
+    left = [m for m in old.nodes if (m, old.tokens.get(m, "")) in obs.gone]
+    keep = [m for m in old.nodes if m in obs.checked and m not in obs.excluded and m not in left]
+    died = [m for m in old.nodes if m not in keep and m not in left]
+    admitted = _admissible(obs.joiners, obs.gone)
+    for req in admitted:
+        if req.uid in keep:            # a member restarted under its old id: the old one is gone
+            keep.remove(req.uid)
+            died.append(req.uid)
+    tokens = {m: old.tokens[m] for m in keep}
+    tokens.update({r.uid: r.token for r in admitted})
+    nodes = keep + [r.uid for r in admitted]
+    newest = max([old.version] + [r.last_version for r in admitted])
+    changed = nodes != old.nodes or tokens != old.tokens or obs.failure or newest > old.version
+    return World(version=newest + 1 if changed else old.version, round=old.round + 1, nodes=nodes,
+                 tokens=tokens, join_cursor=obs.join_end, local_world_size=old.local_world_size,
+                 joined=_needs_state(keep, admitted), left=left, died=died)
+
+
+def _admissible(requests: list[JoinRequest], gone: set[tuple[str, str]]) -> list[JoinRequest]:
+    """Latest live request per unique id, in rank order."""
+    latest: dict[str, JoinRequest] = {}
+    for req in requests:
+        if (req.uid, req.token) not in gone:
+            latest[req.uid] = req
+    return sorted(latest.values(), key=JoinRequest.sort_key)
+
+
+def _needs_state(keep: list[str], admitted: list[JoinRequest]) -> list[str]:
+    """Admitted nodes that lack the current state. When no member survives (first seed, store
+    restart), the nodes of the newest world hold the state and only older ones need it."""
+    if keep:
+        return [r.uid for r in admitted]
+    newest = max((r.last_version for r in admitted), default=0)
+    return [r.uid for r in admitted if r.last_version < newest]
