@@ -113,6 +113,9 @@ def _manifests(peers, token, expect_step, fingerprint, timeout, wait_s) -> dict[
         if found and (not pending or time.monotonic() >= deadline):
             return found
         if time.monotonic() >= deadline:
+            if errors and all("belongs to another run" in e for e in errors.values()):
+                raise InvalidInput(f"every peer belongs to another run (fingerprint differs from {fingerprint!r}): "
+                                   + "; ".join(errors.values()))
             what = f"a snapshot of step {expect_step}" if expect_step is not None else "a committed snapshot"
             detail = "; ".join(errors.values()) or "none has committed one yet"
             raise EnvironmentFailure(f"no peer serves {what} ({', '.join(peers)}): {detail}")
