@@ -109,6 +109,8 @@ class Board:
                 if peer not in self.dead:
                     log.warning("dropping peer %s: %s", peer, error)
                 self.dead.add(peer)
+            else:
+                log.warning("%s (the rest of that chunk goes back in the queue)", error)
             self.cond.notify_all()
 
     def stuck(self) -> bool:
