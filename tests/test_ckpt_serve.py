@@ -349,3 +349,28 @@ def test_cli_clear_errors(tmp_path):
         proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", "--dir", str(tmp_path)],
                               env=subprocess_env(), capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and "ZB_CKPT_TOKEN" in proc.stderr
+
+
+def test_prefix_hasher_matches_sha256_whatever_the_completion_order(tmp_path):
+    import hashlib
+    import random
+
+    from zb.ckpt.download import PrefixHasher
+
+    data = os.urandom(3_000_001)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    chunks = [(s, min(s + 100_000, len(data))) for s in range(0, len(data), 100_000)]
+    random.Random(0).shuffle(chunks)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher = PrefixHasher(fd, len(data))
+        for start, stop in chunks[:-1]:
+            hasher.add(start, stop)
+        partial = PrefixHasher(fd, len(data))
+        partial.add(0, 100_000)
+        assert partial.result() is None  # incomplete: no digest, thread stopped
+        hasher.add(*chunks[-1])
+        assert hasher.result() == hashlib.sha256(data).hexdigest()
+    finally:
+        os.close(fd)

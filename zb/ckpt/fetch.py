@@ -193,10 +193,9 @@ def _chunk_size(plans: dict[str, FilePlan], conns_per_peer: int) -> int:
 
 
 def _check_round(todo: list[str], plans: dict[str, FilePlan], solo: dict[str, list[str]], report, tmp: Path) -> list[str]:
-    """Files of this round whose sha256 is wrong; blames and drops the peer that served them when known."""
-    with ThreadPoolExecutor(2) as pool:
-        ok = dict(zip(todo, pool.map(lambda f: sha256_file(tmp / f) == plans[f].sha256, todo)))
-    bad = [f for f in todo if not ok[f]]
+    """Files of this round whose sha256 (hashed during the transfer) is wrong; drops the peer that
+    served them when that is known."""
+    bad = [f for f in todo if report.sha256.get(f) != plans[f].sha256]
     for f in bad:
         contributors = report.contributors[f]
         if f in solo:
