@@ -374,3 +374,23 @@ def test_prefix_hasher_matches_sha256_whatever_the_completion_order(tmp_path):
         assert hasher.result() == hashlib.sha256(data).hexdigest()
     finally:
         os.close(fd)
+
+
+def test_pruning_during_a_transfer_does_not_cut_it(tmp_path):
+    root = tmp_path / "r"
+    path = write_snapshot(root, {"big.safetensors": {"x": torch.randn(4 << 20)}}, {}, 1)
+    data = (path / "big.safetensors").read_bytes()
+    handle = serve.serve_in_thread(root, TOKEN, "127.0.0.1", 0)
+    try:
+        host, port = handle.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", f"/files/{path.name}/big.safetensors", headers={"Authorization": f"Bearer {TOKEN}"})
+        response = conn.getresponse()
+        head = response.read(1 << 20)
+        write_snapshot(root, {"big.safetensors": {"x": torch.zeros(4)}}, {}, 2)
+        assert [p.name for p in prune(root, keep=1)] == [path.name] and not path.exists()
+        assert head + response.read() == data
+        conn.close()
+        assert _get(handle, f"/files/{path.name}/big.safetensors")[0].status == 404
+    finally:
+        handle.close()
