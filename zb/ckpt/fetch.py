@@ -50,6 +50,21 @@ class _SnapshotGone(Exception):
     """Every source lost the chosen snapshot mid-download (pruned): start again from new manifests."""
 
 
+@dataclass(frozen=True)
+class _Request:
+    peers: list[str]
+    token: str
+    dest_dir: Path
+    expect_step: int | None
+    files: list[str] | None
+    fingerprint: str | None
+    progress: bool | None
+    timeout: float
+    wait_s: float
+    conns_per_peer: int
+    chunk_bytes: int | None
+
+
 def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step: int | None = None,
                    files: list[str] | None = None, fingerprint: str | None = None, progress: bool | None = None,
                    timeout: float = 30.0, wait_s: float = 0.0, conns_per_peer: int = 2,
@@ -57,8 +72,9 @@ def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step:
     """Fetch a snapshot from `peers` ("host:port") into `dest_dir/<name>`; EnvironmentFailure if it cannot.
 
     `files` keeps only those files (a joiner takes the node-identical ones); `fingerprint`, if given,
-    ignores peers of another run; `wait_s` polls that long for a peer to serve (`expect_step`);
-    `timeout` bounds every socket operation, so a stalled peer is dropped after that long.
+    ignores peers of another run (InvalidInput if all are); `wait_s` polls that long for a peer to
+    serve a snapshot (of `expect_step`); `timeout` bounds every socket operation, so a stalled peer
+    is dropped after that long; `progress` None = a bar only on a terminal.
     """
     if not peers:
         raise InvalidInput("live recovery needs at least one peer address")
@@ -66,11 +82,12 @@ def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step:
         parse_peer(peer)
     for name in files or ():
         check_file_name(name)
+    req = _Request(list(peers), token, Path(dest_dir), expect_step, files, fingerprint, progress, timeout, wait_s,
+                   conns_per_peer, chunk_bytes)
     start = time.monotonic()
     for attempt in range(max_restarts + 1):
         try:
-            return _fetch_once(peers, token, Path(dest_dir), expect_step, files, fingerprint, progress, timeout,
-                               wait_s, conns_per_peer, chunk_bytes, start)
+            return _fetch_once(req, start)
         except _SnapshotGone:
             if expect_step is not None or attempt == max_restarts:
                 raise EnvironmentFailure(f"the snapshot was pruned on every peer during the download "
@@ -79,21 +96,19 @@ def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step:
     raise AssertionError("unreachable")
 
 
-def _fetch_once(peers, token, dest_dir, expect_step, files, fingerprint, progress, timeout, wait_s,
-                conns_per_peer, chunk_bytes, start) -> FetchResult:
-    found = _manifests(peers, token, expect_step, fingerprint, timeout, wait_s)
-    step = expect_step if expect_step is not None else max(m.step for _, m in found.values())
+def _fetch_once(req: _Request, start: float) -> FetchResult:
+    found = _manifests(req)
+    step = req.expect_step if req.expect_step is not None else max(m.step for _, m in found.values())
     found = {p: nm for p, nm in found.items() if nm[1].step == step}
-    names = {p: nm[0] for p, nm in found.items()}
     first = next(iter(found.values()))[1]
-    wanted = files if files is not None else list(first.files)
+    wanted = req.files if req.files is not None else list(first.files)
     entries, plans = _plan(found, wanted)
     manifest = Manifest(first.name, step, first.outer_step, first.fingerprint, first.created, entries, first.meta)
-    tmp = dest_dir / f"{TMP_PREFIX}{manifest.name}"
+    tmp = req.dest_dir / f"{TMP_PREFIX}{manifest.name}"
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [f for f in wanted if not _reusable(tmp / f, entries[f])]
-    moved, used = _download_verified(todo, plans, names, tmp, token, timeout, conns_per_peer, chunk_bytes,
-                                     progress, manifest.total_bytes)
+    names = {p: nm[0] for p, nm in found.items()}
+    moved, used = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
     path = commit(tmp, manifest)
     result = FetchResult(path, step, manifest.outer_step, sorted(used), moved, time.monotonic() - start)
     log.info("recovered step %d (%.1f MB) from %s in %.2f s", step, moved / 1e6, ", ".join(result.peers) or "cache",
@@ -101,11 +116,12 @@ def _fetch_once(peers, token, dest_dir, expect_step, files, fingerprint, progres
     return result
 
 
-def _manifests(peers, token, expect_step, fingerprint, timeout, wait_s) -> dict[str, tuple[str, Manifest]]:
+def _manifests(req: _Request) -> dict[str, tuple[str, Manifest]]:
     """{peer: (name, manifest)} of the peers that serve a usable snapshot; polls up to `wait_s`."""
-    deadline = time.monotonic() + wait_s
+    peers, expect_step, fingerprint = req.peers, req.expect_step, req.fingerprint
+    deadline = time.monotonic() + req.wait_s
     while True:
-        found, errors = _ask_all(peers, token, expect_step, timeout)
+        found, errors = _ask_all(peers, req.token, expect_step, req.timeout)
         if fingerprint is not None:
             for peer in [p for p, (_, m) in found.items() if m.fingerprint != fingerprint]:
                 errors[peer] = f"{peer}: belongs to another run (fingerprint {found.pop(peer)[1].fingerprint!r})"
@@ -161,18 +177,19 @@ def _reusable(path: Path, entry: FileEntry) -> bool:
     return path.is_file() and path.stat().st_size == entry.size and sha256_file(path) == entry.sha256
 
 
-def _download_verified(todo, plans, names, tmp, token, timeout, conns_per_peer, chunk_bytes, progress,
-                       total) -> tuple[int, set[str]]:
+def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan], names: dict[str, str], tmp: Path,
+                       total: int) -> tuple[int, set[str]]:
     """Download and check `todo`; a file with a bad checksum is retried one source at a time."""
     moved, used, solo = 0, set(), {}
-    bar = TransferProgress(total, "live recovery", progress)
+    bar = TransferProgress(total, "live recovery", req.progress)
     try:
         while todo:
             round_plans = {f: FilePlan(plans[f].size, plans[f].sha256, solo[f][:1] if f in solo else plans[f].sources)
                            for f in todo}
             try:
-                report = download(round_plans, names, tmp, token, timeout=timeout, conns_per_peer=conns_per_peer,
-                                  chunk_bytes=chunk_bytes or _chunk_size(round_plans, conns_per_peer), progress=bar)
+                report = download(round_plans, names, tmp, req.token, timeout=req.timeout,
+                                  conns_per_peer=req.conns_per_peer, progress=bar,
+                                  chunk_bytes=req.chunk_bytes or _chunk_size(round_plans, req.conns_per_peer))
             except DownloadFailed as e:
                 if e.gone:
                     raise _SnapshotGone() from None
