@@ -2,6 +2,7 @@
 
 Run:  PYTHONPATH=$PWD python scripts/bench_recovery.py --size-mb 128 --rate-mbit 100 --repeats 3
 
+Snapshot write (always): write_snapshot vs safetensors.save_file + sha256, into /dev/shm.
 Loopback (always): baseline = one plain HTTP GET per file over one connection, without checks;
 then fetch_snapshot from 1 and from 2 peers (ranges, several connections, sha256 verification).
 Network namespaces (as root, unless --no-netns): each peer's uplink shaped to B with tbf, the joiner
@@ -34,19 +35,33 @@ TOKEN = "bench-recovery-token-0123456789abcdef"
 PORT = 7711
 
 
-def make_snapshots(base: Path, size: int, peers: int) -> list[Path]:
-    """One snapshot of ~`size` bytes (model + outer files), copied to each peer's root."""
+def make_snapshots(base: Path, size: int, peers: int, repeats: int) -> tuple[list[Path], dict[str, float]]:
+    """One snapshot of ~`size` bytes (model + outer files), copied to each peer's root; also times
+    write_snapshot against the baseline safetensors.save_file + sha256 of each file."""
     import torch
+    from safetensors.torch import save_file
 
+    from zb.ckpt.catalog import sha256_file
     from zb.ckpt.snapshot import write_snapshot
 
     n = size // 4 // 2 // 8
     tensors = {f: {f"layer{i}": torch.randn(n) for i in range(8)} for f in ("model.safetensors", "outer.safetensors")}
     roots = [base / f"peer{i}" for i in range(peers)]
-    write_snapshot(roots[0], tensors, {"bench": True}, step=100, outer_step=1, fingerprint="bench")
+    times: dict[str, list[float]] = {"write_baseline": [], "write_snapshot": []}
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for f, ts in tensors.items():
+            save_file(ts, str(base / f))
+            sha256_file(base / f)
+        times["write_baseline"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        write_snapshot(roots[0], tensors, {"bench": True}, step=100, outer_step=1, fingerprint="bench")
+        times["write_snapshot"].append(time.perf_counter() - start)
+    for f in tensors:
+        (base / f).unlink()
     for root in roots[1:]:
         shutil.copytree(roots[0], root)
-    return roots
+    return roots, {k: statistics.median(v) for k, v in times.items()}
 
 
 def start_server(root: Path, host: str, port: int, prefix: list[str] = ()) -> tuple[subprocess.Popen, str]:
@@ -140,14 +155,17 @@ def _stop(procs) -> None:
             p.wait()
 
 
-def report(size: int, loop: dict, net: dict | None, mbit: float, skipped: str | None) -> dict:
+def report(size: int, writes: dict, loop: dict, net: dict | None, mbit: float, skipped: str | None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"live recovery of {size / 1e6:.0f} MB (medians)")
     for col in ("path", "variant", "seconds", "MB/s", "ratio"):
         table.add_column(col)
-    doc = {"size_bytes": size, "loopback": {k: round(v, 3) for k, v in loop.items()}}
+    doc = {"size_bytes": size, "loopback": {k: round(v, 3) for k, v in loop.items()},
+           "write": {k: round(v, 3) for k, v in writes.items()}}
+    for k, v in writes.items():
+        table.add_row("/dev/shm", k, f"{v:.2f}", f"{size / v / 1e6:.0f}", f"{v / writes['write_baseline']:.2f} x baseline")
     for k, v in loop.items():
         table.add_row("loopback", k, f"{v:.2f}", f"{size / v / 1e6:.0f}", f"{v / loop['baseline']:.2f} x baseline")
     if net is not None:
@@ -180,11 +198,11 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     skipped = "--no-netns" if args.no_netns else available()
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
-        roots = make_snapshots(Path(d), int(args.size_mb * 1e6), peers=2)
+        roots, writes = make_snapshots(Path(d), int(args.size_mb * 1e6), peers=2, repeats=args.repeats)
         size = read_manifest(next(roots[0].iterdir())).total_bytes
         loop = run_loopback(roots, Path(d), args.repeats)
         net = None if skipped else run_netns(roots, Path(d), args.repeats, args.rate_mbit)
-    return report(size, loop, net, args.rate_mbit, skipped)
+    return report(size, writes, loop, net, args.rate_mbit, skipped)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def _bench():
 def test_bench_recovery_loopback_smoke(capsys):
     doc = _bench().main(["--size-mb", "4", "--repeats", "1", "--no-netns"])
     assert doc["size_bytes"] > 4_000_000 and doc["netns"] == {"skipped": "--no-netns"}
-    assert set(doc["loopback"]) == {"baseline", "one_peer", "two_peers"}
+    assert set(doc["loopback"]) == {"baseline", "one_peer", "two_peers"} and set(doc["write"]) == {"write_baseline", "write_snapshot"}
     assert '"size_bytes"' in capsys.readouterr().out.strip().splitlines()[-1]
 
 

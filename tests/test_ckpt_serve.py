@@ -394,3 +394,16 @@ def test_pruning_during_a_transfer_does_not_cut_it(tmp_path):
         assert _get(handle, f"/files/{path.name}/big.safetensors")[0].status == 404
     finally:
         handle.close()
+
+
+def test_client_reconnects_after_the_server_dropped_an_idle_connection(peer):
+    from zb.ckpt.peer import PeerClient
+
+    _, h = peer(timeout=0.3)
+    client = PeerClient(h.address, TOKEN, timeout=5)
+    try:
+        assert client.manifest()[1].step == 10
+        time.sleep(0.8)  # the server closes the idle keep-alive connection meanwhile
+        assert client.manifest()[1].step == 10
+    finally:
+        client.close()

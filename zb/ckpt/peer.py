@@ -48,15 +48,22 @@ class PeerClient:
             self.conn = None
 
     def request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
-        """GET `path`; a connection or protocol failure is a PeerError (the connection is dropped)."""
-        if self.conn is None:
-            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
-        try:
-            self.conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}", **(headers or {})})
-            response = self.conn.getresponse()
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            raise PeerError(self.peer, f"request failed: {e or type(e).__name__}") from None
+        """GET `path`; a connection or protocol failure is a PeerError (the connection is dropped).
+
+        A reused connection the server has since closed (idle timeout) is retried once on a new one,
+        so an idle worker is not counted as a failing peer.
+        """
+        for fresh in (self.conn is None, True):
+            if self.conn is None:
+                self.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            try:
+                self.conn.request("GET", path, headers={"Authorization": f"Bearer {self.token}", **(headers or {})})
+                response = self.conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if fresh:
+                    raise PeerError(self.peer, f"request failed: {e or type(e).__name__}") from None
         if response.status == 401:
             self._discard(response)
             raise PeerError(self.peer, "token rejected (check ZB_CKPT_TOKEN / --token-file)", status=401, fatal=True)

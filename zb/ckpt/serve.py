@@ -107,6 +107,8 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s " + format, self.address_string(), *args)
 
     def _dispatch(self, body: bool) -> None:
+        if self.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in self.headers:
+            self.close_connection = True  # an unread request body would corrupt the next request
         try:
             if not self._authorized():
                 raise HttpError(401, "missing or wrong token", {"WWW-Authenticate": 'Bearer realm="zb"'})
