@@ -18,6 +18,7 @@ from zb import __version__
 COMMANDS: dict[str, str] = {
     "train": "zb.cli.train:train",
     "store": "zb.cli.store:store",
+    "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
 }
 
 

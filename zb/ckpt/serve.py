@@ -1,0 +1,266 @@
+"""The checkpoint sidecar: read-only HTTP access to the committed snapshots under one directory.
+
+    GET  /manifest            manifest of the newest committed snapshot (503 + Retry-After until one exists)
+    GET  /manifest?step=N     manifest of the committed snapshot of step N (404 if not here)
+    GET  /files/<name>/<file> a file of committed snapshot <name>; Range (206/416), ETag = its sha256
+    HEAD                      the same headers without a body
+
+Every request needs `Authorization: Bearer <token>` (compared in constant time; 401 otherwise),
+checked before anything else so an outsider learns nothing. Paths are never joined blindly: a
+request names a snapshot and a file, both must match strict name patterns after percent-decoding
+(no `/`, `..`, `%`, NUL), the snapshot must be committed, the file must be listed in its manifest,
+and it is opened with O_NOFOLLOW, so symlinks and traversal cannot reach outside the directory.
+A file is streamed with sendfile from one open handle, so pruning it mid-transfer does not cut the
+download; the next request for a pruned snapshot gets 404 and the client moves on.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import re
+import socket
+import socketserver
+import stat
+import threading
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, unquote
+
+from zb.ckpt.catalog import check_quick, list_snapshots, read_committed
+from zb.ckpt.manifest import Manifest, is_file_name, is_snapshot_name
+from zb.errors import EnvironmentFailure, InvalidInput
+
+log = logging.getLogger("zb.ckpt.serve")
+
+RETRY_AFTER_S = 1
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """Half-open (start, stop) of a single `bytes=` range, None without a Range header; 416 if bad."""
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    unsatisfiable = HttpError(416, f"bad or unsatisfiable range {header!r} for {size} bytes",
+                              {"Content-Range": f"bytes */{size}"})
+    if not m or not (m[1] or m[2]):
+        raise unsatisfiable
+    if m[1]:
+        start = int(m[1])
+        stop = size if not m[2] else min(int(m[2]) + 1, size)
+        if m[2] and int(m[2]) < start:
+            raise unsatisfiable
+    else:
+        start, stop = max(0, size - int(m[2])), size
+        if int(m[2]) == 0:
+            raise unsatisfiable
+    if start >= size:
+        raise unsatisfiable
+    return start, stop
+
+
+def route(target: str) -> tuple[str, ...]:
+    """("manifest", query) or ("file", snapshot, file) from a raw request target; HttpError otherwise."""
+    if "\x00" in target or "\\" in target or not target.startswith("/") or "#" in target:
+        raise HttpError(400, "malformed request path")
+    raw_path, _, query = target.partition("?")
+    try:
+        parts = [unquote(p, errors="strict") for p in raw_path.split("/")[1:]]
+    except UnicodeDecodeError:
+        raise HttpError(400, "malformed request path") from None
+    if parts == ["manifest"]:
+        return ("manifest", query)
+    if len(parts) == 3 and parts[0] == "files":
+        if not is_snapshot_name(parts[1]) or not is_file_name(parts[2]):
+            raise HttpError(400, "invalid snapshot or file name")
+        return ("file", parts[1], parts[2])
+    raise HttpError(404, "no such endpoint (GET /manifest or /files/<snapshot>/<file>)")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "zb-ckpt-serve/1"
+    sys_version = ""
+    server: "SnapshotServer"
+
+    def setup(self) -> None:
+        self.timeout = self.server.client_timeout  # a stalled client cannot hold a thread forever
+        super().setup()
+
+    def do_GET(self) -> None:
+        self._dispatch(body=True)
+
+    def do_HEAD(self) -> None:
+        self._dispatch(body=False)
+
+    def log_message(self, format: str, *args) -> None:
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _dispatch(self, body: bool) -> None:
+        if self.headers.get("Content-Length", "0") != "0" or "Transfer-Encoding" in self.headers:
+            self.close_connection = True  # an unread request body would corrupt the next request
+        try:
+            if not self._authorized():
+                raise HttpError(401, "missing or wrong token", {"WWW-Authenticate": 'Bearer realm="zb"'})
+            what = route(self.path)
+            if what[0] == "manifest":
+                self._send_manifest(what[1], body)
+            else:
+                self._send_file(what[1], what[2], body)
+        except HttpError as e:
+            self._send_json(e.status, {"error": str(e)}, body, e.headers)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout) as e:
+            log.debug("client %s went away: %s", self.address_string(), e)
+            self.close_connection = True
+
+    def _authorized(self) -> bool:
+        scheme, _, credential = self.headers.get("Authorization", "").partition(" ")
+        given = credential.strip().encode() if scheme.lower() == "bearer" else b""
+        return hmac.compare_digest(given, self.server.token)
+
+    def _send_json(self, status: int, doc: dict, body: bool, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", "Content-Length": str(len(data)),
+                           "Cache-Control": "no-store", **(headers or {})}.items():
+            self.send_header(key, value)
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def _send_manifest(self, query: str, body: bool) -> None:
+        found = self.server.find(query)
+        doc = found[1].to_dict()
+        doc["name"] = found[0].name  # the name to use in /files URLs
+        self._send_json(200, doc, body)
+
+    def _send_file(self, name: str, file_name: str, body: bool) -> None:
+        manifest = self.server.committed(name)
+        entry = manifest.files.get(file_name)
+        if entry is None:
+            raise HttpError(404, f"snapshot {name} has no file {file_name}")
+        with self.server.open_file(name, file_name, entry.size) as f:
+            span = parse_range(self.headers.get("Range"), entry.size)
+            start, stop = span or (0, entry.size)
+            self.send_response(206 if span else 200)
+            headers = {"Content-Type": "application/octet-stream", "Content-Length": str(stop - start),
+                       "Accept-Ranges": "bytes", "ETag": f'"{entry.sha256}"'}
+            if span:
+                headers["Content-Range"] = f"bytes {start}-{stop - 1}/{entry.size}"
+            for key, value in headers.items():
+                self.send_header(key, value)
+            self.end_headers()
+            if body and stop > start:
+                self.connection.sendfile(f, start, stop - start)
+
+
+class SnapshotServer(ThreadingHTTPServer):
+    """Serves the committed snapshots under `root` to holders of `token`."""
+
+    daemon_threads = True
+    request_queue_size = 64
+
+    def __init__(self, root: Path, token: str, address: tuple[str, int], client_timeout: float = 30.0):
+        self.root = Path(root).resolve()
+        self.token = token.encode()
+        self.client_timeout = client_timeout
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, _Handler)
+
+    def server_bind(self) -> None:
+        # HTTPServer.server_bind calls getfqdn(), which can stall for seconds on DNS: skip it.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def find(self, query: str) -> tuple[Path, Manifest]:
+        """Newest committed snapshot, or the one of `?step=N`; 503 while nothing is committed."""
+        snapshots = list_snapshots(self.root)
+        if not snapshots:
+            raise HttpError(503, "no committed snapshot yet", {"Retry-After": str(RETRY_AFTER_S)})
+        steps = parse_qs(query).get("step")
+        if steps is not None and not (len(steps) == 1 and steps[0].isdigit()):
+            raise HttpError(400, "step must be one non-negative integer")
+        for path, _ in reversed(snapshots):
+            try:
+                manifest = check_quick(path)
+            except (InvalidInput, OSError) as e:
+                log.warning("not serving snapshot %s: %s", path, e)
+                continue
+            if steps is None or manifest.step == int(steps[0]):
+                return path, manifest
+        raise HttpError(404, f"no committed snapshot of step {steps[0]} here" if steps else "no valid snapshot")
+
+    def committed(self, name: str) -> Manifest:
+        path = self.root / name
+        if path.is_symlink() or not path.is_dir():
+            raise HttpError(404, f"no snapshot {name}")
+        try:
+            return read_committed(path)
+        except (InvalidInput, OSError):
+            raise HttpError(404, f"no committed snapshot {name}") from None
+
+    def open_file(self, name: str, file_name: str, size: int):
+        """Open a snapshot file without following symlinks; it must be regular and of manifest size."""
+        try:
+            fd = os.open(self.root / name / file_name, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            raise HttpError(404, f"no file {file_name} in snapshot {name}") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+            os.close(fd)
+            raise HttpError(409, f"{name}/{file_name} does not match its manifest")
+        return os.fdopen(fd, "rb")
+
+
+@dataclass
+class ServerHandle:
+    """A sidecar running in a thread of this process (zb train starts one in-process)."""
+
+    server: SnapshotServer
+    thread: threading.Thread
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def make_server(root: Path, token: str, host: str, port: int, client_timeout: float = 30.0) -> SnapshotServer:
+    """Bind the sidecar; bad input is InvalidInput, a busy port EnvironmentFailure (one clear line)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise InvalidInput(f"snapshot directory {root} does not exist or is not a directory: create it or fix --dir")
+    if not token:
+        raise InvalidInput("the sidecar token is empty: set ZB_CKPT_TOKEN or pass --token-file with a secret")
+    try:
+        return SnapshotServer(root, token, (host, port), client_timeout)
+    except OSError as e:
+        raise EnvironmentFailure(f"cannot listen on {host}:{port}: {e.strerror or e} "
+                                 "(port in use? choose another --port or stop the other process)") from None
+
+
+def serve_in_thread(root: Path, token: str, host: str, port: int = 0, client_timeout: float = 30.0) -> ServerHandle:
+    """Start the sidecar in a daemon thread; `.address` is `host:port` (port 0 picks a free one)."""
+    server = make_server(root, token, host, port, client_timeout)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                              name="zb-ckpt-serve", daemon=True)
+    thread.start()
+    log.info("serving snapshots under %s on %s", server.root, ServerHandle(server, thread).address)
+    return ServerHandle(server, thread)
+

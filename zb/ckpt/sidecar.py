@@ -1,0 +1,84 @@
+"""The standalone sidecar process behind `zb ckpt-serve`: bind, optionally publish, serve until a signal."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from zb.ckpt.peer import parse_peer
+from zb.ckpt.publish import advertised_host, publish_address, unpublish_address
+from zb.ckpt.serve import SnapshotServer, make_server
+from zb.ckpt.token import read_token
+from zb.errors import EnvironmentFailure, InvalidInput
+
+log = logging.getLogger("zb.ckpt.serve")
+
+STORE_CONNECT_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Sidecar:
+    server: SnapshotServer
+    address: str                # advertised "host:port"
+    store: Any = None
+    node_id: str | None = None
+    key: str | None = None      # the store key it is published under
+
+
+def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
+                 node_id: str | None, advertise: str | None, client_timeout: float) -> Sidecar:
+    """Check the inputs, bind the port, publish the address if asked; every failure is one clear line."""
+    token = read_token(token_file)
+    if store_addr is not None and not node_id:
+        raise InvalidInput("--publish needs a node id: pass --node-id or set GLOBAL_UNIQUE_ID")
+    store_host = parse_peer(store_addr)[0] if store_addr else None
+    server = make_server(root, token, host, port, client_timeout)
+    bound_port = server.server_address[1]
+    adv = advertise or advertised_host(host, store_host)
+    sidecar = Sidecar(server, f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}")
+    if store_addr is not None:
+        try:
+            sidecar.store = _connect_store(store_addr)
+            sidecar.node_id, sidecar.key = node_id, publish_address(sidecar.store, node_id, sidecar.address)
+        except BaseException:
+            server.server_close()
+            raise
+    return sidecar
+
+
+def _connect_store(store_addr: str) -> Any:
+    from torch.distributed import TCPStore
+
+    host, port = parse_peer(store_addr)
+    try:
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_CONNECT_TIMEOUT_S),
+                        wait_for_workers=False)
+    except Exception as e:  # noqa: BLE001 - torch raises several types (DistNetworkError, RuntimeError)
+        raise EnvironmentFailure(f"cannot reach the global store at {store_addr}: {str(e).splitlines()[0]} "
+                                 "(is `zb store` running there?)") from None
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop()
+
+
+def run_until_signal(sidecar: Sidecar) -> None:
+    """Serve in this thread until SIGINT/SIGTERM, then unpublish and close (exit status 0)."""
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sidecar.server.serve_forever(poll_interval=0.2)
+    except _Stop:
+        log.info("stopping the sidecar")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if sidecar.store is not None:
+            unpublish_address(sidecar.store, sidecar.node_id)
+        sidecar.server.server_close()

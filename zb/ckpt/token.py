@@ -1,0 +1,49 @@
+"""The sidecar's shared secret: from a file or the ZB_CKPT_TOKEN environment variable, never the store."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import stat
+from pathlib import Path
+from typing import Mapping
+
+from zb.errors import InvalidInput
+
+log = logging.getLogger("zb.ckpt")
+
+TOKEN_ENV = "ZB_CKPT_TOKEN"
+MIN_LENGTH = 16
+
+
+def read_token(token_file: str | Path | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """The token from `token_file` if given, else from $ZB_CKPT_TOKEN; InvalidInput if there is none."""
+    environ = os.environ if environ is None else environ
+    if token_file is not None:
+        token = _from_file(Path(token_file))
+    else:
+        token = environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            raise InvalidInput(f"no sidecar token: set {TOKEN_ENV} or pass --token-file "
+                               f"(make one with: python -c 'import secrets; print(secrets.token_hex(32))')")
+    if len(token) < MIN_LENGTH:
+        log.warning("the sidecar token has only %d characters; use at least %d random ones", len(token), MIN_LENGTH)
+    return token
+
+
+def _from_file(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+        mode = path.stat().st_mode
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not token:
+        raise InvalidInput(f"the token file {path} is empty")
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("token file %s is readable by other users: chmod 600 it", path)
+    return token
+
+
+def new_token() -> str:
+    return secrets.token_hex(32)

@@ -1,0 +1,43 @@
+"""`zb ckpt-serve`: serve this node's committed snapshots to joiners over HTTP (read-only, token-gated)."""
+
+from __future__ import annotations
+
+import click
+
+EPILOG = """Endpoints: GET /manifest, GET /manifest?step=N, GET|HEAD /files/<snapshot>/<file> (Range supported).
+Every request needs 'Authorization: Bearer <token>'. Token: --token-file F or env ZB_CKPT_TOKEN
+(never the store). Make one: python -c 'import secrets; print(secrets.token_hex(32))'.
+Runs until SIGINT or SIGTERM. Exit 2: bad --dir or token; exit 1: port in use, store unreachable."""
+
+
+@click.command("ckpt-serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+               epilog=EPILOG)
+@click.option("--dir", "root", required=True, type=click.Path(file_okay=False, path_type=str),
+              help="Snapshot root: the newest committed snapshot under it is served.")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(0, 65535), default=0, envvar="ZERO_BAND_LIVE_RECO_PORT",
+              help="Port to listen on; 0 picks a free one. [env: ZERO_BAND_LIVE_RECO_PORT]")
+@click.option("--token-file", type=click.Path(dir_okay=False, path_type=str), default=None,
+              help="File holding the shared secret (else env ZB_CKPT_TOKEN).")
+@click.option("--publish", "store_addr", metavar="HOST:PORT", default=None,
+              help="Global store (`zb store`) to write this sidecar's address into, under ckpt_serve/<node id>.")
+@click.option("--node-id", envvar="GLOBAL_UNIQUE_ID", default=None,
+              help="Node id for --publish. [env: GLOBAL_UNIQUE_ID]")
+@click.option("--advertise", envvar="ZERO_BAND_LIVE_RECO_ADDR", default=None,
+              help="Address peers should use (default: --host, or the interface toward the store). "
+                   "[env: ZERO_BAND_LIVE_RECO_ADDR]")
+@click.option("--client-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds a client may stall before its connection is dropped.")
+@click.option("--json", "as_json", is_flag=True, help="Print {address, dir} as one JSON line on stdout once listening.")
+def ckpt_serve(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
+               node_id: str | None, advertise: str | None, client_timeout: float, as_json: bool) -> None:
+    """Serve committed snapshots to joining nodes (live recovery) until SIGINT/SIGTERM."""
+    from zb.ckpt.sidecar import open_sidecar, run_until_signal
+    from zb.cli.terminal import print_json, stderr
+
+    sidecar = open_sidecar(root, host, port, token_file, store_addr, node_id, advertise, client_timeout)
+    if as_json:
+        print_json({"address": sidecar.address, "dir": str(sidecar.server.root), "published": sidecar.key})
+    stderr.print(f"zb ckpt-serve: serving {sidecar.server.root} on {sidecar.address}"
+                 + (f" (published as {sidecar.key})" if sidecar.key else ""), markup=False)
+    run_until_signal(sidecar)
