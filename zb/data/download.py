@@ -26,7 +26,7 @@ log = logging.getLogger("zb.data")
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 BASE_WAIT_S = 0.5
 MAX_WAIT_S = 16.0
-CHUNK = 1 << 20
+CHUNK = 1 << 18  # small enough that a dropped connection keeps most of what arrived
 T = TypeVar("T")
 
 
