@@ -29,7 +29,7 @@ else:  # pragma: no cover
 log = logging.getLogger("zb.config")
 
 # ZB_* variables that are not config keys but are read elsewhere (kernel path switch, test knobs).
-KNOWN_ENV = {"ZB_USE_CPP", "ZB_LOG_ALL_RANKS", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN"}
+KNOWN_ENV = {"ZB_USE_CPP", "ZB_LOG_ALL_RANKS", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE"}
 
 DEFAULT = "default"
 

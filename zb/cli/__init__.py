@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "train": "zb.cli.train:train",
     "store": "zb.cli.store:store",
     "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
+    "subset-data": "zb.cli.subset_data:subset_data",
 }
 
 

@@ -11,6 +11,7 @@ import fcntl
 import logging
 import os
 import random
+import re
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ log = logging.getLogger("zb.data")
 TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 BASE_WAIT_S = 0.5
 MAX_WAIT_S = 16.0
-CHUNK = 1 << 20
+CHUNK = 1 << 18  # small enough that a dropped connection keeps most of what arrived
 T = TypeVar("T")
 
 
@@ -58,7 +59,13 @@ def with_retries(fn: Callable[[], T], retries: int, what: str) -> T:
 
 
 def _short(e: Exception) -> str:
+    """One readable clause: urllib3's nested connection errors reduced to their root cause."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if isinstance(e, requests.ConnectionError):
+        errno = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text)
+        cause = errno.group(1) if errno else (re.search(r"Caused by (\w+)", text) or [None, "connection failed"])[1]
+        host = re.search(r"host='([^']+)', port=(\d+)", text)
+        return f"cannot connect to {host.group(1)}:{host.group(2)} ({cause})" if host else cause
     return text[:200]
 
 
@@ -101,7 +108,8 @@ def _fetch_to(url: str, tmp: Path, headers: dict, progress: Callable[[int], None
         check_status(r)
         if r.status_code == 416:  # nothing left to fetch: the partial file is whole
             return
-        r.raise_for_status()
+        if r.status_code >= 400:
+            raise EnvironmentFailure(f"download of {url} failed: HTTP {r.status_code}")
         append = have and r.status_code == 206
         if progress and have and not append:
             progress(-have)

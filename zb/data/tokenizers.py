@@ -76,8 +76,8 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
-def build_tokenizer(name: str) -> Tokenizer:
-    """"bytes", a tokenizer.json file, a directory holding one, or a hub name (needs network)."""
+def build_tokenizer(name: str, *, retries: int = 3) -> Tokenizer:
+    """"bytes", a tokenizer.json file, a directory holding one, or a hub model name (fetched once, cached)."""
     if name == "bytes":
         return ByteTokenizer()
     try:
@@ -92,7 +92,7 @@ def build_tokenizer(name: str) -> Tokenizer:
             raise InvalidInput(f"data.tokenizer = {name!r}: the directory has no tokenizer.json")
     if path.is_file():
         return _from_file(name, path, RawTokenizer)
-    return _from_hub(name, RawTokenizer)
+    return _from_hub(name, RawTokenizer, retries)
 
 
 def _from_file(name: str, path: Path, raw_cls) -> HFTokenizer:
@@ -105,12 +105,30 @@ def _from_file(name: str, path: Path, raw_cls) -> HFTokenizer:
     return HFTokenizer(name, tok, config)
 
 
-def _from_hub(name: str, raw_cls) -> HFTokenizer:
+def _from_hub(name: str, raw_cls, retries: int) -> HFTokenizer:
+    """tokenizer.json (and tokenizer_config.json if any) of a hub model repo, cached under the data cache."""
+    from huggingface_hub.utils import build_hf_headers
+
+    from zb.data.download import download
+    from zb.data.hub import REPO_ID, cache_root, hub_endpoint, offline
+    from zb.errors import ZbError
+
+    if not REPO_ID.match(name):
+        raise InvalidInput(f"data.tokenizer = {name!r}: no such file or directory, and not a hub name (owner/name)")
+    local = cache_root() / "tokenizers" / name / "tokenizer.json"
+    if not local.is_file() and offline():
+        raise InvalidInput(f"data.tokenizer = {name!r}: HF_HUB_OFFLINE is set and it is not cached at {local}; "
+                           "give a path to a tokenizer.json or use data.tokenizer = bytes")
+    base = f"{hub_endpoint()}/{name}/resolve/main"
     try:
-        tok = raw_cls.from_pretrained(name)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise InvalidInput(f"data.tokenizer = {name!r}: not a local file or directory and it could not be fetched "
-                           f"from the Hugging Face hub ({first}); give a path to a tokenizer.json "
+        download(f"{base}/tokenizer.json", local, size=None, headers=build_hf_headers(), retries=retries)
+    except (ZbError, OSError) as e:
+        raise InvalidInput(f"data.tokenizer = {name!r}: not a local path and it could not be fetched from "
+                           f"{hub_endpoint()} ({str(e).splitlines()[0]}); give a path to a tokenizer.json "
                            "or use data.tokenizer = bytes") from None
-    return HFTokenizer(name, tok)
+    try:
+        download(f"{base}/tokenizer_config.json", local.with_name("tokenizer_config.json"), size=None,
+                 headers=build_hf_headers(), retries=retries)
+    except (ZbError, OSError):
+        pass  # optional: BOS/EOS are then found by their usual names
+    return _from_file(name, local, raw_cls)

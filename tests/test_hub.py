@@ -1,0 +1,178 @@
+"""Hugging Face datasets against a local fake hub: listing, rank files, retries, resume, subset-data, offline."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from itertools import islice
+
+import pytest
+
+from conftest import free_port, subprocess_env
+from hub_server import SHA, FakeHub
+from zb.config_schema import DataConfig
+from zb.data import build_dataloader, build_tokenizer
+from zb.errors import EnvironmentFailure, InvalidInput
+
+BYTES = build_tokenizer("bytes")
+REPO = "acme/stories"
+
+
+def _parquet(texts: list[str]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": texts}), buf, row_group_size=4)
+    return buf.getvalue()
+
+
+def _dataset() -> tuple[dict[str, bytes], list[str]]:
+    """Four train parquet files, one test jsonl, and files that are not data."""
+    files, docs = {}, []
+    for f in range(4):
+        texts = [f"story {f}-{i}: once upon a time" for i in range(10)]
+        files[f"data/train-0000{f}-of-00004.parquet"] = _parquet(texts)
+        docs += texts
+    files["data/test-00000-of-00001.jsonl"] = b'{"text": "a test story"}\n'
+    files["README.md"] = b"# stories"
+    files[".gitattributes"] = b"*.parquet filter=lfs"
+    return files, docs
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    files, docs = _dataset()
+    with FakeHub({REPO: files}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        server.docs = docs
+        yield server
+
+
+def _loader(data_rank=0, data_world_size=1, local_rank=0, local_world_size=1, **cfg):
+    cfg = DataConfig(**{"dataset_name_or_paths": REPO, "eval_fraction": 0.0, "retries": 3, **cfg})
+    return build_dataloader(cfg, BYTES, micro_bs=2, seq_length=32, data_rank=data_rank,
+                            data_world_size=data_world_size, local_rank=local_rank,
+                            local_world_size=local_world_size)
+
+
+def _docs(loader) -> list[str]:
+    out = []
+    for pos, text in loader.stream.documents({"epoch": 0, "part": 0, "doc": 0, "count": 0}):
+        if pos["epoch"]:
+            return out
+        out.append(text)
+
+
+def test_rank_reads_only_its_files_despite_transient_errors(hub):
+    hub.fail(f"/api/datasets/{REPO}", 1, 429)
+    hub.fail("train-00002", 2, 503)
+    loader = _loader(data_rank=0, data_world_size=2)
+    assert _docs(loader) == [d for d in hub.docs if d.startswith(("story 0-", "story 2-"))]
+    fetched = sorted(p.rsplit("/", 1)[1] for p in hub.downloads())
+    assert fetched == ["train-00000-of-00004.parquet", "train-00002-of-00004.parquet"]
+    assert [s for m, p, s in hub.log if "train-00002" in p] == [503, 503, 200]
+    assert all(f"/resolve/{SHA}/" in p for p in hub.downloads())  # pinned to one commit
+    inputs, labels = next(loader)
+    assert inputs.shape == (2, 32)
+
+
+def test_ranks_and_local_ranks_split_the_dataset_without_overlap(hub):
+    read = []
+    for data_rank in range(2):
+        for local_rank in range(3):  # 2 files per data rank, 3 local ranks: documents are dealt
+            read += _docs(_loader(data_rank, 2, local_rank, 3))
+    assert sorted(read) == sorted(hub.docs)
+
+
+def test_truncated_download_resumes_with_range(hub, tmp_path):
+    import random
+
+    rng = random.Random(0)
+    big = [f"story 1-{i}: " + "".join(rng.choices("abcdefgh ", k=100_000)) for i in range(20)]
+    hub.datasets[REPO]["data/train-00001-of-00004.parquet"] = _parquet(big)  # several download chunks
+    hub.truncate("train-00001", 1)
+    docs = _docs(_loader(data_rank=1, data_world_size=4))
+    assert docs == big
+    assert [s for m, p, s in hub.log if "train-00001" in p] == [200, 206]
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
+def test_streaming_fetches_lazily_and_split_selects_files(hub):
+    loader = _loader(data_rank=0, data_world_size=1)
+    assert hub.downloads() == []  # nothing fetched before the first batch
+    next(loader)
+    assert len(hub.downloads()) == 1
+    test_loader = _loader(split="test")
+    assert _docs(test_loader) == ["a test story"]
+    with pytest.raises(InvalidInput, match="data.split = 'validation'"):
+        _loader(split="validation")
+
+
+def test_unknown_dataset_and_unreachable_hub(hub, monkeypatch):
+    with pytest.raises(InvalidInput, match="'acme/nothing': no such dataset"):
+        build_dataloader(DataConfig(dataset_name_or_paths="acme/nothing"), BYTES, micro_bs=1, seq_length=8,
+                         data_rank=0, data_world_size=1, local_rank=0, local_world_size=1)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(EnvironmentFailure, match="Connection refused"):
+        _loader(retries=1)
+
+
+def test_tokenizer_from_hub_model_repo(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.add_special_tokens(["</s>"])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    with FakeHub({}, models={"acme/tok": {"tokenizer.json": path.read_bytes()}}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+        server.fail("tokenizer.json", 1, 503)
+        loaded = build_tokenizer("acme/tok")
+        assert loaded.eos_id == tok.token_to_id("</s>")
+        with pytest.raises(InvalidInput, match="data.tokenizer = 'acme/missing'"):
+            build_tokenizer("acme/missing", retries=0)
+
+
+def test_subset_data_cli_fetches_rank_files_resumably_then_trains_offline(hub, run_zb, tmp_path, monkeypatch):
+    out = tmp_path / "subset"
+    hub.fail("train-00003", 1, 503)
+    result = run_zb("subset-data", "--dataset", REPO, "--data-rank", "1", "--data-world-size", "2",
+                    "--out", str(out), "--retries", "2", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["files"] == ["data/train-00001-of-00004.parquet", "data/train-00003-of-00004.parquet"]
+    assert len(report["downloaded"]) == 2 and report["revision"] == SHA
+    assert "train-00001-of-00004.parquet (" in result.stderr  # plain lines when not on a terminal
+    again = json.loads(run_zb("subset-data", "--dataset", REPO, "--data-rank", "1", "--data-world-size", "2",
+                              "--out", str(out), "--json").stdout.strip().splitlines()[-1])
+    assert again["downloaded"] == [] and len(again["skipped"]) == 2
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("ZB_DATA_CACHE", str(out))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")  # nothing listens: truly offline
+    docs = _docs(_loader(data_rank=1, data_world_size=2))
+    assert docs == [d for d in hub.docs if d.startswith(("story 1-", "story 3-"))]
+
+
+def _zb(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zb", *args], env=subprocess_env(**env), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_subset_data_exit_codes(hub, tmp_path):
+    bad = _zb("subset-data", "--dataset", "acme/nothing", "--out", str(tmp_path), HF_ENDPOINT=hub.url)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        f"error: --dataset = 'acme/nothing': no such dataset on {hub.url} (HTTP 404); check the name (owner/name), "
+        "or set HF_TOKEN for a private or gated dataset"]
+    down = _zb("subset-data", "--dataset", REPO, "--out", str(tmp_path), "--retries", "1",
+               HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
+    assert down.returncode == 1
+    assert down.stderr.strip().splitlines()[-1].startswith("error: looking up dataset acme/stories")
+    assert "Traceback" not in down.stderr

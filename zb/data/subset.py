@@ -1,0 +1,62 @@
+"""Fetch only the part of a Hugging Face dataset that one data rank reads (the library of `zb subset-data`).
+
+The files are those `zb train` would read on that data rank (zb.data.hub.rank_files), stored in the
+same layout as the training cache, with the file list beside them; so a node can later train
+offline with ZB_DATA_CACHE=<out> HF_HUB_OFFLINE=1. Complete files are skipped, partial ones resumed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from zb.data.download import is_complete
+from zb.data.hub import RemoteFile, open_dataset, rank_files, select_files
+
+
+@dataclass
+class SubsetReport:
+    dataset: str
+    revision: str
+    out: str
+    files: list[str] = field(default_factory=list)
+    downloaded: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class Progress:
+    """What the caller shows: a rich bar or plain lines. `start(total_bytes)`, `advance(n)`, `done(...)`."""
+
+    def start(self, files: list[RemoteFile]) -> None: ...
+
+    def advance(self, n: int) -> None: ...
+
+    def file_done(self, remote: RemoteFile, fetched: bool, seconds: float) -> None: ...
+
+
+def subset_dataset(name: str, *, data_rank: int, data_world_size: int, out: Path, split: str = "train",
+                   config: str | None = None, max_shards: int | None = None, retries: int = 5,
+                   progress: Progress | None = None) -> SubsetReport:
+    progress = progress or Progress()
+    ds = open_dataset(name, key="--dataset", retries=retries, root=out)
+    files = select_files(ds.files, split, config, f"--dataset {name!r}")
+    mine, _ = rank_files(files, data_rank, data_world_size)
+    if max_shards is not None:
+        mine = mine[:max_shards]
+    report = SubsetReport(name, ds.revision, str(out), files=[f.path for f in mine])
+    progress.start(mine)
+    begin = time.perf_counter()
+    for remote in mine:
+        t0 = time.perf_counter()
+        fetched = not is_complete(ds.local_path(remote), remote.size)
+        if fetched:
+            ds.fetch(remote, retries, progress=progress.advance)
+        (report.downloaded if fetched else report.skipped).append(remote.path)
+        report.bytes += ds.local_path(remote).stat().st_size
+        progress.file_done(remote, fetched, time.perf_counter() - t0)
+    report.seconds = round(time.perf_counter() - begin, 3)
+    return report
