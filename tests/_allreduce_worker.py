@@ -1,7 +1,9 @@
-"""Worker process for tests/test_allreduce.py: one rank of an all-reduce over a bare gloo group.
+"""Worker process for tests/test_allreduce.py: one rank running all-reduces over bare gloo groups.
 
-argv: rank world port outdir spec_json. Writes <outdir>/rank<r>.pt (inputs and results) or
-<outdir>/rank<r>.err (the PeerFailure: rank and message) and exits 0.
+argv: rank world port outdir spec_json. spec: {"cases": [case, ...], "streams": S, "die": rank,
+"hang": bool, "die_after": k, "floor": seconds}; a case: numel, compression, op ("sum"/"avg"),
+dtype, seed, heavy, poison {rank: [[index, value], ...]}, piece. Writes <outdir>/rank<r>.pt (one
+dict per case: input, output, wire_bytes) or <outdir>/rank<r>.err (the PeerFailure as JSON).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,19 +21,33 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 
-def make_input(spec: dict, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * spec.get("seed", 0) + rank)
-    x = torch.randn(spec["numel"], generator=g) * spec.get("scale", 1.0)
-    if spec.get("heavy"):
-        x = x / torch.rand(spec["numel"], generator=g).clamp(min=1e-3).sqrt()  # heavy tails
-    for index, value in spec.get("poison", {}).get(str(rank), []):
+def make_input(case: dict, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * case.get("seed", 0) + rank)
+    x = torch.randn(case["numel"], generator=g)
+    if case.get("heavy"):
+        x = x / torch.rand(case["numel"], generator=g).clamp(min=1e-3).sqrt()  # heavy tails
+    for index, value in case.get("poison", {}).get(str(rank), []):
         x[index] = float(value)
-    return x.to(getattr(torch, spec.get("dtype", "float32")))
+    return x.to(getattr(torch, case.get("dtype", "float32")))
 
 
-def group(rank: int, world: int, port: int, prefix: str) -> dist.ProcessGroup:
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=30))
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timedelta(seconds=30))
+def group(store: dist.Store, rank: int, world: int, prefix: str) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timedelta(seconds=60))
+
+
+def install_death(spec: dict) -> None:
+    """Make this rank die (SIGKILL) or hang (SIGSTOP) inside the ring, after message die_after."""
+    from zb.collectives import ring
+
+    original = ring.RingPart._send
+
+    def send_then_die(self, k, buf):
+        original(self, k, buf)
+        if k >= spec.get("die_after", 1):
+            time.sleep(0.05)  # let the sent message leave
+            os.kill(os.getpid(), signal.SIGSTOP if spec.get("hang") else signal.SIGKILL)
+
+    ring.RingPart._send = send_then_die
 
 
 def main() -> None:
@@ -39,31 +56,28 @@ def main() -> None:
     torch.set_num_threads(1)
     from zb.collectives import PeerFailure, all_reduce
 
-    groups = [group(rank, world, port, f"mesh_{s}") for s in range(spec.get("streams", 1))]
-    x = make_input(spec, rank)
-    out = x.clone()
-    op = ReduceOp.AVG if spec.get("op") == "avg" else ReduceOp.SUM
-    kwargs = dict(op=op, compression=spec["compression"], streams=groups[1:],
-                  timeout_floor_s=spec.get("floor", 10.0), start_timeout_s=spec.get("floor", 10.0),
-                  piece_values=spec.get("piece", 1 << 20))
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+    groups = [group(store, rank, world, f"mesh_{s}") for s in range(spec.get("streams", 1))]
     if spec.get("die") == rank:
-        # die mid-ring: after the first piece is in flight (the hook runs inside the ring)
-        from zb.collectives import ring
-
-        original = ring.RingPart._send
-
-        def send_then_die(self, k, buf):
-            original(self, k, buf)
-            if k >= spec.get("die_after", 1):
-                os.kill(os.getpid(), signal.SIGSTOP if spec.get("hang") else signal.SIGKILL)
-
-        ring.RingPart._send = send_then_die
+        install_death(spec)
+    results = []
     try:
-        stats = all_reduce(out, groups[0], **kwargs)
+        for case in spec["cases"]:
+            x = make_input(case, rank)
+            out = x.clone()
+            op = ReduceOp.AVG if case.get("op") == "avg" else ReduceOp.SUM
+            t0 = time.monotonic()
+            stats = all_reduce(out, groups[0], op=op, compression=case["compression"], streams=groups[1:],
+                               timeout_floor_s=spec.get("floor", 20.0), start_timeout_s=spec.get("floor", 20.0),
+                               piece_values=case.get("piece", 4096))
+            results.append({"input": x, "output": out, "wire_bytes": stats.wire_bytes,
+                            "seconds": time.monotonic() - t0})
     except PeerFailure as e:
-        (outdir / f"rank{rank}.err").write_text(json.dumps({"rank": e.rank, "message": str(e)}))
+        err = {"rank": e.rank, "observer": e.observer, "message": str(e), "at": time.time()}
+        (outdir / f"rank{rank}.err").write_text(json.dumps(err))
         return
-    torch.save({"input": x, "output": out, "wire_bytes": stats.wire_bytes}, outdir / f"rank{rank}.pt")
+    torch.save(results, outdir / f"rank{rank}.pt")
+    groups[0].barrier().wait()  # the store lives in rank 0: nobody leaves before everyone is done
 
 
 if __name__ == "__main__":

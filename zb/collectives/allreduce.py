@@ -58,9 +58,9 @@ def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, de
             opts.reduceOp = ReduceOp.SUM  # gloo has no AVG: divide afterwards, identically everywhere
             works.append((g, b - a, g.allreduce([flat[a:b]], opts)))
     for g, n, work in works:
-        timeout = deadlines.for_bytes(8 * n * (world - 1) // world, first=True)
+        seconds = deadlines.for_bytes(8 * n * (world - 1) // world, first=True)
         try:
-            work.wait(timeout)
+            work.wait(timedelta(seconds=seconds))
         except Exception as e:  # noqa: BLE001 - gloo names an address, not a rank
             raise PeerFailure(f"fp32 all-reduce failed: {str(e).splitlines()[0]}", rank=None,
                               observer=g.rank()) from e

@@ -18,9 +18,10 @@ message, so the right neighbour raises at once with the same suspect rather than
 
 from __future__ import annotations
 
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,17 +29,32 @@ import torch.distributed as dist
 from zb.collectives import kernels
 from zb.collectives.errors import PeerFailure
 from zb.collectives.pieces import FAILED, OK, BufferPool, Layout, Piece, views
+from zb.collectives.watchdog import Watchdog
 
 
 @dataclass
 class Deadlines:
+    """How long a transfer may take: floor + size / minimum bandwidth, plus per-step slack.
+
+    The slack grows with the message's ring step so that, when a peer hangs, the rank right after
+    it times out first and its FAILED notice reaches the ranks further down before their own
+    deadlines (a rank d hops downstream waits on a message d steps later).
+    """
+
     min_bandwidth_mbps: float
     floor_s: float  # per transfer, on top of size / bandwidth
     start_s: float  # for the first message: peers may enter the all-reduce late
 
-    def for_bytes(self, nbytes: int, first: bool = False) -> timedelta:
-        seconds = self.floor_s + nbytes * 8 / (self.min_bandwidth_mbps * 1e6)
-        return timedelta(seconds=max(seconds, self.start_s) if first else seconds)
+    def transfer_s(self, nbytes: int) -> float:
+        return nbytes * 8 / (self.min_bandwidth_mbps * 1e6)
+
+    def for_bytes(self, nbytes: int, first: bool = False, step: int = 0) -> float:
+        seconds = self.floor_s + self.transfer_s(nbytes) + step * (1.0 + self.transfer_s(nbytes))
+        return max(seconds, self.start_s) if first else seconds
+
+    def margin(self, nbytes: int) -> float:
+        """Extra time gloo waits beyond the deadline, for the FAILED notice to leave first."""
+        return 2.0 + self.transfer_s(nbytes)
 
 
 class RingPart:
@@ -55,7 +71,9 @@ class RingPart:
         self.sends: list[tuple[int, torch.Tensor, dist.Work]] = []
         self.next_post = 0
         self.sent_upto = 0  # messages [0, sent_upto) are handed to gloo
+        self.notified = False  # our FAILED notice has been sent
         self.wire_bytes = 0
+        self.watchdog: Watchdog | None = None
 
     # message k <-> (piece, chunk) -------------------------------------------------------------
     def _piece(self, k: int, incoming: bool) -> Piece:
@@ -74,11 +92,21 @@ class RingPart:
             piece = self._piece(k, incoming=True)
             if piece.numel:
                 buf = self.pool.get(piece.nbytes)
-                self.recvs[k] = (buf, self.pg.recv([buf], self.left, k))
+                with self._failure(self.left, "receive from"):
+                    self.recvs[k] = (buf, self.pg.recv([buf], self.left, k))
 
     def _wait_recv(self, k: int, piece: Piece) -> torch.Tensor:
         buf, work = self.recvs.pop(k)
-        self._wait(work, self.deadlines.for_bytes(piece.nbytes, first=(k == 0)), self.left, "receive from")
+        deadline = self.deadlines.for_bytes(piece.nbytes, first=(k == 0), step=k // self.layout.m)
+        assert self.watchdog is not None
+        self.watchdog.arm(deadline, lambda: self.notify_failure(self.left))
+        try:
+            self._wait(work, deadline + self.deadlines.margin(piece.nbytes), self.left, "receive from")
+        finally:
+            self.watchdog.disarm()
+        if self.notified:  # the watchdog gave up on this transfer: data arriving later is too late
+            raise PeerFailure(f"int8 all-reduce: receive from rank {self.left} did not finish within "
+                              f"{deadline:.1f} s", rank=self.left, observer=self.rank)
         header = views(buf, piece.numel)[0]
         if int(header[0]) == FAILED:
             suspect = int(header[1])
@@ -88,7 +116,8 @@ class RingPart:
 
     # sends -----------------------------------------------------------------------------------
     def _send(self, k: int, buf: torch.Tensor) -> None:
-        self.sends.append((k, buf, self.pg.send([buf], self.right, k)))
+        with self._failure(self.right, "send to"):
+            self.sends.append((k, buf, self.pg.send([buf], self.right, k)))
         self.wire_bytes += buf.numel()
         self._reap_sends(block=False)
 
@@ -96,22 +125,31 @@ class RingPart:
         keep = []
         for k, buf, work in self.sends:
             if block:
-                self._wait(work, self.deadlines.for_bytes(buf.numel()), self.right, "send to")
+                seconds = self.deadlines.for_bytes(buf.numel(), step=k // self.layout.m)
+                self._wait(work, seconds, self.right, "send to")
             elif not work.is_completed():
                 keep.append((k, buf, work))
                 continue
             self.pool.put(buf)
         self.sends = keep
 
-    def _wait(self, work: dist.Work, timeout: timedelta, peer: int, what: str) -> None:
+    @contextmanager
+    def _failure(self, peer: int, what: str) -> Iterator[None]:
+        """gloo errors (peer gone, pair closed) become PeerFailure naming that peer."""
         try:
-            ok = work.wait(timeout)
+            yield
+        except PeerFailure:
+            raise
         except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistError variants
             raise PeerFailure(f"int8 all-reduce: {what} rank {peer} failed: {str(e).splitlines()[0]}",
                               rank=peer, observer=self.rank) from e
+
+    def _wait(self, work: dist.Work, seconds: float, peer: int, what: str) -> None:
+        with self._failure(peer, what):
+            ok = work.wait(timedelta(seconds=seconds))
         if ok is False:
             raise PeerFailure(f"int8 all-reduce: {what} rank {peer} did not finish within "
-                              f"{timeout.total_seconds():.1f} s", rank=peer, observer=self.rank)
+                              f"{seconds:.1f} s", rank=peer, observer=self.rank)
 
     # one step of the pipeline ----------------------------------------------------------------
     def advance(self, k: int) -> None:
@@ -167,6 +205,9 @@ class RingPart:
     # failure ---------------------------------------------------------------------------------
     def notify_failure(self, suspect: int | None) -> None:
         """Best effort: our next message becomes a FAILED header so the right neighbour stops now."""
+        if self.notified:
+            return
+        self.notified = True
         for k in range(self.sent_upto, self.total):
             piece = self._piece(k, incoming=False)
             if not piece.numel:
@@ -175,7 +216,7 @@ class RingPart:
             header = views(buf, piece.numel)[0]
             header[0], header[1] = FAILED, -1 if suspect is None else suspect
             try:
-                self.pg.send([buf], self.right, k).wait(timedelta(seconds=2))
+                self.pg.send([buf], self.right, k).wait(timedelta(seconds=self.deadlines.margin(piece.nbytes)))
             except Exception:  # noqa: BLE001 - the right neighbour may be the one that is gone
                 pass
             return
@@ -184,6 +225,9 @@ class RingPart:
 def run_ring(parts: list[RingPart]) -> None:
     """Drive every part (one per stream) round-robin in this thread; raises PeerFailure."""
     longest = max(p.total for p in parts)
+    watchdog = Watchdog()
+    for part in parts:
+        part.watchdog = watchdog
     try:
         for k in range(longest):
             for part in parts:
@@ -194,7 +238,5 @@ def run_ring(parts: list[RingPart]) -> None:
         for part in parts:
             part.notify_failure(failure.rank)
         raise
-
-
-def now() -> float:
-    return time.perf_counter()
+    finally:
+        watchdog.stop()

@@ -1,0 +1,151 @@
+"""all_reduce on 2, 3 and 4 real processes over bare gloo groups (CPU, loopback).
+
+Error bound checked (int8, SUM, per element, W ranks): with A = sum over ranks of that rank's
+max |x| in the element's 256-value block,
+    |result - exact| <= ((1 + 1/254)^W - 1 + W * 2^-22) * A      (AVG: the same divided by W)
+Derivation: the ring quantizes each element W times (W - 1 partial sums, then the owner's final
+sum); one quantization moves a value by at most half a step, scale / 2 = max|block| / 254 (plus
+a relative 2^-23 from the scale's own rounding); the k-th partial sum's block max is at most A
+plus the error so far, so e_k <= e_{k-1} + (A + e_{k-1}) / 254, i.e. e_W <= ((1 + 1/254)^W - 1) A,
+and the W fp32 additions add at most W * 2^-24 * A (bounded loosely by W * 2^-22 * A).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from conftest import PYTHON, free_port, subprocess_env
+from zb.collectives import PeerFailure, all_reduce
+from zb.collectives.kernels import BLOCK
+from zb.errors import InvalidInput
+
+WORKER = Path(__file__).with_name("_allreduce_worker.py")
+
+
+def run_ranks(world: int, spec: dict, tmp_path: Path, timeout: float = 150) -> list:
+    """Start `world` worker processes; return per rank the list of case results or the error dict."""
+    port = free_port()
+    procs = [subprocess.Popen([PYTHON, str(WORKER), str(r), str(world), str(port), str(tmp_path), json.dumps(spec)],
+                              env=subprocess_env()) for r in range(world)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            if spec.get("die") is not None and p is procs[spec["die"]] and spec.get("hang"):
+                continue  # the stopped process is killed below
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for r in range(world):
+        pt, err = tmp_path / f"rank{r}.pt", tmp_path / f"rank{r}.err"
+        out.append(torch.load(pt, weights_only=True) if pt.exists() else json.loads(err.read_text()) if err.exists() else None)
+    return out
+
+
+def bound(inputs: list[torch.Tensor], avg: bool) -> torch.Tensor:
+    w = len(inputs)
+    per_rank = []
+    for x in inputs:
+        x = x.float()
+        pad = -x.numel() % BLOCK
+        m = torch.cat([x, x.new_zeros(pad)]).abs().view(-1, BLOCK).amax(1)
+        per_rank.append(m.repeat_interleave(BLOCK)[: x.numel()])
+    a = torch.stack(per_rank).double().sum(0)
+    b = ((1 + 1 / 254) ** w - 1 + w * 2.0**-22) * a
+    return b / w if avg else b
+
+
+CASES = [
+    {"numel": 100_003, "compression": "int8", "heavy": True},
+    {"numel": 100_003, "compression": "none"},
+    {"numel": 50_001, "compression": "int8", "op": "avg", "seed": 1},
+    {"numel": 30_000, "compression": "int8", "dtype": "bfloat16", "seed": 2},
+    {"numel": 1, "compression": "int8", "seed": 3},
+    {"numel": 5, "compression": "int8", "seed": 4},
+    {"numel": 3 * BLOCK + 1, "compression": "int8", "seed": 5, "piece": BLOCK},
+    {"numel": 3000, "compression": "none", "op": "avg", "seed": 6},
+    {"numel": 2 * BLOCK, "compression": "int8", "seed": 7,
+     "poison": {"1": [[3, "nan"]], "0": [[BLOCK + 7, "inf"]]}},
+]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_reduce_matches_exact_sum(world: int, tmp_path: Path) -> None:
+    ranks = run_ranks(world, {"cases": CASES}, tmp_path)
+    assert all(isinstance(r, list) for r in ranks), ranks
+    for i, case in enumerate(CASES):
+        inputs = [r[i]["input"] for r in ranks]
+        outputs = [r[i]["output"] for r in ranks]
+        for o in outputs[1:]:  # bit-identical on every rank (NaN included)
+            assert torch.equal(o.float().view(torch.int32), outputs[0].float().view(torch.int32)), case
+        avg = case.get("op") == "avg"
+        exact = torch.stack([x.double() for x in inputs]).sum(0) / (world if avg else 1)
+        got = outputs[0].double()
+        if "poison" in case:
+            assert torch.isnan(got[:2 * BLOCK]).all(), "a non-finite input must poison its blocks"
+            continue
+        if case["compression"] == "none":
+            assert torch.allclose(got, exact, rtol=1e-5, atol=1e-5), case
+            continue
+        slack = exact.abs() * 2.0**-8 if case.get("dtype") == "bfloat16" else 0.0  # final bf16 rounding
+        assert torch.all((got - exact).abs() <= bound(inputs, avg) + slack), case
+    int8 = ranks[0][0]["wire_bytes"]
+    assert int8 < 0.27 * ranks[0][1]["wire_bytes"]  # ~1/4 of fp32 on the wire, scales included
+
+
+def test_streams_stripe_over_groups(tmp_path: Path) -> None:
+    cases = [{"numel": 70_001, "compression": "int8"}, {"numel": 70_001, "compression": "none"}]
+    ranks = run_ranks(3, {"cases": cases, "streams": 2}, tmp_path)
+    for i in range(2):
+        outs = [r[i]["output"] for r in ranks]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        exact = torch.stack([r[i]["input"].double() for r in ranks]).sum(0)
+        assert torch.all((outs[0].double() - exact).abs() <= bound([r[i]["input"] for r in ranks], False))
+
+
+def test_killed_peer_makes_every_survivor_raise(tmp_path: Path) -> None:
+    spec = {"cases": [{"numel": 400_000, "compression": "int8", "piece": 8192}], "die": 1, "die_after": 3}
+    ranks = run_ranks(4, spec, tmp_path, timeout=90)
+    survivors = [ranks[r] for r in (0, 2, 3)]
+    assert all(isinstance(s, dict) for s in survivors), survivors
+    assert {s["rank"] for s in survivors} == {1}, survivors  # everyone names the dead rank
+    assert max(s["at"] for s in survivors) - min(s["at"] for s in survivors) < 5  # promptly, not a timeout
+
+
+def test_hung_peer_makes_every_survivor_raise_within_deadline(tmp_path: Path) -> None:
+    spec = {"cases": [{"numel": 400_000, "compression": "int8", "piece": 8192}], "die": 1, "die_after": 3,
+            "hang": True, "floor": 3.0}
+    ranks = run_ranks(3, spec, tmp_path, timeout=60)
+    survivors = [ranks[0], ranks[2]]
+    assert all(isinstance(s, dict) for s in survivors), survivors
+    # rank 2 sees the missing transfer; rank 0 gets rank 2's FAILED notice before its own deadline
+    assert ranks[2]["rank"] == 1 and ranks[0]["rank"] == 1, survivors
+    assert abs(ranks[0]["at"] - ranks[2]["at"]) < 6  # deadline 3 s + margins, not the 60 s group timeout
+
+
+def test_world_size_one_returns_at_once(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    pg = dist.ProcessGroupGloo(store, 0, 1)
+    x = torch.randn(10)
+    y = x.clone()
+    stats = all_reduce(y, pg, compression="int8")
+    assert torch.equal(x, y) and stats.wire_bytes == 0
+    with pytest.raises(InvalidInput):
+        all_reduce(y, pg, compression="int4")
+    with pytest.raises(InvalidInput):
+        all_reduce(y.double(), pg)
+    with pytest.raises(InvalidInput):
+        all_reduce(y, pg, op=ReduceOp.MAX)
+    assert issubclass(PeerFailure, Exception)
