@@ -45,6 +45,7 @@ class _Reducer(threading.Thread):
                  cfg: DilocoConfig):
         super().__init__(name="zb-pseudograd-allreduce", daemon=True)
         self.outer, self.group, self.streams, self.cfg = outer, group, streams, cfg
+        self.scale = 1
         self.todo: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.wire_bytes = 0
@@ -55,25 +56,35 @@ class _Reducer(threading.Thread):
                 continue  # drain: the buffer is undefined after a failure anyway
             a, b = item
             try:
-                stats = all_reduce(self.outer.flat.grad[a:b], self.group, op=ReduceOp.AVG,
-                                   compression=self.cfg.compression, streams=self.streams,
-                                   min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
+                bucket = self.outer.flat.grad[a:b]
+                stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, compression=self.cfg.compression,
+                                   streams=self.streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
+                if self.scale != 1:
+                    bucket.div_(self.scale)
                 self.wire_bytes += stats.wire_bytes
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self.error = e
 
 
 def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: DilocoConfig,
-                         streams: Sequence[dist.ProcessGroup] = ()) -> SyncStats:
-    """Fill outer.flat.grad with the replica group's average pseudo-gradient; raise on failure."""
+                         streams: Sequence[dist.ProcessGroup] = (), *, scale: int | None = None,
+                         zeros: bool = False) -> SyncStats:
+    """Fill outer.flat.grad with the replica group's pseudo-gradients summed and divided by `scale`
+    (default: the group size, i.e. the average; DiLoCo passes the number of contributing nodes so
+    that a joiner's zeros never shrink the update). With `zeros`, this rank sends zeros (a joiner).
+    Raises PeerFailure when a transfer fails."""
     t0 = time.perf_counter()
     ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
     reducer = _Reducer(outer, group, streams, cfg)
+    reducer.scale = group.size() if scale is None else scale
+    if zeros:
+        outer.flat.grad.zero_()
     reducer.start()
     next_bucket = 0
     try:
         for index, (_, end) in enumerate(outer.param_ranges()):
-            outer.pseudo_gradient_of(index)
+            if not zeros:
+                outer.pseudo_gradient_of(index)
             while next_bucket < len(ranges) and ranges[next_bucket][1] <= end:
                 reducer.todo.put(ranges[next_bucket])
                 next_bucket += 1

@@ -1,7 +1,8 @@
-"""`zb train`'s body: set up, loop over steps, evaluate, log, stop cleanly.
+"""`zb train`'s body: set up, loop over steps, sync with other nodes, evaluate, log, stop cleanly.
 
-Run: `zb train` (built-in default), `zb train @configs/debug/normal.toml`, or
-`torchrun --nproc_per_node 2 -m zb train @configs/debug/normal.toml`.
+Run: `zb train` (built-in default), `zb train @configs/debug/normal.toml`,
+`torchrun --nproc_per_node 2 -m zb train @configs/debug/normal.toml`, or, across nodes,
+`scripts/simulate_multi_node_diloco.sh 2 1 @configs/debug/diloco.toml`.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ from dataclasses import dataclass, field
 
 from zb.config_schema import Config
 from zb.metrics import MetricsSink
-from zb.train.device import close_local_group, init_local_group, pick_placement
+from zb.train.device import Placement, close_local_group, init_local_group, pick_placement
 from zb.train.progress import TrainingDisplay, format_step_line
-from zb.train.schedule import build_optimizer, build_scheduler
+from zb.train.schedule import build_optimizer, build_scheduler, set_schedule_position
 from zb.train.setup import build_loaders, build_model, check_batch, node_identity
 from zb.train.signals import StopRequest
-from zb.train.step import Trainer, take
+from zb.train.step import StepResult, Trainer, take
 from zb.world import LocalWorld, local_world
 
 log = logging.getLogger("zb.train")
+
+SPIKE_FACTOR = 2.0  # a step loss this many times the running mean is logged as a spike
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Counters:
     outer_step: int = 0
     tokens: int = 0
     run_tokens: int = 0
+    num_nodes: int = 1
     started: float = field(default_factory=time.perf_counter)
     stop_signal: int | None = None  # set when a signal stopped the run early (exit code 128 + it)
 
@@ -41,84 +45,148 @@ def run(cfg: Config) -> Counters:
     placement = pick_placement(cfg.train, local)
     init_local_group(local, placement)
     try:
-        return _train(cfg, local, placement)
+        return TrainingRun(cfg, local, placement).execute()
     finally:
         close_local_group()
 
 
-def _train(cfg: Config, local: LocalWorld, placement) -> Counters:
-    from zb.data import build_tokenizer
-    from zb.log import set_node_id
+class TrainingRun:
+    def __init__(self, cfg: Config, local: LocalWorld, placement: Placement):
+        from zb.data import build_tokenizer
+        from zb.log import set_node_id
 
-    accum = check_batch(cfg, local)
-    node_id = node_identity(cfg, placement)
-    set_node_id(node_id)
-    tokenizer = build_tokenizer(cfg.data.tokenizer)
-    model = build_model(cfg, tokenizer.vocab_size, placement)
-    optimizer = build_optimizer(model, cfg.optim)
-    trainer = Trainer(model, optimizer, build_scheduler(optimizer, cfg.optim), placement, cfg.optim.grad_clip,
-                      cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
-    data_rank = cfg.data.data_rank if cfg.data.data_rank is not None else 0
-    data_world = cfg.data.data_world_size if cfg.data.data_world_size is not None else 1
-    train_loader, eval_loader = build_loaders(cfg, tokenizer, local, data_rank, data_world)
-    sink = MetricsSink(cfg.log.dir, node_id, enabled=local.is_leader)
-    if local.is_leader and sink.path is not None:
-        log.info("metrics: %s", sink.path)
-    total = cfg.train.max_steps or cfg.optim.total_steps
-    counters = Counters()
-    stop = StopRequest().install()
-    try:
-        with TrainingDisplay(total, counters.step, cfg.log.progress, enabled=local.is_leader) as display:
-            _loop(cfg, trainer, train_loader, eval_loader, accum, total, counters, sink, display, stop)
-        _final_eval(cfg, trainer, eval_loader, counters, sink)
-    finally:
-        stop.restore()
-        sink.close()
-    return counters
+        self.cfg, self.local, self.placement = cfg, local, placement
+        self.accum = check_batch(cfg, local)
+        cfg.elastic.unique_id = node_identity(cfg, placement)
+        set_node_id(cfg.elastic.unique_id)
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
+                               cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
+        self.sink = MetricsSink(cfg.log.dir, cfg.elastic.unique_id, enabled=local.is_leader)
+        self.counters = Counters()
+        self.total = cfg.train.max_steps or cfg.optim.total_steps
+        self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
+        self.diloco = None
+        self._loss_mean: float | None = None
 
+    # -- lifecycle ---------------------------------------------------------------------------
+    def execute(self) -> Counters:
+        stop = StopRequest().install()  # before the mesh: its deathrattle chains to this handler
+        try:
+            data_rank, data_world = self._join_nodes()
+            self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
+                                                                data_world)
+            self._restore_data_position()
+            if self.local.is_leader and self.sink.path is not None:
+                log.info("metrics: %s", self.sink.path)
+            if self.diloco is not None and self.diloco.needs_state:
+                self._outer_step()  # join the current outer step: the state arrives at its end
+            with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
+                                 enabled=self.local.is_leader) as display:
+                self._loop(display, stop)
+            self._final_eval()
+        finally:
+            if self.diloco is not None:
+                # Normal end, error or signal: the deathrattle lets peers drop this node at once.
+                self.diloco.shutdown(graceful=True)
+            stop.restore()
+            self.sink.close()
+        return self.counters
 
-def _loop(cfg, trainer, train_loader, eval_loader, accum, total, counters, sink, display, stop) -> None:
-    tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
-    num_nodes = 1
-    while counters.step < total:
-        t0 = time.perf_counter()
-        result = trainer.train_step(take(train_loader, accum), stop_requested=stop.requested)
-        dt = time.perf_counter() - t0
-        counters.step += 1
-        counters.tokens += tokens_per_step
-        counters.run_tokens += tokens_per_step * num_nodes
-        if counters.step % cfg.train.log_interval == 0 or counters.step == total:
-            _log_step(counters, result, tokens_per_step / dt, tokens_per_step * num_nodes / dt, total, sink)
-        display.update(counters.step, result.loss, tokens_per_step / dt)
-        if cfg.eval.interval > 0 and counters.step % cfg.eval.interval == 0 and counters.step < total:
-            _evaluate(cfg, trainer, eval_loader, counters, sink)
-        if result.stop:
-            # Another local rank may have received the signal: report SIGINT then.
-            counters.stop_signal = stop.signum or signal.SIGINT
-            log.warning("stopped at step %d on request", counters.step)
-            break
+    def _join_nodes(self) -> tuple[int, int]:
+        """With DiLoCo: join the elastic world and claim a data slot. Without: the configured shard."""
+        cfg = self.cfg
+        if cfg.diloco is None:
+            return (cfg.data.data_rank or 0), (cfg.data.data_world_size or 1)
+        from zb.diloco.fingerprint import fingerprint
+        from zb.diloco.node import DilocoNode
 
+        fp = fingerprint(cfg, self.local.world_size, self.model.tok_embeddings.num_embeddings)
+        self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, fp)
+        slot = self.diloco.start()
+        self.counters.num_nodes = self.diloco.mesh.view.global_world_size
+        return slot, self.diloco.num_slots
 
-def _log_step(counters: Counters, result, tokens_per_s: float, run_tokens_per_s: float, total: int,
-              sink: MetricsSink) -> None:
-    log.info(format_step_line(counters.step, total, result.loss, result.lr, result.grad_norm, tokens_per_s,
-                              run_tokens_per_s, counters.run_tokens))
-    sink.log("step", step=counters.step, outer_step=counters.outer_step, loss=result.loss, lr=result.lr,
-             grad_norm=result.grad_norm, z_loss=result.z_loss, tokens=counters.tokens,
-             tokens_per_s=round(tokens_per_s, 1), run_tokens=counters.run_tokens,
-             run_tokens_per_s=round(run_tokens_per_s, 1))
+    def _restore_data_position(self) -> None:
+        position = self.diloco.data_position() if self.diloco is not None else None
+        if position is not None:
+            self.train_loader.load_state_dict(position)
+            log.info("data slot continues where its previous holder stopped")
 
+    # -- the loop ------------------------------------------------------------------------------
+    def _loop(self, display: TrainingDisplay, stop: StopRequest) -> None:
+        cfg, c = self.cfg, self.counters
+        inner_steps = cfg.diloco.inner_steps if cfg.diloco is not None else 0
+        while c.step < self.total:
+            t0 = time.perf_counter()
+            result = self.trainer.train_step(take(self.train_loader, self.accum), stop_requested=stop.requested)
+            dt = time.perf_counter() - t0
+            c.step += 1
+            c.tokens += self.tokens_per_step
+            c.run_tokens += self.tokens_per_step * c.num_nodes
+            self._watch_loss(result)
+            if c.step % cfg.train.log_interval == 0 or c.step == self.total:
+                self._log_step(result, dt)
+            display.update(c.step, result.loss, self.tokens_per_step / dt)
+            if inner_steps and c.step % inner_steps == 0:
+                self._outer_step()
+            if cfg.eval.interval > 0 and c.step % cfg.eval.interval == 0 and c.step < self.total:
+                self._evaluate()
+            if result.stop:
+                # Another local rank may have received the signal: report SIGINT then.
+                c.stop_signal = stop.signum or signal.SIGINT
+                log.warning("stopped at step %d on request", c.step)
+                break
 
-def _evaluate(cfg: Config, trainer: Trainer, eval_loader, counters: Counters, sink: MetricsSink) -> float:
-    loss = trainer.evaluate(eval_loader(), cfg.eval.batches)
-    log.info("eval step %d | held-out loss %.4f", counters.step, loss)
-    sink.log("eval", step=counters.step, outer_step=counters.outer_step, loss=loss)
-    return loss
+    def _watch_loss(self, result: StepResult) -> None:
+        if self._loss_mean is not None and result.loss > SPIKE_FACTOR * self._loss_mean:
+            log.warning("loss spike at step %d: %.4f against a running mean of %.4f", self.counters.step,
+                        result.loss, self._loss_mean)
+        self._loss_mean = result.loss if self._loss_mean is None else 0.9 * self._loss_mean + 0.1 * result.loss
 
+    def _outer_step(self) -> None:
+        c = self.counters
+        report, received = self.diloco.outer_step([c.step, c.outer_step, c.tokens, c.run_tokens],
+                                                  self.train_loader.state_dict())
+        if received is not None:
+            c.step, c.outer_step, _, c.run_tokens = received[:4]
+            set_schedule_position(self.scheduler, c.step)
+        else:
+            c.outer_step += 1
+        c.num_nodes = report.global_world_size
+        fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,
+                      global_world_size=report.global_world_size, num_peers=report.num_peers,
+                      allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes, wire_mbps=report.wire_mbps,
+                      applied=report.applied, attempts=report.attempts)
+        if report.params_hash is not None:
+            fields["params_hash"] = report.params_hash
+        self.sink.log("outer_step", **fields)
+        log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes, %.1f Mbit/s%s",
+                 c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
+                 f"{report.wire_bytes:,}", report.wire_mbps, "" if report.applied else " | NOT applied")
 
-def _final_eval(cfg: Config, trainer: Trainer, eval_loader, counters: Counters, sink: MetricsSink) -> None:
-    # A run stopped by a signal leaves promptly: launchers kill what lingers.
-    if cfg.eval.interval >= 0 and counters.step > 0 and counters.stop_signal is None:
-        _evaluate(cfg, trainer, eval_loader, counters, sink)
-    elapsed = time.perf_counter() - counters.started
-    log.info("done: %d steps, %s tokens in %.1f s", counters.step, f"{counters.tokens:,}", elapsed)
+    def _log_step(self, result: StepResult, dt: float) -> None:
+        c = self.counters
+        tps, run_tps = self.tokens_per_step / dt, self.tokens_per_step * c.num_nodes / dt
+        log.info(format_step_line(c.step, self.total, result.loss, result.lr, result.grad_norm, tps, run_tps,
+                                  c.run_tokens))
+        self.sink.log("step", step=c.step, outer_step=c.outer_step, loss=result.loss, lr=result.lr,
+                      grad_norm=result.grad_norm, z_loss=result.z_loss, tokens=c.tokens,
+                      tokens_per_s=round(tps, 1), run_tokens=c.run_tokens, run_tokens_per_s=round(run_tps, 1))
+
+    def _evaluate(self) -> float:
+        c = self.counters
+        loss = self.trainer.evaluate(self.eval_loader(), self.cfg.eval.batches)
+        log.info("eval step %d | held-out loss %.4f", c.step, loss)
+        self.sink.log("eval", step=c.step, outer_step=c.outer_step, loss=loss)
+        return loss
+
+    def _final_eval(self) -> None:
+        c = self.counters
+        # A run stopped by a signal leaves promptly: launchers kill what lingers.
+        if self.cfg.eval.interval >= 0 and c.step > 0 and c.stop_signal is None:
+            self._evaluate()
+        log.info("done: %d steps, %s tokens in %.1f s", c.step, f"{c.tokens:,}", time.perf_counter() - c.started)

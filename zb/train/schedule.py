@@ -39,3 +39,10 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Ada
     """The inner AdamW; foreach keeps it fast on CPU and works on FSDP2's DTensor params."""
     return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_betas1, cfg.adam_betas2),
                              eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
+
+
+def set_schedule_position(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put the schedule at `step` (a joiner continues the run's schedule, not its own)."""
+    scheduler.last_epoch = step
+    for group, base_lr, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base_lr * fn(step)

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Simulate a DiLoCo run of N nodes with LOCAL_RANKS local ranks each on this machine.
+#
+#   scripts/simulate_multi_node_diloco.sh N LOCAL_RANKS [zb train args...]
+#   scripts/simulate_multi_node_diloco.sh 2 1 @configs/debug/diloco.toml
+#
+# Starts `zb store` on a free loopback port, then N nodes (each through torch's launcher, so a
+# node's local ranks are supervised together), one log per node under $ZB_SIM_LOGDIR (default
+# logs/sim/<time>/nodeI.log, metrics in nodeI/metrics.jsonl). Ctrl-C stops everything, with no
+# orphans. Exits non-zero if any node failed.
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+    echo "usage: $0 N LOCAL_RANKS [zb train args...]" >&2
+    exit 2
+fi
+N=$1 LOCAL=$2
+shift 2
+case "$N$LOCAL" in *[!0-9]*|"") echo "error: N and LOCAL_RANKS must be positive integers" >&2; exit 2;; esac
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+LOGDIR=${ZB_SIM_LOGDIR:-logs/sim/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$LOGDIR"
+PORT=${ZB_SIM_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+
+pids=()
+store_pid=""
+cleanup() {
+    trap - INT TERM EXIT
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    if [ -n "$store_pid" ]; then kill -TERM "$store_pid" 2>/dev/null || true; wait "$store_pid" 2>/dev/null || true; fi
+}
+trap 'echo "stopping all nodes" >&2; cleanup; exit 130' INT TERM
+trap cleanup EXIT
+
+"$PYTHON" -m zb store --port "$PORT" >"$LOGDIR/store.log" 2>&1 &
+store_pid=$!
+echo "store on 127.0.0.1:$PORT (log: $LOGDIR/store.log)" >&2
+
+for i in $(seq 0 $((N - 1))); do
+    GLOBAL_ADDR=127.0.0.1 GLOBAL_PORT=$PORT GLOBAL_WORLD_SIZE=$N GLOBAL_RANK=$i GLOBAL_UNIQUE_ID=${ZB_SIM_PREFIX:-node}$i \
+        "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$LOCAL" -m zb train \
+        --log.progress plain "$@" --log.dir "$LOGDIR/node$i" >"$LOGDIR/node$i.log" 2>&1 &
+    pids+=($!)
+    echo "node $i: pid $! (log: $LOGDIR/node$i.log)" >&2
+done
+
+status=0
+for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+        echo "node $i failed: see $LOGDIR/node$i.log" >&2
+        status=1
+    fi
+done
+exit $status

@@ -1,0 +1,120 @@
+"""State for a joiner, sent by a live node over their replica group as raw tensors (no pickles).
+
+What travels: outer params and outer momentum (identical on every node), this rank's shard of the
+inner AdamW state, and the step counters. The joiner keeps its own data position (its data slot).
+A header goes first so the joiner can refuse a donor whose layout differs before reading anything
+else; every transfer is bounded by a deadline from its size and diloco.min_bandwidth_mbps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from zb.collectives import PeerFailure
+from zb.diloco.outer import OuterState, local_shard
+from zb.errors import InvalidInput
+
+TAG = 7_000  # distinct from the all-reduce ring's tags
+HEADER_LEN = 8
+DEADLINE_FLOOR_S = 30.0
+
+
+def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every param an (empty) AdamW state so a joiner has tensors to receive into."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if "exp_avg" not in state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _inner_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            out += [local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])]
+    return out
+
+
+def _steps(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [optimizer.state[p]["step"] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _layout_hash(outer: OuterState) -> int:
+    text = ";".join(f"{n}:{tuple(s)}" for n, s in zip(outer.names, outer.shapes))
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+
+
+def _deadline(nbytes: int, min_bandwidth_mbps: float) -> timedelta:
+    return timedelta(seconds=DEADLINE_FLOOR_S + nbytes * 8 / (min_bandwidth_mbps * 1e6))
+
+
+def _wait(work, nbytes: int, bw: float, peer: int, what: str) -> None:
+    try:
+        work.wait(_deadline(nbytes, bw))
+    except Exception as e:  # noqa: BLE001 - gloo's errors name an address; we know the peer
+        raise PeerFailure(f"state transfer ({what}) with rank {peer} failed: {str(e).splitlines()[0]}",
+                          rank=peer) from None
+
+
+class StateTransfer:
+    """Send or receive one rank's share of the joiner state over `pg` (a replica group)."""
+
+    def __init__(self, pg: dist.ProcessGroup, outer: OuterState, optimizer: torch.optim.Optimizer, bw: float):
+        self.pg, self.outer, self.optimizer, self.bw = pg, outer, optimizer, bw
+
+    def _header(self, counters: list[int]) -> torch.Tensor:
+        has_momentum = int("outer/momentum" in self.outer.state_tensors())
+        values = [self.outer.numel, has_momentum, sum(t.numel() for t in _inner_tensors(self.optimizer)),
+                  _layout_hash(self.outer), *counters]
+        return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
+
+    def _payload(self) -> torch.Tensor:
+        """One fp32 CPU buffer: momentum, inner AdamW state, AdamW step counts (outer params go alone)."""
+        parts = [t.reshape(-1).float().cpu() for t in self.outer.state_tensors().values()][1:]
+        parts += [t.reshape(-1).float().cpu() for t in _inner_tensors(self.optimizer)]
+        parts.append(torch.stack([s.float().cpu() for s in _steps(self.optimizer)]))
+        return torch.cat(parts)
+
+    def send(self, dst: int, counters: list[int]) -> None:
+        header, payload = self._header(counters), self._payload()
+        for i, t in enumerate((header, self.outer.flat.data, payload)):
+            _wait(self.pg.send([t], dst, TAG + i), t.numel() * t.element_size(), self.bw, dst, "send")
+
+    def receive(self, src: int) -> list[int]:
+        """Load the donor's state; returns its counters. InvalidInput if its layout differs."""
+        ensure_adam_state(self.optimizer)
+        mine = self._header([0] * (HEADER_LEN - 4))
+        header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        _wait(self.pg.recv([header], src, TAG), 8 * HEADER_LEN, self.bw, src, "header")
+        if header[2].item() != mine[2].item() or header[0].item() != mine[0].item() or header[3] != mine[3]:
+            raise InvalidInput(f"the donor's state layout differs from this node's (outer {header[0]} vs "
+                               f"{mine[0]} values): the nodes run different models")
+        _wait(self.pg.recv([self.outer.flat.data], src, TAG + 1), 4 * self.outer.numel, self.bw, src, "outer")
+        momentum = int(header[1].item())
+        payload = torch.empty(momentum * self.outer.numel + int(header[2]) + len(_steps(self.optimizer)))
+        _wait(self.pg.recv([payload], src, TAG + 2), 4 * payload.numel(), self.bw, src, "state")
+        self._load_payload(payload, momentum)
+        return [int(v) for v in header[4:].tolist()]
+
+    @torch.no_grad()
+    def _load_payload(self, payload: torch.Tensor, momentum: int) -> None:
+        offset = 0
+        if momentum:
+            self.outer.load_state_tensors({"outer/params": self.outer.flat.data,
+                                           "outer/momentum": payload[:self.outer.numel]})
+            offset = self.outer.numel
+        for t in _inner_tensors(self.optimizer):
+            t.copy_(payload[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        for s in _steps(self.optimizer):
+            s.fill_(payload[offset].item())
+            offset += 1
+        self.outer.push_to_model()
