@@ -152,10 +152,10 @@ class TrainingRun:
         report, received = self.diloco.outer_step([c.step, c.outer_step, c.tokens, c.run_tokens],
                                                   self.train_loader.state_dict())
         if received is not None:
+            # The donor's counters as of the start of this outer step (its tokens are its own).
             c.step, c.outer_step, _, c.run_tokens = received[:4]
             set_schedule_position(self.scheduler, c.step)
-        else:
-            c.outer_step += 1
+        c.outer_step += 1
         c.num_nodes = report.global_world_size
         fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,
                       global_world_size=report.global_world_size, num_peers=report.num_peers,

@@ -1,0 +1,150 @@
+"""DiLoCo with real nodes on loopback: agreement every outer step (fp32 and int8, 2 local ranks),
+a join mid-run, a node killed mid-run, and a joiner with another model refused.
+
+Nodes are real `zb train` processes (through torch's launcher for 2 local ranks) around a real
+`zb store`, with the short-timeout profile of the elastic tests.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port, subprocess_env
+from elastic_cluster import PROFILE
+from zb.metrics import read_metrics
+
+TINY = ["--model.name", "debug", "--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2",
+        "--optim.warmup_steps", "2", "--diloco.inner_steps", "5", "--train.log_model_hash", "--eval.interval", "-1",
+        "--log.progress", "plain", "--train.log_interval", "1", "--train.device", "cpu"]
+
+
+class Run:
+    """A store plus nodes; every process is killed in close()."""
+
+    def __init__(self, tmp: Path, world_size: int):
+        self.tmp, self.port = tmp, free_port()
+        self.env = subprocess_env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(self.port),
+                                  GLOBAL_WORLD_SIZE=str(world_size), **PROFILE)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+
+    def start(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0) -> subprocess.Popen:
+        env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
+        launcher = [sys.executable, "-m", "zb", "train"]
+        if local_ranks > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(local_ranks), "-m", "zb", "train"]
+        err = open(self.tmp / f"{uid}.log", "w")
+        proc = subprocess.Popen([*launcher, *TINY, *args, "--log.dir", str(self.tmp / uid)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, start_new_session=True)
+        self.procs[uid] = proc
+        return proc
+
+    def metrics(self, uid: str, event: str) -> list[dict]:
+        path = self.tmp / uid / "metrics.jsonl"
+        return read_metrics(path, event) if path.exists() else []
+
+    def wait_outer(self, uid: str, n: int, timeout: float = 150) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.metrics(uid, "outer_step")) >= n:
+                return
+            assert self.procs[uid].poll() is None, self.log(uid)
+            time.sleep(0.2)
+        raise AssertionError(f"{uid} did not reach outer step {n}:\n{self.log(uid)}")
+
+    def finish(self, uid: str, timeout: float = 200) -> int:
+        try:
+            return self.procs[uid].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{uid} did not finish:\n{self.log(uid)}") from None
+
+    def log(self, uid: str) -> str:
+        return "\n".join((self.tmp / f"{uid}.log").read_text().splitlines()[-25:])
+
+    def hashes(self, uid: str) -> dict[int, str]:
+        return {e["outer_step"]: e["params_hash"] for e in self.metrics(uid, "outer_step") if e["applied"]}
+
+    def close(self) -> None:
+        import os
+
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        self.store.kill()
+        self.store.wait(10)
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    runs = []
+
+    def make(world_size: int) -> Run:
+        runs.append(Run(tmp_path, world_size))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+@pytest.mark.parametrize("compression", ["none", "int8"])
+def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression):
+    run = make_run(2)
+    for i in range(2):
+        run.start(f"n{i}", "--optim.total_steps", "15", "--diloco.compression", compression, local_ranks=2, rank=i)
+    for i in range(2):
+        assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
+    a, b = run.hashes("n0"), run.hashes("n1")
+    assert sorted(a) == [1, 2, 3] and a == b
+    assert all(e["num_peers"] == 2 for e in run.metrics("n0", "outer_step"))
+    assert all(e["wire_bytes"] > 0 for e in run.metrics("n0", "outer_step"))
+
+
+def test_joiner_mid_run_ends_identical(make_run):
+    run = make_run(2)
+    for i in range(2):
+        run.start(f"n{i}", "--optim.total_steps", "30", local_ranks=1, rank=i)
+    run.wait_outer("n0", 1)
+    run.start("late", "--optim.total_steps", "30", rank=2)
+    for uid in ("n0", "n1", "late"):
+        assert run.finish(uid) == 0, run.log(uid)
+    last = max(run.hashes("n0"))
+    assert run.hashes("n0")[last] == run.hashes("n1")[last] == run.hashes("late")[last]
+    joined = [e for e in run.metrics("n0", "membership") if "late" in e["joined"]]
+    assert joined, "the leader never logged the join"
+    late_steps = run.metrics("late", "step")
+    assert late_steps[0]["step"] > 5, "the joiner should continue the run's step count, not start at 0"
+
+
+def test_killed_node_does_not_stop_the_others(make_run):
+    run = make_run(3)
+    for i in range(3):
+        run.start(f"n{i}", "--optim.total_steps", "25", rank=i)
+    run.wait_outer("n2", 1)
+    run.procs["n2"].kill()
+    for uid in ("n0", "n1"):
+        assert run.finish(uid) == 0, run.log(uid)
+    last = max(run.hashes("n0"))
+    assert run.hashes("n0")[last] == run.hashes("n1")[last]
+    assert run.metrics("n0", "outer_step")[-1]["global_world_size"] == 2
+
+
+def test_joiner_with_another_model_is_refused(make_run):
+    run = make_run(1)
+    run.start("n0", "--optim.total_steps", "30")
+    run.wait_outer("n0", 1)
+    bad = run.start("odd", "--optim.total_steps", "30", "--model.n_layers", "3", rank=1)
+    assert bad.wait(120) == 2
+    log = (run.tmp / "odd.log").read_text()
+    assert "model.n_layers" in log and "Traceback" not in log
+    assert run.finish("n0") == 0, run.log("n0")
+    assert all(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step"))
