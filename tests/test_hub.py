@@ -50,6 +50,7 @@ def hub(monkeypatch, tmp_path):
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)  # read once, at import
         server.docs = docs
         yield server
 
@@ -139,6 +140,8 @@ def test_tokenizer_from_hub_model_repo(tmp_path, monkeypatch):
     with FakeHub({}, models={"acme/tok": {"tokenizer.json": path.read_bytes()}}) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
         server.fail("tokenizer.json", 1, 503)
         loaded = build_tokenizer("acme/tok")
         assert loaded.eos_id == tok.token_to_id("</s>")

@@ -74,7 +74,10 @@ def cache_root() -> Path:
 
 
 def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    """HF_HUB_OFFLINE, as zb and huggingface_hub (which reads it once, at import) both see it."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes")
 
 
 def open_dataset(repo_id: str, *, key: str, retries: int, root: Path | None = None) -> HubDataset:
