@@ -7,7 +7,6 @@ import json
 import subprocess
 import sys
 import time
-from itertools import islice
 
 import pytest
 
@@ -81,6 +80,7 @@ def test_rank_reads_only_its_files_despite_transient_errors(hub):
     assert all(f"/resolve/{SHA}/" in p for p in hub.downloads())  # pinned to one commit
     inputs, labels = next(loader)
     assert inputs.shape == (2, 32)
+    assert loader.state_dict()["version"] == f"{REPO}@{SHA}"
 
 
 def test_ranks_and_local_ranks_split_the_dataset_without_overlap(hub):

@@ -46,7 +46,7 @@ def build_dataloader(data_cfg: DataConfig, tokenizer: Tokenizer, *, micro_bs: in
     # Builtin documents are already random; shuffling applies to file sources, and never to eval.
     shuffle = data_cfg.shuffle_buffer if split == "train" and source_kind(data_cfg) != "builtin" else 0
     return DataLoader(stream, tokenizer, micro_bs=micro_bs, seq_length=seq_length, shard=shard,
-                      num_shards=num_shards, split=split, shuffle_buffer=shuffle, seed=seed)
+                      num_shards=num_shards, split=split, shuffle_buffer=shuffle, seed=seed, version=p.version)
 
 
 def entropy_floor(data_cfg: DataConfig) -> float | None:

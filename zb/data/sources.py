@@ -29,6 +29,7 @@ class Plan:
     parts: list[Part]
     rr_index: int
     rr_count: int
+    version: str = ""  # what the parts are a snapshot of (a hub dataset's commit); "" when fixed
 
 
 def source_kind(data_cfg: DataConfig) -> str:
@@ -81,7 +82,7 @@ def _hub_plan(data_cfg: DataConfig, data_rank: int, data_world_size: int, local_
     if not data_cfg.streaming:
         for fetch in fetchers:
             fetch()  # download everything up front
-    return Plan(parts, rr_index, rr_count)
+    return Plan(parts, rr_index, rr_count, version=f"{name}@{ds.revision}")
 
 
 def _fetcher(ds, remote, retries: int) -> Callable[[], Path]:
