@@ -6,7 +6,7 @@ import io
 import json
 import subprocess
 import sys
-from itertools import islice
+import time
 
 import pytest
 
@@ -49,6 +49,7 @@ def hub(monkeypatch, tmp_path):
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)  # read once, at import
         server.docs = docs
         yield server
 
@@ -79,6 +80,7 @@ def test_rank_reads_only_its_files_despite_transient_errors(hub):
     assert all(f"/resolve/{SHA}/" in p for p in hub.downloads())  # pinned to one commit
     inputs, labels = next(loader)
     assert inputs.shape == (2, 32)
+    assert loader.state_dict()["version"] == f"{REPO}@{SHA}"
 
 
 def test_ranks_and_local_ranks_split_the_dataset_without_overlap(hub):
@@ -106,7 +108,12 @@ def test_streaming_fetches_lazily_and_split_selects_files(hub):
     loader = _loader(data_rank=0, data_world_size=1)
     assert hub.downloads() == []  # nothing fetched before the first batch
     next(loader)
-    assert len(hub.downloads()) == 1
+    deadline = time.monotonic() + 10
+    while len(hub.downloads()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the next file is prefetched in the background
+    assert [p.rsplit("-of", 1)[0][-5:] for p in hub.downloads()] == ["00000", "00001"]
+    _loader(data_rank=0, data_world_size=1, streaming=False)
+    assert len(hub.downloads()) == 4  # not streaming: everything up front
     test_loader = _loader(split="test")
     assert _docs(test_loader) == ["a test story"]
     with pytest.raises(InvalidInput, match="data.split = 'validation'"):
@@ -133,6 +140,8 @@ def test_tokenizer_from_hub_model_repo(tmp_path, monkeypatch):
     with FakeHub({}, models={"acme/tok": {"tokenizer.json": path.read_bytes()}}) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
         server.fail("tokenizer.json", 1, 503)
         loaded = build_tokenizer("acme/tok")
         assert loaded.eos_id == tok.token_to_id("</s>")
@@ -176,3 +185,25 @@ def test_subset_data_exit_codes(hub, tmp_path):
     assert down.returncode == 1
     assert down.stderr.strip().splitlines()[-1].startswith("error: looking up dataset acme/stories")
     assert "Traceback" not in down.stderr
+
+
+def test_concurrent_fetches_download_once(hub):
+    import threading
+
+    from zb.data.hub import open_dataset
+
+    ds = open_dataset(REPO, key="test", retries=1)
+    remote = next(f for f in ds.files if f.path.endswith("00002-of-00004.parquet"))
+    threads = [threading.Thread(target=ds.fetch, args=(remote, 1)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(hub.downloads()) == 1 and ds.local_path(remote).stat().st_size == remote.size
+
+
+def test_unreachable_hub_falls_back_to_saved_file_list(hub, monkeypatch, caplog):
+    first = _docs(_loader(data_rank=0, data_world_size=4))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port()}")
+    assert _docs(_loader(data_rank=0, data_world_size=4, retries=0)) == first
+    assert "unreachable; using the saved file list" in caplog.text

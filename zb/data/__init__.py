@@ -15,10 +15,13 @@ deterministic from the start, so a fresh eval loader gives the same batches ever
 from __future__ import annotations
 
 import functools
+import logging
 
 from zb.config_schema import DataConfig
 from zb.data.loader import DataLoader, FakeLoader
 from zb.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer
+
+log = logging.getLogger("zb.data")
 
 __all__ = ["ByteTokenizer", "DataLoader", "FakeLoader", "Tokenizer", "build_dataloader", "build_tokenizer",
            "entropy_floor"]
@@ -45,8 +48,11 @@ def build_dataloader(data_cfg: DataConfig, tokenizer: Tokenizer, *, micro_bs: in
                        data_cfg.dataset_name_or_paths)
     # Builtin documents are already random; shuffling applies to file sources, and never to eval.
     shuffle = data_cfg.shuffle_buffer if split == "train" and source_kind(data_cfg) != "builtin" else 0
+    if data_cfg.shuffle_buffer and source_kind(data_cfg) == "builtin" and split == "train":
+        log.warning("data.shuffle_buffer = %d has no effect on builtin data (its documents are already random)",
+                    data_cfg.shuffle_buffer)
     return DataLoader(stream, tokenizer, micro_bs=micro_bs, seq_length=seq_length, shard=shard,
-                      num_shards=num_shards, split=split, shuffle_buffer=shuffle, seed=seed)
+                      num_shards=num_shards, split=split, shuffle_buffer=shuffle, seed=seed, version=p.version)
 
 
 def entropy_floor(data_cfg: DataConfig) -> float | None:

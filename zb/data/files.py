@@ -77,7 +77,8 @@ class FilePart:
                 record = json.loads(raw)
                 raw = record[self.column]
             except (ValueError, TypeError) as e:
-                raise InvalidInput(f"{self.path}: a line is not valid JSON ({e})") from None
+                raise InvalidInput(f"{self.path}: a line is not valid JSON ({e}); .json and .jsonl files must hold "
+                                   "one JSON object per line") from None
             except KeyError:
                 raise InvalidInput(f"data.text_column = {self.column!r}: missing from a record of {self.path} "
                                    f"(keys: {', '.join(list(record)[:10])})") from None

@@ -74,7 +74,10 @@ def cache_root() -> Path:
 
 
 def offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    """HF_HUB_OFFLINE, as zb and huggingface_hub (which reads it once, at import) both see it."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes")
 
 
 def open_dataset(repo_id: str, *, key: str, retries: int, root: Path | None = None) -> HubDataset:
@@ -112,8 +115,9 @@ def _probe(repo_id: str, endpoint: str, key: str, retries: int) -> str:
 
     r = with_retries(get, retries, f"looking up dataset {repo_id} on {endpoint}")
     if r.status_code in (401, 403, 404):
-        raise InvalidInput(f"{key} = {repo_id!r}: no such dataset on {endpoint} (HTTP {r.status_code}); check the "
-                           "name (owner/name), or set HF_TOKEN for a private or gated dataset")
+        local = "" if "/" in repo_id else ", nor a local path"
+        raise InvalidInput(f"{key} = {repo_id!r}: no such dataset on {endpoint} (HTTP {r.status_code}){local}; check "
+                           "the name (owner/name), or set HF_TOKEN for a private or gated dataset")
     if r.status_code != 200:
         raise EnvironmentFailure(f"looking up dataset {repo_id} on {endpoint}: HTTP {r.status_code}")
     return r.json().get("sha") or "main"

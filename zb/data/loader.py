@@ -25,11 +25,11 @@ class DataLoader:
     """Infinite iterator of (inputs, labels), LongTensors [micro_bs, seq_length] on the CPU."""
 
     def __init__(self, stream: DocStream, tokenizer, *, micro_bs: int, seq_length: int, shard: int, num_shards: int,
-                 split: str, shuffle_buffer: int = 0, seed: int = 0, resume_note: str = ""):
+                 split: str, shuffle_buffer: int = 0, seed: int = 0, resume_note: str = "", version: str = ""):
         self.stream, self.tokenizer = stream, tokenizer
         self.micro_bs, self.seq_length = micro_bs, seq_length
         self.shard, self.num_shards, self.split = shard, num_shards, split
-        self.shuffle_buffer, self.seed = shuffle_buffer, seed
+        self.shuffle_buffer, self.seed, self.version = shuffle_buffer, seed, version
         self.exact_resume = shuffle_buffer == 0
         self.resume_note = resume_note or ("" if self.exact_resume else
                                            f"data.shuffle_buffer = {shuffle_buffer}: resuming skips the documents "
@@ -80,7 +80,7 @@ class DataLoader:
         if self._resume_offset is not None:
             offset = self._resume_offset
         return {"kind": "documents", **self._pos, "offset": offset, "shard": self.shard,
-                "num_shards": self.num_shards, "split": self.split}
+                "num_shards": self.num_shards, "split": self.split, "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "documents":
@@ -88,6 +88,9 @@ class DataLoader:
         if (state.get("shard"), state.get("num_shards")) != (self.shard, self.num_shards):
             log.info("data state from shard %s of %s loaded into shard %s of %s: continuing at its position",
                      state.get("shard"), state.get("num_shards"), self.shard, self.num_shards)
+        if state.get("version", "") != self.version:
+            log.warning("data changed since this state was saved (%s, now %s): resuming at the same position of "
+                        "the new file list, which is not the exact continuation", state.get("version"), self.version)
         self._pos = {k: int(state[k]) for k in ("epoch", "part", "doc", "count")}
         self._resume_offset = int(state["offset"])
         self._docs = None

@@ -10,8 +10,11 @@ Shards: shard = data_rank * local_world_size + local_rank, of data_world_size * 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from zb.config_schema import DataConfig
 from zb.data.files import FilePart, find_local_files, looks_local
@@ -26,6 +29,7 @@ class Plan:
     parts: list[Part]
     rr_index: int
     rr_count: int
+    version: str = ""  # what the parts are a snapshot of (a hub dataset's commit); "" when fixed
 
 
 def source_kind(data_cfg: DataConfig) -> str:
@@ -47,7 +51,10 @@ def plan(data_cfg: DataConfig, *, data_rank: int, data_world_size: int, local_ra
         return Plan([BuiltinPart(seed)], shard, num_shards)
     if kind == "local":
         files = find_local_files(data_cfg.dataset_name_or_paths)
-        return Plan([FilePart(p, str(p), data_cfg.text_column) for p in files], shard, num_shards)
+        # Names relative to the files' common directory: the held-out split survives moving the data.
+        base = os.path.commonpath([str(p.parent.resolve()) for p in files])
+        return Plan([FilePart(p, os.path.relpath(p.resolve(), base), data_cfg.text_column) for p in files],
+                    shard, num_shards)
     return _hub_plan(data_cfg, data_rank, data_world_size, local_rank, local_world_size)
 
 
@@ -68,19 +75,40 @@ def _hub_plan(data_cfg: DataConfig, data_rank: int, data_world_size: int, local_
     mine = _present_if_offline(ds, mine)
     log.info("dataset %s@%s: %d data files, this rank reads %d (documents 1 of every %d)",
              name, ds.revision[:12], len(files), len(mine), rr_count)
-    parts = [FilePart(ds.local_path(f), f.path, data_cfg.text_column, ensure=_fetcher(ds, f, data_cfg.retries))
-             for f in mine]
+    fetchers = [_fetcher(ds, f, data_cfg.retries) for f in mine]
+    parts = [FilePart(ds.local_path(f), f.path, data_cfg.text_column,
+                      ensure=_with_prefetch(fetchers[i], fetchers[i + 1] if i + 1 < len(mine) else None))
+             for i, f in enumerate(mine)]
     if not data_cfg.streaming:
-        for part in parts:
-            part._local()  # download everything up front
-    return Plan(parts, rr_index, rr_count)
+        for fetch in fetchers:
+            fetch()  # download everything up front
+    return Plan(parts, rr_index, rr_count, version=f"{name}@{ds.revision}")
 
 
-def _fetcher(ds, remote, retries: int):
-    def ensure() -> Path:
+def _fetcher(ds, remote, retries: int) -> Callable[[], Path]:
+    def fetch() -> Path:
         return ds.fetch(remote, retries)
 
+    return fetch
+
+
+def _with_prefetch(fetch: Callable[[], Path], fetch_next: Callable[[], Path] | None) -> Callable[[], Path]:
+    """Streaming: while one file is read, the next one downloads in the background (a daemon thread,
+    so exit never waits for it; the file lock keeps it from racing the reader's own fetch)."""
+    def ensure() -> Path:
+        path = fetch()
+        if fetch_next is not None:
+            threading.Thread(target=_quietly, args=(fetch_next,), daemon=True, name="zb-prefetch").start()
+        return path
+
     return ensure
+
+
+def _quietly(fetch: Callable[[], Path]) -> None:
+    try:
+        fetch()
+    except Exception as e:  # the reader's own fetch retries and reports it
+        log.debug("prefetch failed: %s", e)
 
 
 def _present_if_offline(ds, files: list) -> list:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from zb.data.download import is_complete
 from zb.data.hub import RemoteFile, open_dataset, rank_files, select_files
@@ -29,7 +28,7 @@ class SubsetReport:
 
 
 class Progress:
-    """What the caller shows: a rich bar or plain lines. `start(total_bytes)`, `advance(n)`, `done(...)`."""
+    """What the caller shows (a rich bar or plain lines); the base class shows nothing."""
 
     def start(self, files: list[RemoteFile]) -> None: ...
 
