@@ -57,8 +57,8 @@ def build_model(cfg: Config, vocab_size: int, placement: Placement) -> torch.nn.
     args = model_args(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.data.seq_length)
     model = Transformer(args)
     model.init_weights(cfg.train.seed)
-    log.info("model %s/%s: %s params, dim %d, %d layers, %d heads (%s kv), vocab %d", cfg.model.type,
-             cfg.model.name, f"{count_params(model):,}", args.dim, args.n_layers, args.n_heads, args.n_kv_heads,
+    log.info("model %s/%s: %s params, dim %d, %d layers, %d heads (%d kv), vocab %d", cfg.model.type,
+             cfg.model.name, f"{count_params(model):,}", args.dim, args.n_layers, args.n_heads, args.kv_heads,
              args.vocab_size)
     if cfg.train.ac_ckpt:
         apply_activation_checkpointing(model)
