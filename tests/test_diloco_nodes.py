@@ -96,11 +96,12 @@ def make_run(tmp_path):
         r.close()
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
-def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression):
+@pytest.mark.parametrize("compression, streams", [("none", "1"), ("int8", "2")])
+def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, streams):
     run = make_run(2)
     for i in range(2):
-        run.start(f"n{i}", "--optim.total_steps", "15", "--diloco.compression", compression, local_ranks=2, rank=i)
+        run.start(f"n{i}", "--optim.total_steps", "15", "--diloco.compression", compression, "--diloco.streams",
+                  streams, "--diloco.drift_guard", local_ranks=2, rank=i)
     for i in range(2):
         assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
     a, b = run.hashes("n0"), run.hashes("n1")

@@ -25,6 +25,7 @@ from zb.config_schema import Config
 from zb.diloco import slots
 from zb.diloco.fingerprint import check_against, encode
 from zb.diloco.outer import OuterState, local_shard
+from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.diloco.transfer import StateTransfer, ensure_adam_state
 from zb.elastic import ElasticDeviceMesh
@@ -62,6 +63,7 @@ class DilocoNode:
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                       local_world_size=local.world_size, sink=sink if local.is_leader else None)
         self.store = None
+        self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.slot: int | None = None
         self.needs_state = False
         self._fresh_view = False
@@ -141,6 +143,8 @@ class DilocoNode:
             stats = None
         report = self._apply(view, contributors, stats, attempts)
         received = self._hand_over_state(view, contributors, counters)
+        if self.dcfg.drift_guard and report.applied:
+            self._check_drift(view)
         self._save_position(data_state)
         return report, received
 
@@ -159,10 +163,9 @@ class DilocoNode:
     def _sync(self, view, contributors: list[int]) -> SyncStats | None:
         if not contributors:
             return None
-        if self.needs_state:
-            self.outer.flat.grad.zero_()
-            return sync_pseudo_gradient_zeros(self.outer, self.mesh.global_pg, self.dcfg)
-        return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, scale=len(contributors))
+        streams = self.streams.for_view(view, self.store)
+        return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, streams, zeros=self.needs_state,
+                                    scale=len(contributors))
 
     def _apply(self, view, contributors: list[int], stats: SyncStats | None, attempts: int) -> OuterReport:
         applied = False
@@ -223,6 +226,25 @@ class DilocoNode:
             return received
         return None
 
+    def _check_drift(self, view) -> None:
+        """Drift guard: a rank whose outer params differ from the majority's resyncs next outer step."""
+        digest = torch.tensor(list(hashlib.sha256(self.outer.flat.detach().numpy().tobytes()).digest()),
+                              dtype=torch.uint8)
+        gathered = [torch.empty_like(digest) for _ in range(view.global_world_size)]
+        try:
+            self.mesh.global_pg.allgather([gathered], [digest]).wait(_short_deadline(self.cfg))
+        except Exception as e:  # noqa: BLE001 - a failed check is retried at the next outer step
+            log.warning("drift check skipped: %s", str(e).splitlines()[0])
+            self.mesh.report_failure(None)
+            return
+        votes = [bytes(g.tolist()) for g in gathered]
+        majority = max(votes, key=lambda v: (votes.count(v), -votes.index(v)))
+        in_sync = localsync.all_ok(self.local_group, votes[view.global_rank] == majority)
+        if not in_sync:
+            log.warning("drift guard: this node's outer params differ from the majority's; "
+                        "resyncing from a live node at the next outer step")
+            self.needs_state = True
+
     def _save_position(self, data_state: dict | None) -> None:
         if data_state is None or self.store is None:
             return
@@ -258,8 +280,3 @@ def _short_deadline(cfg: Config):
     from datetime import timedelta
 
     return timedelta(seconds=max(5.0, cfg.elastic.sync_deadline))
-
-
-def sync_pseudo_gradient_zeros(outer: OuterState, pg, dcfg) -> SyncStats:
-    """A joiner's share of the all-reduce: zeros in, the sum out (then discarded: state follows)."""
-    return sync_pseudo_gradient(outer, pg, dcfg, scale=1, zeros=True)

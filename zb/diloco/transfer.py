@@ -94,9 +94,11 @@ class StateTransfer:
         mine = self._header([0] * (HEADER_LEN - 4))
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         _wait(self.pg.recv([header], src, TAG), 8 * HEADER_LEN, self.bw, src, "header")
-        if header[2].item() != mine[2].item() or header[0].item() != mine[0].item() or header[3] != mine[3]:
-            raise InvalidInput(f"the donor's state layout differs from this node's (outer {header[0]} vs "
-                               f"{mine[0]} values): the nodes run different models")
+        theirs, ours = header[:4].tolist(), mine[:4].tolist()
+        if [theirs[0], theirs[2], theirs[3]] != [ours[0], ours[2], ours[3]]:
+            raise InvalidInput(f"the donor's state layout differs from this node's (outer params: {theirs[0]} vs "
+                               f"{ours[0]} values, inner state: {theirs[2]} vs {ours[2]}): the nodes run different "
+                               "models")
         _wait(self.pg.recv([self.outer.flat.data], src, TAG + 1), 4 * self.outer.numel, self.bw, src, "outer")
         momentum = int(header[1].item())
         payload = torch.empty(momentum * self.outer.numel + int(header[2]) + len(_steps(self.optimizer)))
