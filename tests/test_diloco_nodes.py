@@ -126,6 +126,25 @@ def test_joiner_mid_run_ends_identical(make_run):
     assert late_steps[0]["step"] > 5, "the joiner should continue the run's step count, not start at 0"
 
 
+def test_live_recovery_joiner_downloads_the_outer_state(make_run):
+    run = make_run(2)
+    run.env["ZB_CKPT_TOKEN"] = "test-token-0123456789abcdef"
+    live = ["--ckpt.live_recovery", "--diloco.blocking_join", "false", "--ckpt.ram_dir", str(run.tmp / "shm"),
+            "--optim.total_steps", "30"]
+    for i in range(2):
+        run.start(f"n{i}", *live, rank=i)
+    run.wait_outer("n0", 2)
+    run.start("late", *live, rank=2)
+    for uid in ("n0", "n1", "late"):
+        assert run.finish(uid) == 0, run.log(uid)
+    recovery = run.metrics("late", "recovery")
+    assert recovery and recovery[0]["bytes"] > 0 and recovery[0]["peers"]
+    last = max(run.hashes("n0"))
+    assert run.hashes("n0")[last] == run.hashes("n1")[last] == run.hashes("late")[last]
+    first = run.metrics("late", "outer_step")[0]
+    assert first["applied"], "a recovered joiner applies the run's update in its first outer step"
+
+
 def test_killed_node_does_not_stop_the_others(make_run):
     run = make_run(3)
     for i in range(3):

@@ -2,17 +2,17 @@
 
 Outer step, as data flows (DESIGN.md):
   1. resolve the world (elastic mesh): admit joiners, drop the dead, rebuild groups if needed;
-  2. check in: one tiny all-reduce of "needs state" flags, so every node knows who contributes;
-  3. all-reduce SUM the pseudo-gradients (joiners send zeros), divide by the contributors;
+  2. check in (zb.diloco.checkin): who contributes, who only applies, who needs the full state;
+  3. all-reduce SUM the pseudo-gradients (non-contributors send zeros), divide by the contributors;
   4. the node's local ranks agree that every rank's sync succeeded and was finite; on a failure
      resolve again without the failed peer and recompute (the buffer is undefined afterwards);
   5. outer optimizer step on CPU, copy back into the model shards;
-  6. the donor (lowest contributing rank) sends the full state to each joiner.
+  6. the donor (lowest contributing rank) sends the full state to each receiver (blocking join);
+  7. with live recovery, a RAM snapshot of the outer state is served for future joiners.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -22,16 +22,15 @@ import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
-from zb.diloco import slots
+from zb.diloco import checkin, drift, slots
 from zb.diloco.fingerprint import check_against, encode
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.diloco.transfer import StateTransfer, ensure_adam_state
-from zb.elastic import ElasticDeviceMesh
-from zb.elastic import localsync
-from zb.elastic.store import connect, read_many, store_errors
-from zb.errors import EnvironmentFailure
+from zb.elastic import ElasticDeviceMesh, localsync
+from zb.elastic.store import connect, store_errors
+from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.diloco")
 
@@ -48,7 +47,7 @@ class OuterReport:
     allreduce_s: float
     wire_bytes: int
     wire_mbps: float
-    applied: bool           # False when skipped (non-finite, or no peer reachable)
+    applied: bool           # False when skipped (non-finite, no peer reachable) or state was received
     attempts: int
     params_hash: str | None = None
 
@@ -62,77 +61,124 @@ class DilocoNode:
         self.local_group = dist.group.WORLD if dist.is_initialized() else None
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                       local_world_size=local.world_size, sink=sink if local.is_leader else None)
-        self.store = None
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
-        self.slot: int | None = None
-        self.needs_state = False
+        self.store = None
+        self.slot = self.num_slots = 0
+        self.role = checkin.CONTRIBUTOR
+        self.recovered_counters: dict[str, int] | None = None
+        self.live = None
         self._fresh_view = False
+        if cfg.ckpt.live_recovery:
+            from zb.ckpt.token import read_token
+
+            read_token()  # fail before joining the run, not after: the sidecar needs a token
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> int:
         """Join the run; returns this node's data slot. Refuses (exit 2) a node whose settings differ."""
-        self._check_fingerprint_first()
-        view = self.mesh.start()
+        self._agree(self._check_fingerprint if self.local.is_leader else None)
         self.store = self._connect()
+        recovered = self._recover_live() if self.cfg.ckpt.live_recovery and not self.dcfg.blocking_join else False
+        view = self.mesh.start()
         others_were_there = any(uid not in view.joined for uid in view.nodes)
-        self.needs_state = view.is_joiner and others_were_there
+        if view.is_joiner and others_were_there:
+            self.role = checkin.RECOVERED if recovered else checkin.NEEDS_STATE
         self._fresh_view = True
-        self.slot = self._claim_slot(view)
+        self.slot, self.num_slots = self._claim_slot(view)
+        if self.cfg.ckpt.live_recovery:
+            self._serve_live(view.uid)
         log.info("node %s: global rank %d of %d (mesh v%d), data slot %d%s", view.uid, view.global_rank,
-                 view.global_world_size, view.mesh_version, self.slot,
-                 ", joining a running run: state comes from a live node" if self.needs_state else "")
+                 view.global_world_size, view.mesh_version, self.slot, _joining_note(self.role))
         return self.slot
 
     def _connect(self):
         e = self.cfg.elastic
         return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout)
 
-    def _check_fingerprint_first(self) -> None:
-        """Before touching the world: the first node publishes, everyone else must match."""
-        result = None
+    def _agree(self, leader_fn) -> dict:
+        """Local rank 0 runs `leader_fn` and shares its JSON result; an error there stops every rank."""
+        payload = None
         if self.local.is_leader:
             try:
-                store = self._connect()
-                mine = encode(self.fingerprint)
-                published = store.compare_set(FINGERPRINT_KEY, "", mine).decode()
-                check_against(self.fingerprint, published)
-                result = {"ok": True}
+                payload = leader_fn() if leader_fn else {}
             except Exception as e:  # noqa: BLE001 - told to the other local ranks, then re-raised
                 localsync.broadcast_json(self.local_group, 0, {"error": str(e), "code": getattr(e, "exit_code", 1)})
                 raise
-            localsync.broadcast_json(self.local_group, 0, result)
-        else:
-            result = localsync.broadcast_json(self.local_group, self.local.rank, None)
-            if "error" in result:
-                from zb.errors import InvalidInput
+        payload = localsync.broadcast_json(self.local_group, self.local.rank, payload)
+        if "error" in payload:
+            raise (InvalidInput if payload.get("code") == 2 else EnvironmentFailure)(payload["error"])
+        return payload
 
-                cls = InvalidInput if result.get("code") == 2 else EnvironmentFailure
-                raise cls(result["error"])
+    def _check_fingerprint(self) -> dict:
+        """The first node publishes the run's fingerprint; every later node must match it."""
+        published = self._connect().compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
+        check_against(self.fingerprint, published)
+        return {}
 
-    def _claim_slot(self, view) -> int:
-        payload = None
-        if self.local.is_leader:
+    def _claim_slot(self, view) -> tuple[int, int]:
+        def claim() -> dict:
             num = self.cfg.data.data_world_size or max(self.cfg.elastic.world_size, view.global_world_size)
             pref = self.cfg.data.data_rank if self.cfg.data.data_rank is not None else self.cfg.elastic.rank
-            payload = {"slot": slots.claim_slot(self.store, view.uid, view.nodes, num, pref), "num": num}
-        payload = localsync.broadcast_json(self.local_group, self.local.rank, payload)
-        self.num_slots = payload["num"]
-        return payload["slot"]
+            return {"slot": slots.claim_slot(self.store, view.uid, view.nodes, num, pref), "num": num}
+
+        payload = self._agree(claim)
+        return payload["slot"], payload["num"]
+
+    @property
+    def joining(self) -> bool:
+        """This node joined a running run: it takes part in the current outer step right away."""
+        return self.role != checkin.CONTRIBUTOR
 
     def data_position(self) -> dict | None:
         """Where the previous holder of this node's slot stopped (None: start of the shard)."""
         return slots.load_position(self.store, self.slot, self.local.rank)
 
+    # -- live recovery ---------------------------------------------------------------------------
+    def _recover_live(self) -> bool:
+        from zb.diloco.live import recover
+
+        started = time.perf_counter()
+        found = recover(self.store, self.cfg, self.cfg.elastic.unique_id, self.local.rank, self.outer,
+                        encode(self.fingerprint))
+        ok = localsync.all_ok(self.local_group, found is not None)
+        if ok:
+            counters, result = found
+            self.recovered_counters = counters
+            if self.local.is_leader:
+                self.sink.log("recovery", **result.metrics())
+            log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
+                     counters["outer_step"], ", ".join(result.peers), time.perf_counter() - started)
+        return ok
+
+    def _serve_live(self, uid: str) -> None:
+        from zb.diloco.live import LiveSnapshots
+
+        self.live = LiveSnapshots(self.cfg, uid, self.local.rank, encode(self.fingerprint))
+        self.live.publish_address(self.store)
+
+    def _publish_live(self, counters: list[int], view) -> None:
+        from zb.diloco.live import publish_progress
+
+        step, outer_step = counters[0], counters[1] + 1
+        self.live.publish(self.outer, {"step": step, "outer_step": outer_step, "run_tokens": counters[3]})
+        if view.global_rank == 0 and self.local.is_leader:
+            try:
+                publish_progress(self.store, outer_step, step)
+            except store_errors() as e:
+                log.warning("could not publish the run's progress: %s", str(e).splitlines()[0])
+
     # -- outer step ----------------------------------------------------------------------------
     def outer_step(self, counters: list[int], data_state: dict | None) -> tuple[OuterReport, list[int] | None]:
-        """Run one outer step; returns its report and, for a joiner, the donor's counters."""
-        stats, view, contributors, attempts = None, None, [], 0
+        """Run one outer step; `counters` = [step, outer_step, tokens, run_tokens] before it.
+        Returns its report and, for a node that received the full state, the donor's counters."""
+        stats, view, plan, attempts = None, None, None, 0
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self.mesh.resolve()
             self._fresh_view = False
             try:
-                contributors = self._check_in(view)
-                stats = self._sync(view, contributors)
+                plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
+                                        counters[1], counters[0], _deadline(self.cfg))
+                stats = self._sync(view, plan)
                 ok = True
             except PeerFailure as e:
                 log.warning("outer sync attempt %d failed: %s", attempts, e)
@@ -141,40 +187,34 @@ class DilocoNode:
             if localsync.all_ok(self.local_group, ok):
                 break
             stats = None
-        report = self._apply(view, contributors, stats, attempts)
-        received = self._hand_over_state(view, contributors, counters)
+        was_recovered = self.role == checkin.RECOVERED
+        report = self._apply(view, plan, stats, attempts)
+        received = self._hand_over_state(view, plan, counters) if plan is not None else None
+        if was_recovered and report.applied:
+            # A recovered joiner applied the run's update: it now stands where the run stands.
+            received = [plan.run_step, plan.run_outer_step, 0, counters[3]]
         if self.dcfg.drift_guard and report.applied:
             self._check_drift(view)
+        if self.live is not None:
+            self._publish_live(received or counters, view)
         self._save_position(data_state)
         return report, received
 
-    def _check_in(self, view) -> list[int]:
-        """Ranks that contribute a pseudo-gradient: everyone except nodes waiting for state."""
-        flags = torch.zeros(view.global_world_size, dtype=torch.int32)
-        flags[view.global_rank] = int(self.needs_state)
-        work = self.mesh.global_pg.allreduce([flags])
-        try:
-            work.wait(_short_deadline(self.cfg))
-        except Exception as e:  # noqa: BLE001
-            raise PeerFailure(f"check-in all-reduce failed: {str(e).splitlines()[0]}", rank=None) from None
-        waiting = flags.tolist()
-        return [r for r in range(view.global_world_size) if not waiting[r]]
-
-    def _sync(self, view, contributors: list[int]) -> SyncStats | None:
-        if not contributors:
-            return None
+    def _sync(self, view, plan: checkin.Plan) -> SyncStats:
         streams = self.streams.for_view(view, self.store)
-        return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, streams, zeros=self.needs_state,
-                                    scale=len(contributors))
+        contributing = view.global_rank in plan.contributors
+        return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, streams, zeros=not contributing,
+                                    scale=len(plan.contributors))
 
-    def _apply(self, view, contributors: list[int], stats: SyncStats | None, attempts: int) -> OuterReport:
+    def _apply(self, view, plan: checkin.Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
         applied = False
-        if stats is not None and not self.needs_state:
+        if stats is not None and view.global_rank in plan.appliers:
             finite = bool(torch.isfinite(self.outer.flat.grad).all())
             if localsync.all_ok(self.local_group, finite):
                 self.outer.step()
                 self.outer.push_to_model()
                 applied = True
+                self.role = checkin.CONTRIBUTOR
             else:
                 self._skip_non_finite()
         elif stats is None:
@@ -182,8 +222,8 @@ class DilocoNode:
             log.error("outer step skipped after %d failed attempts; training goes on and the world is resolved "
                       "again at the next outer step", attempts)
         stats = stats or SyncStats()
-        return OuterReport(view.mesh_version, view.global_world_size, len(contributors), round(stats.seconds, 4),
-                           stats.wire_bytes, round(stats.mbps, 2), applied, attempts,
+        return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
+                           round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), applied, attempts,
                            self.params_hash() if self.cfg.train.log_model_hash else None)
 
     def _skip_non_finite(self) -> None:
@@ -197,86 +237,81 @@ class DilocoNode:
             self.outer.push_to_model()
             self.optimizer.state.clear()
 
-    def _hand_over_state(self, view, contributors: list[int], counters: list[int]) -> list[int] | None:
-        """Donor -> joiners, after the outer step; returns the counters a joiner received."""
-        waiting = [r for r in range(view.global_world_size) if r not in contributors]
-        if not waiting or not contributors:
-            self.needs_state = False
+    def _hand_over_state(self, view, plan: checkin.Plan, counters: list[int]) -> list[int] | None:
+        """Donor -> receivers, after the outer step; returns the counters a receiver got."""
+        if not plan.receivers:
             return None
-        donor = contributors[0]
         transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
-        started = time.perf_counter()
-        if view.global_rank == donor:
+        if view.global_rank == plan.donor:
             ensure_adam_state(self.optimizer)
-            for r in waiting:
+            for r in plan.receivers:
                 try:
                     transfer.send(r, counters)
                 except PeerFailure as e:
                     log.warning("could not send state to joiner rank %d: %s", r, e)
                     self.mesh.report_failure(r)
             return None
-        if view.global_rank in waiting:
-            try:
-                received = transfer.receive(donor)
-            except PeerFailure as e:
-                raise EnvironmentFailure(f"joining failed: the state transfer from rank {donor} broke ({e}); "
-                                         "restart this node to join again") from None
-            self.needs_state = False
-            log.info("received the run's state from rank %d in %.2f s", donor, time.perf_counter() - started)
-            return received
-        return None
+        if view.global_rank not in plan.receivers:
+            return None
+        started = time.perf_counter()
+        try:
+            received = transfer.receive(plan.donor)
+        except PeerFailure as e:
+            raise EnvironmentFailure(f"joining failed: the state transfer from rank {plan.donor} broke ({e}); "
+                                     "restart this node to join again") from None
+        self.role = checkin.CONTRIBUTOR
+        log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
+        return received
 
     def _check_drift(self, view) -> None:
-        """Drift guard: a rank whose outer params differ from the majority's resyncs next outer step."""
-        digest = torch.tensor(list(hashlib.sha256(self.outer.flat.detach().numpy().tobytes()).digest()),
-                              dtype=torch.uint8)
-        gathered = [torch.empty_like(digest) for _ in range(view.global_world_size)]
-        try:
-            self.mesh.global_pg.allgather([gathered], [digest]).wait(_short_deadline(self.cfg))
-        except Exception as e:  # noqa: BLE001 - a failed check is retried at the next outer step
-            log.warning("drift check skipped: %s", str(e).splitlines()[0])
+        ok = drift.in_majority(self.mesh.global_pg, view.global_rank, view.global_world_size, self.outer.flat,
+                               _deadline(self.cfg))
+        if ok is None:
             self.mesh.report_failure(None)
-            return
-        votes = [bytes(g.tolist()) for g in gathered]
-        majority = max(votes, key=lambda v: (votes.count(v), -votes.index(v)))
-        in_sync = localsync.all_ok(self.local_group, votes[view.global_rank] == majority)
-        if not in_sync:
+        elif not localsync.all_ok(self.local_group, ok):
             log.warning("drift guard: this node's outer params differ from the majority's; "
                         "resyncing from a live node at the next outer step")
-            self.needs_state = True
+            self.role = checkin.NEEDS_STATE
 
     def _save_position(self, data_state: dict | None) -> None:
-        if data_state is None or self.store is None:
+        if data_state is None:
             return
         try:
+            self.store = self.store or self._connect()
             slots.save_position(self.store, self.slot, self.local.rank, data_state)
-        except store_errors() as e:
-            log.warning("could not record the data position in the store: %s", str(e).splitlines()[0])
-            self.store = None
-            self._reconnect_later()
-
-    def _reconnect_later(self) -> None:
-        try:
-            self.store = self._connect()
-        except Exception:  # noqa: BLE001 - the store may be restarting; try at the next outer step
+        except (*store_errors(), EnvironmentFailure) as e:
+            log.warning("could not record the data position in the store (retried next outer step): %s",
+                        str(e).splitlines()[0])
             self.store = None
 
     # -- misc ---------------------------------------------------------------------------------
     def params_hash(self) -> str:
         """Hash of the outer params over the node's local ranks (equal on every node when in sync)."""
-        digest = torch.tensor(list(hashlib.sha256(self.outer.flat.detach().numpy().tobytes()).digest()),
-                              dtype=torch.uint8)
+        mine = torch.tensor(list(drift.digest(self.outer.flat)), dtype=torch.uint8)
         if self.local_group is not None and self.local.world_size > 1:
-            parts = [torch.empty_like(digest) for _ in range(self.local.world_size)]
-            dist.all_gather(parts, digest, group=self.local_group)
-            digest = torch.cat(parts)
-        return hashlib.sha256(bytes(digest.tolist())).hexdigest()[:16]
+            parts = [torch.empty_like(mine) for _ in range(self.local.world_size)]
+            dist.all_gather(parts, mine, group=self.local_group)
+            mine = torch.cat(parts)
+        import hashlib
+
+        return hashlib.sha256(bytes(mine.tolist())).hexdigest()[:16]
 
     def shutdown(self, graceful: bool = True) -> None:
+        if self.live is not None:
+            try:
+                self.live.close(self.store)
+            except Exception as e:  # noqa: BLE001 - leaving anyway
+                log.debug("closing the live snapshot sidecar: %s", e)
         self.mesh.shutdown(graceful=graceful)
 
 
-def _short_deadline(cfg: Config):
-    from datetime import timedelta
+def _deadline(cfg: Config) -> float:
+    return max(5.0, cfg.elastic.sync_deadline)
 
-    return timedelta(seconds=max(5.0, cfg.elastic.sync_deadline))
+
+def _joining_note(role: int) -> str:
+    if role == checkin.NEEDS_STATE:
+        return ", joining a running run: the state comes from a live node at the next outer step"
+    if role == checkin.RECOVERED:
+        return ", joining a running run with its recovered outer state (non-blocking join)"
+    return ""

@@ -82,8 +82,8 @@ class TrainingRun:
             self._restore_data_position()
             if self.local.is_leader and self.sink.path is not None:
                 log.info("metrics: %s", self.sink.path)
-            if self.diloco is not None and self.diloco.needs_state:
-                self._outer_step()  # join the current outer step: the state arrives at its end
+            if self.diloco is not None and self.diloco.joining:
+                self._outer_step()  # join the current outer step at once (the state arrives at its end)
             with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
                                  enabled=self.local.is_leader) as display:
                 self._loop(display, stop)
@@ -108,6 +108,11 @@ class TrainingRun:
         self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, fp)
         slot = self.diloco.start()
         self.counters.num_nodes = self.diloco.mesh.view.global_world_size
+        if self.diloco.recovered_counters is not None:
+            rc = self.diloco.recovered_counters
+            self.counters.step, self.counters.outer_step = rc["step"], rc["outer_step"]
+            self.counters.run_tokens = rc.get("run_tokens", 0)
+            set_schedule_position(self.scheduler, self.counters.step)
         return slot, self.diloco.num_slots
 
     def _restore_data_position(self) -> None:

@@ -1,0 +1,140 @@
+"""Live recovery: every node serves its latest outer state; a joiner downloads it instead of
+waiting for a donor (non-blocking join).
+
+After each outer step, each local rank writes a RAM snapshot of its node-identical state (outer
+params and outer momentum of its shard, plus the run's counters) in a background thread: the outer
+state does not change during the inner steps, so training never waits for it. Its sidecar
+(`zb.ckpt.serve`, token-protected, read-only) serves the newest committed one; its address is in
+the store under `ckpt_serve/<uid>/r<local rank>`. A joiner's local rank r fetches from the local
+rank r sidecars of the live nodes (split across them, checksummed), checks that the snapshot is
+the run's current outer step (fetching again if the run moved on), and loads it. It takes no other
+node's inner optimizer state or data position.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from zb.ckpt.fetch import FetchResult, fetch_snapshot
+from zb.ckpt.publish import peer_addresses, publish_address, unpublish_address
+from zb.ckpt.serve import serve_in_thread
+from zb.ckpt.snapshot import load_snapshot, prune, snapshot_name, write_snapshot
+from zb.ckpt.token import read_token
+from zb.config_schema import Config
+from zb.diloco.outer import OuterState
+from zb.elastic import keys
+from zb.elastic.store import read_many
+from zb.elastic.world import World
+from zb.errors import EnvironmentFailure
+
+log = logging.getLogger("zb.diloco")
+
+PROGRESS_KEY = "zb/run/progress"   # {"outer_step": k, "step": s} of the last outer step, JSON
+FILE = "outer.safetensors"
+KEEP = 2                            # a download of the previous one may still be running
+FETCH_ROUNDS = 3
+
+
+def sidecar_id(uid: str, local_rank: int) -> str:
+    return f"{uid}/r{local_rank}"
+
+
+class LiveSnapshots:
+    """This local rank's RAM snapshots of the outer state and the sidecar that serves them."""
+
+    def __init__(self, cfg: Config, uid: str, local_rank: int, fingerprint: str):
+        self.uid, self.local_rank, self.fingerprint = uid, local_rank, fingerprint
+        self.token = read_token()
+        self.root = Path(cfg.ckpt.ram_dir) / "live" / uid / f"r{local_rank}"
+        shutil.rmtree(self.root, ignore_errors=True)  # a previous incarnation's state is stale
+        self.root.mkdir(parents=True, exist_ok=True)
+        port = cfg.elastic.live_reco_port + local_rank if cfg.elastic.live_reco_port else 0
+        self.server = serve_in_thread(self.root, self.token, cfg.elastic.live_reco_addr or "0.0.0.0", port)
+        self.advertised = _advertised(cfg, self.server.address)
+        self._writer: threading.Thread | None = None
+
+    def publish_address(self, store) -> None:
+        publish_address(store, sidecar_id(self.uid, self.local_rank), self.advertised)
+
+    def publish(self, outer: OuterState, counters: dict[str, int]) -> None:
+        """Snapshot the outer state in the background (the previous write is awaited first)."""
+        self.wait()
+        tensors = {name.split("/")[1]: t.detach().clone() for name, t in outer.state_tensors().items()}
+        step, outer_step = counters["step"], counters["outer_step"]
+        self._writer = threading.Thread(target=self._write, args=(tensors, counters, step, outer_step),
+                                        name="zb-live-snapshot", daemon=True)
+        self._writer.start()
+
+    def _write(self, tensors, counters, step, outer_step) -> None:
+        try:
+            write_snapshot(self.root, {FILE: tensors}, {"counters": counters}, step, outer_step=outer_step,
+                           fingerprint=self.fingerprint, name=snapshot_name(outer_step))
+            prune(self.root, KEEP)
+        except Exception as e:  # noqa: BLE001 - a missed snapshot only means joiners wait for the next one
+            log.warning("live snapshot of outer step %d failed: %s", outer_step, e)
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def close(self, store=None) -> None:
+        self.wait()
+        if store is not None:
+            unpublish_address(store, sidecar_id(self.uid, self.local_rank))
+        self.server.close()
+
+
+def _advertised(cfg: Config, address: str) -> str:
+    host, port = address.rsplit(":", 1)
+    if host in ("0.0.0.0", "[::]", "::"):
+        from zb.ckpt.publish import advertised_host
+
+        host = advertised_host("0.0.0.0", cfg.elastic.addr)
+    return f"{host}:{port}"
+
+
+def publish_progress(store, outer_step: int, step: int) -> None:
+    store.set(PROGRESS_KEY, json.dumps({"outer_step": outer_step, "step": step}))
+
+
+def read_progress(store) -> dict | None:
+    raw = read_many(store, [PROGRESS_KEY])[0]
+    return json.loads(raw) if raw else None
+
+
+def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fingerprint: str
+            ) -> tuple[dict[str, int], FetchResult] | None:
+    """Fetch and load the run's current outer state; None when there is nothing to recover from."""
+    world = World.decode(read_many(store, [keys.WORLD])[0])
+    progress = read_progress(store)
+    if world is None or not world.nodes or progress is None:
+        return None
+    peers = list(peer_addresses(store, [sidecar_id(u, local_rank) for u in world.nodes if u != uid]).values())
+    if not peers:
+        return None
+    token = read_token()
+    dest = Path(cfg.ckpt.ram_dir) / "recovered" / uid / f"r{local_rank}"
+    for _ in range(FETCH_ROUNDS):
+        result = fetch_snapshot(peers, token, dest, expect_step=progress["step"], files=[FILE],
+                                fingerprint=fingerprint, wait_s=30.0, timeout=30.0)
+        now = read_progress(store)
+        if now is not None and now["outer_step"] == result.outer_step:
+            break
+        log.info("the run moved on to outer step %s during the download: fetching again", now and now["outer_step"])
+        progress = now
+    else:
+        raise EnvironmentFailure("live recovery could not catch up with the run; use diloco.blocking_join")
+    tensors, meta = load_snapshot(result.path)
+    loaded = {f"outer/{k}": v for k, v in tensors[FILE].items()}
+    if loaded["outer/params"].shape != outer.flat.shape:
+        raise EnvironmentFailure("the recovered outer state does not match this node's model shard")
+    outer.load_state_tensors(loaded)
+    outer.push_to_model()
+    return meta["counters"], result
