@@ -133,5 +133,6 @@ def _common_view(nodes: list[Node], size: int, after: float) -> dict | None:
         assert len(views) == 1, f"nodes disagree at mesh version {version}: {views}"
         assert ranks == list(range(size)), f"ranks not compact at mesh version {version}: {ranks}"
         assert all(s["nodes"][s["rank"]] == s["uid"] for s in firsts.values())
-        return {"version": version, "nodes": list(views.pop()[0]), "time": min(s["time"] for s in firsts.values())}
+        times = [s["time"] for s in firsts.values()]
+        return {"version": version, "nodes": list(views.pop()[0]), "time": min(times), "all_time": max(times)}
     return None
