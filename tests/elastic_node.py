@@ -90,13 +90,15 @@ def main(argv=None) -> int:
     setup_logging()
     cfg = load_config().elastic
     deadline = args.transfer_deadline or cfg.pg_timeout
-    mesh = ElasticDeviceMesh(cfg, sink=StdoutSink())
+    local_group, local_rank, local_size = _local_group()
+    mesh = ElasticDeviceMesh(cfg, local_group, local_rank=local_rank, local_world_size=local_size,
+                             sink=StdoutSink() if local_rank == 0 else None)
     try:
         view = mesh.start()
     except ZbError as e:
         emit("error", message=str(e), code=e.exit_code)
         return e.exit_code
-    emit("ready", **_view_fields(view))
+    emit("ready", pid=os.getpid(), **_view_fields(view))
     stop_at = time.monotonic() + args.duration
     resolve_s = 0.0
     for i in range(args.steps):
@@ -137,8 +139,18 @@ def sync(mesh, view, i: int, deadline: float, timing: dict) -> bool:
     return True
 
 
+def _local_group():
+    """Under torchrun: the node's local ranks form the local group (gloo on CPU)."""
+    if "LOCAL_RANK" not in os.environ:
+        return None, 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    return dist.group.WORLD, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+
+
 def _view_fields(view) -> dict:
-    return {"version": view.mesh_version, "rank": view.global_rank, "size": view.global_world_size,
+    return {"local_rank": int(os.environ.get("LOCAL_RANK", "0")), "version": view.mesh_version, "rank": view.global_rank, "size": view.global_world_size,
             "nodes": view.nodes, "leader": view.leader, "uid": view.uid, "joiner": view.is_joiner,
             "store_ok": view.store_ok}
 

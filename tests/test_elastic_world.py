@@ -170,3 +170,28 @@ def test_zb_store_serves_until_sigterm_and_warns_on_wildcard_bind():
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_stopping_heartbeat_sends_no_deathrattle_but_rattle_does():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.elastic.deathrattle import Deathrattle
+    from zb.elastic.heartbeat import Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+    live = Liveness(timeout=1.0)
+    beat = Heartbeat("n1", 0.05, live, client, lambda: ["n1"])
+    beat.start()
+    deadline = time.monotonic() + 10
+    while beat.beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    beat.stop(5)
+    assert beat.beats >= 3 and int(store.get(keys.heartbeat("n1"))) >= 3
+    assert not store.check([keys.GONE])
+    Deathrattle("n1", "tok", client).rattle("leave")
+    assert store.get(keys.GONE) == b"n1 tok\n"
