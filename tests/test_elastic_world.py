@@ -195,3 +195,29 @@ def test_stopping_heartbeat_sends_no_deathrattle_but_rattle_does():
     assert not store.check([keys.GONE])
     Deathrattle("n1", "tok", client).rattle("leave")
     assert store.get(keys.GONE) == b"n1 tok\n"
+
+
+def test_silent_peer_with_a_closed_port_is_condemned_and_revived_by_a_new_counter():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.elastic.closedport import ClosedPortDetector
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    listener = ProbeListener("127.0.0.1")
+    listener.start()
+    store.set(keys.probe("gone"), f"127.0.0.1:{free_port()}")
+    store.set(keys.probe("hung"), listener.endpoint)
+    try:
+        live = Liveness(timeout=60.0)
+        for uid in ("gone", "hung"):
+            live.observe(uid, b"1", now=time.monotonic() - 5)
+        ClosedPortDetector(live, interval=1.0).check(store, ["gone", "hung"])
+        assert live.is_dead("gone") and not live.is_dead("hung")
+        live.observe("gone", b"2")          # a new incarnation beats: alive again
+        assert not live.is_dead("gone")
+    finally:
+        listener.stop()
