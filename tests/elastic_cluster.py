@@ -79,10 +79,11 @@ class Cluster:
         self.store.kill()
         self.store.wait(10)
 
-    def start(self, uid: str, rank: int = 0, world_size: int = 1, *args: str, **env: str) -> Node:
+    def start(self, uid: str, rank: int = 0, world_size: int = 1, *args: str, nproc: int = 0, **env: str) -> Node:
         out, err = self.tmp / f"{uid}.{len(self.nodes)}.out", self.tmp / f"{uid}.{len(self.nodes)}.err"
         node_env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank), GLOBAL_WORLD_SIZE=str(world_size), **env)
-        proc = subprocess.Popen([sys.executable, NODE, *args], env=node_env, stdout=open(out, "w"),
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
+        proc = subprocess.Popen([*launcher, NODE, *args], env=node_env, stdout=open(out, "w"),
                                 stderr=open(err, "w"))
         node = Node(uid, proc, out, err)
         self.nodes[f"{uid}.{len(self.nodes)}"] = node
@@ -133,5 +134,6 @@ def _common_view(nodes: list[Node], size: int, after: float) -> dict | None:
         assert len(views) == 1, f"nodes disagree at mesh version {version}: {views}"
         assert ranks == list(range(size)), f"ranks not compact at mesh version {version}: {ranks}"
         assert all(s["nodes"][s["rank"]] == s["uid"] for s in firsts.values())
-        return {"version": version, "nodes": list(views.pop()[0]), "time": min(s["time"] for s in firsts.values())}
+        times = [s["time"] for s in firsts.values()]
+        return {"version": version, "nodes": list(views.pop()[0]), "time": min(times), "all_time": max(times)}
     return None

@@ -37,8 +37,8 @@ def ring_allreduce(pg, rank: int, size: int, tensor, deadline: float):
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     for hop in range(size - 1):
         incoming = torch.empty_like(carry)
-        send = pg.send([carry], nxt, hop)
-        recv = pg.recv([incoming], prv, hop)
+        send = _post(lambda: pg.send([carry], nxt, hop), nxt)
+        recv = _post(lambda: pg.recv([incoming], prv, hop), prv)
         _wait(recv, prv, deadline)
         _wait(send, nxt, deadline)
         total += incoming
@@ -50,6 +50,14 @@ class RingFailure(Exception):
     def __init__(self, peer: int, error: str) -> None:
         super().__init__(error)
         self.rank = peer
+
+
+def _post(start, peer: int):
+    """Posting a transfer raises at once when the pair to `peer` is already closed."""
+    try:
+        return start()
+    except RuntimeError as e:
+        raise RingFailure(peer, str(e).splitlines()[0][:200]) from None
 
 
 def _wait(work, peer: int, deadline: float) -> None:
@@ -65,6 +73,7 @@ def parse(argv):
     p.add_argument("--duration", type=float, default=60.0, help="stop after this many seconds")
     p.add_argument("--step-time", type=float, default=0.2, help="seconds of 'inner steps' between syncs")
     p.add_argument("--leave-after", type=int, default=None, help="leave gracefully after N steps")
+    p.add_argument("--force-rebuild-every", type=int, default=0, help="report a failure every N steps")
     p.add_argument("--transfer-deadline", type=float, default=None, help="default: elastic.pg_timeout")
     return p.parse_args(argv)
 
@@ -81,21 +90,29 @@ def main(argv=None) -> int:
     setup_logging()
     cfg = load_config().elastic
     deadline = args.transfer_deadline or cfg.pg_timeout
-    mesh = ElasticDeviceMesh(cfg, sink=StdoutSink())
+    local_group, local_rank, local_size = _local_group()
+    mesh = ElasticDeviceMesh(cfg, local_group, local_rank=local_rank, local_world_size=local_size,
+                             sink=StdoutSink() if local_rank == 0 else None)
     try:
         view = mesh.start()
     except ZbError as e:
         emit("error", message=str(e), code=e.exit_code)
         return e.exit_code
-    emit("ready", **_view_fields(view))
+    emit("ready", pid=os.getpid(), **_view_fields(view))
     stop_at = time.monotonic() + args.duration
+    resolve_s = 0.0
     for i in range(args.steps):
         if i > 0:
             time.sleep(args.step_time)      # the "inner steps": no global traffic
+            if args.force_rebuild_every and i % args.force_rebuild_every == 0:
+                mesh.report_failure(None)   # benchmark: a new mesh version without a membership change
+            started = time.monotonic()
             view = mesh.resolve()           # the outer-step boundary
+            resolve_s = time.monotonic() - started
         if time.monotonic() > stop_at:
             break
-        if not sync(mesh, view, i, deadline):
+        timing = {"resolve_s": resolve_s, "rebuild_s": mesh.rebuild_s if view.changed else 0.0}
+        if not sync(mesh, view, i, deadline, timing):
             continue
         if args.leave_after is not None and i + 1 >= args.leave_after:
             break
@@ -104,7 +121,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def sync(mesh, view, i: int, deadline: float) -> bool:
+def sync(mesh, view, i: int, deadline: float, timing: dict) -> bool:
     """All-reduce [1, rank] over the replica group and report the sum; on failure blame the peer."""
     import torch
 
@@ -118,12 +135,22 @@ def sync(mesh, view, i: int, deadline: float) -> bool:
         return False
     n = view.global_world_size
     emit("step", step=i, sum=out.tolist(), ok=out.tolist() == [float(n), float(n * (n - 1) // 2)],
-         allreduce_s=time.monotonic() - started, **_view_fields(view))
+         allreduce_s=time.monotonic() - started, **timing, **_view_fields(view))
     return True
 
 
+def _local_group():
+    """Under torchrun: the node's local ranks form the local group (gloo on CPU)."""
+    if "LOCAL_RANK" not in os.environ:
+        return None, 0, 1
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    return dist.group.WORLD, int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+
+
 def _view_fields(view) -> dict:
-    return {"version": view.mesh_version, "rank": view.global_rank, "size": view.global_world_size,
+    return {"local_rank": int(os.environ.get("LOCAL_RANK", "0")), "version": view.mesh_version, "rank": view.global_rank, "size": view.global_world_size,
             "nodes": view.nodes, "leader": view.leader, "uid": view.uid, "joiner": view.is_joiner,
             "store_ok": view.store_ok}
 

@@ -77,17 +77,20 @@ def test_sigterm_sends_deathrattle(cluster):
     assert view["time"] - sent < 5          # not the heartbeat timeout
 
 
-def test_sigstop_evicted_then_rejoins(cluster):
-    a, b, c = cluster.start_world(3)
-    first = cluster.agreement([a, b, c], 3)
-    stopped = c.signal(signal.SIGSTOP)
-    evicted = cluster.agreement([a, b], 2, after=stopped)
+@pytest.mark.parametrize("victim", ["c", "a"], ids=["follower", "leader"])
+def test_sigstop_evicted_then_rejoins(cluster, victim):
+    nodes = dict(zip("abc", cluster.start_world(3)))
+    first = cluster.agreement(list(nodes.values()), 3)
+    frozen = nodes.pop(victim)
+    stopped = frozen.signal(signal.SIGSTOP)
+    evicted = cluster.agreement(list(nodes.values()), 2, after=stopped)
+    assert victim not in evicted["nodes"]
     time.sleep(1.0)
-    resumed = c.signal(signal.SIGCONT)
-    back = cluster.agreement([a, b, c], 3, after=resumed)
+    resumed = frozen.signal(signal.SIGCONT)
+    back = cluster.agreement([*nodes.values(), frozen], 3, after=resumed)
     assert first["version"] < evicted["version"] < back["version"]
-    assert back["nodes"][:2] == ["a", "b"] and back["nodes"][2] == "c"
-    assert any(e["joiner"] for e in c.events("step") if e["version"] == back["version"])
+    assert back["nodes"] == evicted["nodes"] + [victim]      # back as a new member, at the end
+    assert any(e["joiner"] for e in frozen.events("step") if e["version"] == back["version"])
 
 
 def test_two_deaths_at_once(cluster):
@@ -99,7 +102,7 @@ def test_two_deaths_at_once(cluster):
     assert view["nodes"] == ["a", "c"]
 
 
-def test_join_and_death_in_one_resolution(cluster, tmp_path):
+def test_join_and_death_in_one_resolution(cluster):
     a, b, c = cluster.start_world(3, "--step-time", "2.0")
     first = cluster.agreement([a, b, c], 3)
     d = cluster.start("d", 0, 1, "--step-time", "2.0")
@@ -157,3 +160,30 @@ def test_store_restart_mid_run(cluster):
     view = cluster.agreement([a, b, c], 3, after=restarted)
     assert view["version"] > first["version"] and view["nodes"] == ["a", "b", "c"]
     assert down, "nodes should keep stepping (on the old groups) while the store is away"
+
+
+def test_local_ranks_share_one_view_and_a_dead_local_rank_takes_its_node_out(cluster):
+    a = cluster.start("a", 0, 2, nproc=2)
+    b = cluster.start("b", 1, 2, nproc=2)
+    first = cluster.agreement([a, b], 2, timeout=90)
+    for node in (a, b):      # both replica groups summed correctly at that mesh version
+        assert {s["local_rank"] for s in node.events("step") if s["version"] == first["version"] and s["ok"]} == {0, 1}
+    victim = next(e["pid"] for e in b.events("ready") if e["local_rank"] == 1)
+    import os
+
+    os.kill(victim, signal.SIGKILL)
+    killed = time.time()
+    view = cluster.agreement([a], 1, after=killed)
+    assert view["nodes"] == ["a"]
+    assert {s["local_rank"] for s in a.events("step") if s["version"] == view["version"]} == {0, 1}
+
+
+def test_worker_hosting_the_store(tmp_path):
+    c = Cluster(tmp_path)          # no `zb store`: node a hosts it (Prime style)
+    try:
+        a = c.start("a", 0, 2, ZB_ELASTIC_HOST_STORE="1")
+        b = c.start("b", 1, 2)
+        c.agreement([a, b], 2)
+        assert "single point of failure" in a.err.read_text()
+    finally:
+        c.close()

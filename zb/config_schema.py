@@ -158,19 +158,19 @@ class ElasticConfig:
     rank: int = knob(0, "Preferred starting global rank.", env="GLOBAL_RANK", per_node=True)
     host_store: bool = knob(False, "This node hosts the store itself (Prime style; a single point of failure).",
                             per_node=True)
-    store_timeout: float = knob(300.0, "Seconds before a global store operation times out.",
+    store_timeout: float = knob(300.0, "Seconds before a global store operation times out; also the most a joiner waits for admission.",
                                 env="ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS", per_node=True)
     polling_interval: float = knob(0.1, "Seconds between polls of the store while waiting.",
                                    env="ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS", per_node=True)
-    heartbeat_interval: float = knob(2.0, "Seconds between heartbeats.",
+    heartbeat_interval: float = knob(2.0, "Seconds between heartbeats; also the grace a peer blamed for a failed collective has to check in.",
                                      env="ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS")
-    heartbeat_timeout: float = knob(10.0, "Seconds of silence after which a node is dead.",
+    heartbeat_timeout: float = knob(10.0, "Seconds without a heartbeat change (on the observer's own clock) after which a node is dead.",
                                     env="ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS")
-    pg_timeout: float = knob(60.0, "Global process group timeout (transfers have tighter deadlines of their own).",
+    pg_timeout: float = knob(60.0, "Timeout of the global gloo groups: building them, and collectives without a tighter deadline of their own.",
                              env="ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS")
     connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", per_node=True)
     start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", per_node=True)
-    sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step.")
+    sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).")
     live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
                                          env="ZERO_BAND_LIVE_RECO_ADDR", per_node=True)
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",

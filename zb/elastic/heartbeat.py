@@ -48,6 +48,12 @@ class Liveness:
     def is_dead(self, uid: str, now: float | None = None) -> bool:
         return self.silent_for(uid, now) > self.timeout
 
+    def condemn(self, uid: str) -> None:
+        """Dead now (its process is gone), until its counter changes again (a new incarnation)."""
+        with self._lock:
+            value = self._seen.get(uid, (b"", 0.0))[0]
+            self._seen[uid] = (value, float("-inf"))
+
     def forget_all(self) -> None:
         """After a store restart every counter starts over; old observations mean nothing."""
         with self._lock:

@@ -5,7 +5,8 @@ the lowest-ranked member not excluded is the acting leader. Deadlines (all from 
 measured from this node's own check-in on its own clock):
 
 - a member that said goodbye is out at once;
-- a member whose heartbeat has been silent for `heartbeat_timeout` is dead;
+- a member whose heartbeat has been silent for `heartbeat_timeout` is dead, and so is one silent
+  for 2 x `heartbeat_interval` whose port refuses connections (zb.elastic.closedport);
 - a member blamed for a failed collective (a suspect) that has not checked in within
   `heartbeat_interval` is out (its closed connection named it: no need to wait for the timeout);
 - a member that has not checked in within `sync_deadline` missed the sync and is out;

@@ -19,6 +19,7 @@ import time
 from typing import Callable
 
 from zb.elastic import keys
+from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Liveness, observe_counters
 from zb.elastic.judge import Deadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.snapshot import Snapshot, encode_line, read_snapshot
@@ -39,6 +40,7 @@ class Membership:
         self.cfg, self.uid, self.token, self.lws = cfg, uid, token, local_world_size
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = Deadlines.from_config(cfg)
+        self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
         self.store = None
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
         self.world: World | None = None
@@ -157,6 +159,8 @@ class Membership:
             if snap.raw_world.decode() != world.encode():
                 return self._accept(snap.world)
             self._observe(snap, world)
+            checked = {c.uid for c in snap.checkins}
+            self.closed_ports.check(self.store, [m for m in world.nodes if m not in checked and m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
             if verdict.acting_leader == self.uid and verdict.settled:
                 self._lead(world, snap, verdict.observation)

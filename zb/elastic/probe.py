@@ -75,6 +75,22 @@ def reachable(endpoint: str, timeout: float) -> bool:
         return False
 
 
+def refuses(endpoint: str, timeout: float) -> bool:
+    """True when the host answers but nothing listens there: the peer's process is gone.
+
+    A stopped (SIGSTOP) process still accepts into its backlog and a dead machine times out, so
+    only a refusal counts as evidence, and only for a peer whose heartbeat is already silent.
+    """
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def check_peers(endpoints: dict[str, str], timeout: float, still_alive: Callable[[str], bool]) -> None:
     """Raise EnvironmentFailure naming the first live peer this node cannot connect to.
 

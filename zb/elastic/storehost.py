@@ -22,11 +22,12 @@ def serve(bind: str, port: int, ready: Callable[[dict], None]) -> None:
     """Host the store until SIGINT/SIGTERM; `ready` gets the address info once it listens."""
     store = host(bind, port)
     addr = worker_address(bind)
-    ready({"host": bind, "port": store.port, "addr": addr, "public": is_public(bind),
-           "env": {"GLOBAL_ADDR": addr, "GLOBAL_PORT": str(store.port)}})
     stop = threading.Event()
+    # Handlers first: whoever reads the ready line may signal at once.
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        ready({"host": bind, "port": store.port, "addr": addr, "public": is_public(bind),
+               "env": {"GLOBAL_ADDR": addr, "GLOBAL_PORT": str(store.port)}})
         while not stop.wait(1.0):
             pass
     finally:

@@ -1,0 +1,223 @@
+"""The pure parts of the elastic layer: the world rule, the judge, liveness, probe, store errors."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import free_port, subprocess_env
+from zb.elastic.heartbeat import Liveness
+from zb.elastic.judge import Deadlines, judge
+from zb.elastic.probe import ProbeListener, check_peers
+from zb.elastic.snapshot import CheckIn, Snapshot
+from zb.elastic.world import JoinRequest, Observation, World, next_world
+from zb.errors import EnvironmentFailure
+
+W = World(version=3, round=7, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"}, join_cursor=2)
+DL = Deadlines(suspect_grace=1.0, sync_deadline=10.0, stuck_after=25.0)
+
+
+def obs(checked=("a", "b", "c"), gone=(), excluded=(), joiners=(), failure=False) -> Observation:
+    return Observation(checked=set(checked), gone=set(gone), excluded=set(excluded), joiners=list(joiners),
+                       join_end=5, failure=failure)
+
+
+def test_unchanged_world_keeps_version_but_advances_round():
+    new = next_world(W, obs())
+    assert (new.version, new.round, new.nodes, new.join_cursor) == (3, 8, ["a", "b", "c"], 5)
+
+
+def test_leave_death_and_join_compact_ranks():
+    req = JoinRequest(uid="d", token="td", index=3)
+    new = next_world(W, obs(checked=("a", "c"), gone={("b", "tb")}, joiners=[req]))
+    assert new.nodes == ["a", "c", "d"] and new.version == 4
+    assert (new.left, new.died, new.joined) == (["b"], [], ["d"])
+
+
+def test_goodbye_of_an_older_incarnation_is_ignored():
+    new = next_world(W, obs(gone={("b", "old-token")}))
+    assert new.nodes == ["a", "b", "c"] and new.left == []
+
+
+def test_restarted_member_is_replaced_by_its_new_incarnation():
+    new = next_world(W, obs(joiners=[JoinRequest(uid="b", token="tb2", index=3)]))
+    assert new.nodes == ["a", "c", "b"] and new.tokens["b"] == "tb2" and new.died == ["b"]
+
+
+def test_failed_collective_bumps_version_without_membership_change():
+    assert next_world(W, obs(failure=True)).version == 4
+
+
+def test_reseed_after_store_restart_keeps_order_and_version_moves_on():
+    reqs = [JoinRequest("c", "tc", 0, last_version=3, last_rank=2), JoinRequest("a", "ta", 1, last_version=3),
+            JoinRequest("x", "tx", 2, pref_rank=0)]
+    new = next_world(World(), Observation(set(), set(), set(), reqs, 3))
+    assert new.nodes == ["a", "c", "x"] and new.version == 4 and new.joined == ["x"]
+
+
+def test_first_seed_orders_by_preferred_rank_and_nobody_needs_state():
+    reqs = [JoinRequest("b", "t", 0, pref_rank=1), JoinRequest("a", "t", 1, pref_rank=0)]
+    new = next_world(World(), Observation(set(), set(), set(), reqs, 2))
+    assert new.nodes == ["a", "b"] and new.version == 1 and new.joined == []
+
+
+def test_world_roundtrip_and_garbage():
+    assert World.decode(W.encode()) == W
+    assert World.decode(b"") is None and World.decode(b"[1]") is None and World.decode(b"{bad") is None
+
+
+def snap(checkins=(), gone=()) -> Snapshot:
+    return Snapshot(raw_world=W.encode().encode(), world=W, gone=set(gone), joins=[], checkins=list(checkins))
+
+
+def test_judge_waits_for_members_then_settles():
+    live = Liveness(timeout=5.0)
+    v = judge(W, snap([CheckIn("a", "ta")]), "a", live, since=0.5, dl=DL)
+    assert v.acting_leader == "a" and not v.settled
+    v = judge(W, snap([CheckIn("a", "ta"), CheckIn("b", "tb"), CheckIn("c", "tc")]), "a", live, 0.5, DL)
+    assert v.settled
+
+
+def test_judge_drops_blamed_suspect_after_grace_and_missed_sync_after_deadline():
+    live = Liveness(timeout=5.0)
+    blamed = [CheckIn("a", "ta", failed=True, suspects=["c"]), CheckIn("b", "tb")]
+    assert not judge(W, snap(blamed), "a", live, 0.5, DL).settled
+    v = judge(W, snap(blamed), "a", live, 1.5, DL)
+    assert v.settled and v.observation.excluded == {"c"} and v.observation.failure
+    v = judge(W, snap([CheckIn("a", "ta"), CheckIn("b", "tb")]), "a", live, 10.5, DL)
+    assert v.settled and v.observation.excluded == {"c"}
+
+
+def test_next_in_line_leads_when_leader_is_dead_or_gone():
+    live = Liveness(timeout=5.0)
+    live.observe("a", b"1", now=time.monotonic() - 6)
+    assert judge(W, snap([CheckIn("b", "tb")]), "b", live, 0.5, DL).acting_leader == "b"
+    fresh = Liveness(timeout=5.0)
+    assert judge(W, snap([CheckIn("b", "tb")], gone={("a", "ta")}), "b", fresh, 0.1, DL).acting_leader == "b"
+    assert judge(W, snap([CheckIn("b", "tb")]), "b", fresh, 0.1, DL).acting_leader == "a"
+
+
+def test_stuck_leader_is_passed_over():
+    live = Liveness(timeout=5.0)
+    checked = [CheckIn("a", "ta"), CheckIn("b", "tb"), CheckIn("c", "tc")]
+    assert judge(W, snap(checked), "b", live, 20.0, DL).acting_leader == "a"
+    assert judge(W, snap(checked), "b", live, 26.0, DL).acting_leader == "b"
+
+
+def test_liveness_uses_local_clock_of_changes():
+    live = Liveness(timeout=2.0)
+    live.observe("x", b"1", now=100.0)
+    live.observe("x", b"1", now=101.5)     # unchanged counter: silence keeps counting
+    assert live.silent_for("x", now=102.5) == pytest.approx(2.5) and live.is_dead("x", now=102.5)
+    live.observe("x", b"2", now=102.6)
+    assert not live.is_dead("x", now=103.0)
+    assert not live.is_dead("never-seen")
+
+
+def test_probe_names_the_unreachable_live_peer():
+    listener = ProbeListener("127.0.0.1")
+    listener.start()
+    try:
+        closed = f"127.0.0.1:{free_port()}"
+        check_peers({"ok": listener.endpoint}, timeout=1.0, still_alive=lambda u: True)
+        check_peers({"dead": closed}, timeout=1.0, still_alive=lambda u: False)   # dead, not unreachable
+        with pytest.raises(EnvironmentFailure, match="cannot reach peer far at"):
+            check_peers({"ok": listener.endpoint, "far": closed}, timeout=1.0, still_alive=lambda u: True)
+    finally:
+        listener.stop()
+
+
+def _zb_store(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zb", "store", *args], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_zb_store_port_in_use_is_one_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        result = _zb_store("--port", str(s.getsockname()[1]))
+    assert result.returncode == 1
+    assert "already in use" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_zb_store_bad_address_is_invalid_input():
+    result = _zb_store("--host", "no.such.host.invalid", "--port", str(free_port()))
+    assert result.returncode == 2 and "not a valid address" in result.stderr
+
+
+def test_zb_store_help_names_env_and_private_network(run_zb):
+    out = run_zb("store", "--help").output
+    assert "GLOBAL_ADDR" in out and "GLOBAL_PORT" in out and "private network" in out
+
+
+def test_zb_store_serves_until_sigterm_and_warns_on_wildcard_bind():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "zb", "store", "--host", "0.0.0.0", "--port", str(port), "--json"],
+                            env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        info = __import__("json").loads(proc.stdout.readline())
+        assert info["port"] == port and info["env"]["GLOBAL_PORT"] == str(port) and info["public"]
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        proc.terminate()
+        assert proc.wait(30) == 0
+        err = proc.stderr.read()
+        assert "no authentication" in err and f"GLOBAL_PORT={port}" in err
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_stopping_heartbeat_sends_no_deathrattle_but_rattle_does():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.elastic.deathrattle import Deathrattle
+    from zb.elastic.heartbeat import Heartbeat
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+    live = Liveness(timeout=1.0)
+    beat = Heartbeat("n1", 0.05, live, client, lambda: ["n1"])
+    beat.start()
+    deadline = time.monotonic() + 10
+    while beat.beats < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    beat.stop(5)
+    assert beat.beats >= 3 and int(store.get(keys.heartbeat("n1"))) >= 3
+    assert not store.check([keys.GONE])
+    Deathrattle("n1", "tok", client).rattle("leave")
+    assert store.get(keys.GONE) == b"n1 tok\n"
+
+
+def test_silent_peer_with_a_closed_port_is_condemned_and_revived_by_a_new_counter():
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.elastic.closedport import ClosedPortDetector
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    listener = ProbeListener("127.0.0.1")
+    listener.start()
+    store.set(keys.probe("gone"), f"127.0.0.1:{free_port()}")
+    store.set(keys.probe("hung"), listener.endpoint)
+    try:
+        live = Liveness(timeout=60.0)
+        for uid in ("gone", "hung"):
+            live.observe(uid, b"1", now=time.monotonic() - 5)
+        ClosedPortDetector(live, interval=1.0).check(store, ["gone", "hung"])
+        assert live.is_dead("gone") and not live.is_dead("hung")
+        live.observe("gone", b"2")          # a new incarnation beats: alive again
+        assert not live.is_dead("gone")
+    finally:
+        listener.stop()
