@@ -407,3 +407,57 @@ def test_client_reconnects_after_the_server_dropped_an_idle_connection(peer):
         assert client.manifest()[1].step == 10
     finally:
         client.close()
+
+
+def test_tail_chunks_are_split_between_idle_connections():
+    from zb.ckpt.download import MIN_SPLIT, Board, FilePlan
+
+    board = Board({"f.safetensors": FilePlan(10 * MIN_SPLIT, "0" * 64, ["a", "b"])}, chunk_bytes=10 * MIN_SPLIT)
+    first = board.take("a")
+    first.done = 2 * MIN_SPLIT
+    second = board.take("b")  # nothing pending: b takes the second half of what a has left
+    assert (first.start, first.stop, second.start, second.stop) == (0, 6 * MIN_SPLIT, 6 * MIN_SPLIT, 10 * MIN_SPLIT)
+    board.finish(second, "b")
+    first.done = first.stop - MIN_SPLIT  # too little left to split again: b would wait for it
+    board.finish(first, "a")
+    assert board.take("b") is None and not board.pending and not board.inflight
+
+
+class _SlowHandler(serve._Handler):
+    """Serves file bytes at ~4 MB/s, so a faster peer must take over the tail."""
+
+    def _send_file(self, name, file_name, body):
+        real = self.connection
+
+        class Slow:
+            def sendfile(self, f, offset, count):
+                while count > 0:
+                    n = real.sendfile(f, offset, min(count, 256 << 10))
+                    offset, count = offset + n, count - n
+                    time.sleep(0.06)
+
+        self.connection = Slow()
+        try:
+            super()._send_file(name, file_name, body)
+        finally:
+            self.connection = real
+
+
+def test_fetch_from_a_slow_and_a_fast_peer(tmp_path):
+    """One 8 MB chunk, first taken by the slow peer (alone it needs ~2 s): the fast one takes over."""
+    tensors = {"model.safetensors": {"w": torch.randn(2 << 20)}}
+    handles = []
+    for name in ("slow", "fast"):
+        write_snapshot(tmp_path / name, tensors, {}, 1)
+        handles.append(serve.serve_in_thread(tmp_path / name, TOKEN, "127.0.0.1", 0))
+    handles[0].server.RequestHandlerClass = _SlowHandler
+    try:
+        start = time.monotonic()
+        result = fetch_snapshot([h.address for h in handles], TOKEN, tmp_path / "dest", chunk_bytes=8 << 20,
+                                progress=False)
+        elapsed = time.monotonic() - start
+        assert torch.equal(load_snapshot(result.path)[0]["model.safetensors"]["w"], tensors["model.safetensors"]["w"])
+        assert handles[1].address in result.peers and elapsed < 1.5, elapsed
+    finally:
+        for h in handles:
+            h.close()

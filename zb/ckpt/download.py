@@ -28,6 +28,7 @@ log = logging.getLogger("zb.ckpt.fetch")
 _BUF = 1 << 20
 _HASH_PIECE = 8 << 20
 MAX_PEER_FAILURES = 3
+MIN_SPLIT = 1 << 20           # never split the tail into pieces smaller than this
 
 
 class DownloadFailed(Exception):
@@ -52,6 +53,8 @@ class Chunk:
     start: int
     stop: int
     done: int = 0               # bytes already written from `start` (a retry resumes there)
+    # `stop` may shrink while the chunk is in flight (Board._split_inflight); bytes written past the
+    # new stop are the same bytes the new chunk writes, since every source holds the same file.
 
 
 class PrefixHasher:
@@ -138,8 +141,24 @@ class Board:
                     return chunk
                 if not any(self._serves(peer, c) for c in self.inflight):
                     return None
+                stolen = self._split_inflight(peer)
+                if stolen is not None:
+                    return stolen
                 self.cond.wait(0.5)  # a chunk in flight elsewhere may fail and come back to us
             return None
+
+    def _split_inflight(self, peer: str) -> Chunk | None:
+        """At the tail, take the second half of the largest chunk still in flight, so an idle
+        connection helps instead of waiting for the slowest one (its owner stops at the new end)."""
+        candidates = [c for c in self.inflight if self._serves(peer, c)]
+        chunk = max(candidates, key=lambda c: c.stop - c.start - c.done, default=None)
+        if chunk is None or chunk.stop - chunk.start - chunk.done < 2 * MIN_SPLIT:
+            return None
+        mid = chunk.start + chunk.done + (chunk.stop - chunk.start - chunk.done) // 2
+        stolen = Chunk(chunk.file, mid, chunk.stop)
+        chunk.stop = mid
+        self.inflight.append(stolen)
+        return stolen
 
     def finish(self, chunk: Chunk, peer: str) -> None:
         with self.cond:
@@ -191,6 +210,8 @@ def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, plan: FilePlan, fd
             chunk.done += n
             report.bytes_by_peer[client.peer] += n
             progress.advance(n)
+        if response.length:  # the chunk was split while in flight: its old tail is not ours to read
+            client.close()
     except (OSError, http.client.HTTPException) as e:
         client.close()
         raise PeerError(client.peer, f"transfer of {chunk.file} broke at byte {chunk.start + chunk.done}: "
