@@ -431,10 +431,12 @@ class _SlowHandler(serve._Handler):
 
         class Slow:
             def sendfile(self, f, offset, count):
+                total = count
                 while count > 0:
                     n = real.sendfile(f, offset, min(count, 256 << 10))
                     offset, count = offset + n, count - n
                     time.sleep(0.06)
+                return total
 
         self.connection = Slow()
         try:

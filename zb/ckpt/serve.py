@@ -160,8 +160,8 @@ class _Handler(BaseHTTPRequestHandler):
             for key, value in headers.items():
                 self.send_header(key, value)
             self.end_headers()
-            if body and stop > start:
-                self.connection.sendfile(f, start, stop - start)
+            if body and stop > start and self.connection.sendfile(f, start, stop - start) < stop - start:
+                self.close_connection = True  # the file shrank under us: the client sees a short body
 
 
 class SnapshotServer(ThreadingHTTPServer):
