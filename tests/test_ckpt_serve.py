@@ -340,6 +340,8 @@ def test_cli_clear_errors(tmp_path):
             (["--dir", str(tmp_path / "missing")], 2, "does not exist"),
             (["--dir", str(tmp_path), "--token-file", str(tmp_path / "nope")], 2, "cannot read the token file"),
             (["--dir", str(tmp_path), "--publish", "127.0.0.1:1"], 2, "needs a node id"),
+            (["--dir", str(tmp_path), "--publish", f"127.0.0.1:{free_port()}", "--node-id", "n",
+              "--connect-timeout", "0.5"], 1, "cannot reach the global store"),
         ]:
             proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", *args], env=env, capture_output=True,
                                   text=True, timeout=60)
