@@ -465,3 +465,15 @@ def test_fetch_from_a_slow_and_a_fast_peer(tmp_path):
     finally:
         for h in handles:
             h.close()
+
+
+def test_a_client_resetting_its_connection_is_not_a_traceback(peer, capfd):
+    _, h = peer()
+    host, port = h.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+    s.sendall(b"GET /manifest HTTP/1.1\r\n")
+    s.close()
+    time.sleep(0.3)
+    assert _get(h, "/manifest")[0].status == 200
+    assert "Traceback" not in capfd.readouterr().err

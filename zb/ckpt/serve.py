@@ -24,6 +24,7 @@ import re
 import socket
 import socketserver
 import stat
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -182,6 +183,15 @@ class SnapshotServer(ThreadingHTTPServer):
         # HTTPServer.server_bind calls getfqdn(), which can stall for seconds on DNS: skip it.
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that resets or stalls its connection is routine (a joiner dropping a split
+        range, a peer dying): one debug line, not a traceback. Anything else is a bug."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s ended: %s", client_address[0], error)
+            return
+        super().handle_error(request, client_address)
 
     def find(self, query: str) -> tuple[Path, Manifest]:
         """Newest committed snapshot, or the one of `?step=N`; 503 while nothing is committed."""
