@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -477,3 +478,14 @@ def test_a_client_resetting_its_connection_is_not_a_traceback(peer, capfd):
     time.sleep(0.3)
     assert _get(h, "/manifest")[0].status == 200
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_progress_bar_and_log_lines(peer, tmp_path, caplog, monkeypatch):
+    from zb.ckpt import progress
+
+    _, a = peer("a")
+    fetch_snapshot([a.address], TOKEN, tmp_path / "bar", progress=True)  # rich bar on stderr
+    monkeypatch.setattr(progress, "_LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="zb.ckpt.fetch"):
+        fetch_snapshot([a.address], TOKEN, tmp_path / "plain", progress=False)
+    assert "live recovery: " in caplog.text and "MB/s" in caplog.text
