@@ -358,7 +358,7 @@ def test_prefix_hasher_matches_sha256_whatever_the_completion_order(tmp_path):
     import hashlib
     import random
 
-    from zb.ckpt.download import PrefixHasher
+    from zb.ckpt.prefix_hash import PrefixHasher
 
     data = os.urandom(3_000_001)
     path = tmp_path / "f"
@@ -489,3 +489,39 @@ def test_progress_bar_and_log_lines(peer, tmp_path, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="zb.ckpt.fetch"):
         fetch_snapshot([a.address], TOKEN, tmp_path / "plain", progress=False)
     assert "live recovery: " in caplog.text and "MB/s" in caplog.text
+
+
+@pytest.mark.parametrize("header, size, expected", [
+    (None, 10, None), ("bytes=0-0", 10, (0, 1)), ("bytes=2-", 10, (2, 10)), ("bytes=-3", 10, (7, 10)),
+    ("bytes=-30", 10, (0, 10)), ("bytes=5-100", 10, (5, 10)), (" bytes=1-2 ", 10, (1, 3)),
+    ("bytes=10-", 10, 416), ("bytes=3-2", 10, 416), ("bytes=-", 10, 416), ("bytes=0-1,2-3", 10, 416),
+    ("bytes=0-0", 0, 416), ("bits=0-1", 10, 416),
+])
+def test_parse_range(header, size, expected):
+    from zb.ckpt.http_util import HttpError, parse_range
+
+    if expected == 416:
+        with pytest.raises(HttpError) as e:
+            parse_range(header, size)
+        assert e.value.status == 416 and e.value.headers["Content-Range"] == f"bytes */{size}"
+    else:
+        assert parse_range(header, size) == expected
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("/manifest", ("manifest", "")), ("/manifest?step=3", ("manifest", "step=3")),
+    ("/files/step-1/model.safetensors", ("file", "step-1", "model.safetensors")),
+    ("/files/step%2D1/model.safetensors", ("file", "step-1", "model.safetensors")),
+    ("/files/%2e%2e/model.safetensors", 400), ("/files/a/b/c.safetensors", 404), ("/files/a/..", 400),
+    ("/files/a/%c0%ae.safetensors", 400), ("/files/a/x.safetensors%2f", 400), ("http://h/manifest", 400),
+    ("/nothing", 404), ("/files/.hidden/x.safetensors", 400),
+])
+def test_route(target, expected):
+    from zb.ckpt.http_util import HttpError, route
+
+    if isinstance(expected, int):
+        with pytest.raises(HttpError) as e:
+            route(target)
+        assert e.value.status == expected
+    else:
+        assert route(target) == expected
