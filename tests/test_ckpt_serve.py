@@ -525,3 +525,23 @@ def test_route(target, expected):
         assert e.value.status == expected
     else:
         assert route(target) == expected
+
+
+def test_advertised_address_and_store_keys():
+    from zb.ckpt.publish import advertised_address, peer_addresses, publish_address
+
+    assert advertised_address("10.1.2.3", 7000) == "10.1.2.3:7000"
+    assert advertised_address("0.0.0.0", 7000, advertise="node-a.vpn") == "node-a.vpn:7000"
+    assert advertised_address("0.0.0.0", 7000, toward="127.0.0.1") == "127.0.0.1:7000"  # route to the store
+    assert advertised_address("::1", 7000) == "[::1]:7000"
+
+    class DictStore(dict):
+        def set(self, key, value):
+            self[key] = value.encode()
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    store = DictStore()
+    assert publish_address(store, "n1", "10.0.0.1:7000") == "ckpt_serve/n1"
+    assert peer_addresses(store, ["n1", "n2"]) == {"n1": "10.0.0.1:7000"}

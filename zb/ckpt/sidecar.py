@@ -11,7 +11,7 @@ from datetime import timedelta
 from typing import Any
 
 from zb.ckpt.peer import parse_peer
-from zb.ckpt.publish import advertised_host, publish_address, unpublish_address
+from zb.ckpt.publish import advertised_address, publish_address, unpublish_address
 from zb.ckpt.serve import SnapshotServer, make_server
 from zb.ckpt.token import read_token
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -39,9 +39,7 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
         raise InvalidInput("--publish needs a node id: pass --node-id or set GLOBAL_UNIQUE_ID")
     store_host = parse_peer(store_addr)[0] if store_addr else None
     server = make_server(root, token, host, port, client_timeout)
-    bound_port = server.server_address[1]
-    adv = advertise or advertised_host(host, store_host)
-    sidecar = Sidecar(server, f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}")
+    sidecar = Sidecar(server, advertised_address(host, server.server_address[1], advertise, store_host))
     if store_addr is not None:
         try:
             sidecar.store = _connect_store(store_addr, connect_timeout)
