@@ -545,3 +545,17 @@ def test_advertised_address_and_store_keys():
     store = DictStore()
     assert publish_address(store, "n1", "10.0.0.1:7000") == "ckpt_serve/n1"
     assert peer_addresses(store, ["n1", "n2"]) == {"n1": "10.0.0.1:7000"}
+
+
+def test_fetch_deadline_bounds_a_slow_download(tmp_path):
+    write_snapshot(tmp_path / "slow", {"model.safetensors": {"w": torch.randn(2 << 20)}}, {}, 1)
+    handle = serve.serve_in_thread(tmp_path / "slow", TOKEN, "127.0.0.1", 0)
+    handle.server.RequestHandlerClass = _SlowHandler  # ~2 s for the file
+    try:
+        start = time.monotonic()
+        with pytest.raises(EnvironmentFailure, match="missed its deadline"):
+            fetch_snapshot([handle.address], TOKEN, tmp_path / "dest", deadline_s=0.5, progress=False)
+        assert time.monotonic() - start < 1.5
+        assert not (tmp_path / "dest" / "step-000000001").exists()
+    finally:
+        handle.close()

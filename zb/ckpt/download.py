@@ -33,10 +33,10 @@ MIN_SPLIT = 1 << 20           # never split the tail into pieces smaller than th
 class DownloadFailed(Exception):
     """No live peer can serve what is left; `gone` when every peer lost the snapshot (pruned)."""
 
-    def __init__(self, errors: dict[str, str], gone: bool):
+    def __init__(self, errors: dict[str, str], gone: bool, expired: bool = False):
         detail = "; ".join(e for _, e in sorted(errors.items())) or "no peer to ask"
         super().__init__(f"no peer could serve the rest of the snapshot ({detail})")
-        self.errors, self.gone = errors, gone
+        self.errors, self.gone, self.expired = errors, gone, expired
 
 
 @dataclass
@@ -66,8 +66,9 @@ class Report:
 class Board:
     """The shared queue of chunks, the peers' health, and the first fatal error."""
 
-    def __init__(self, plans: dict[str, FilePlan], chunk_bytes: int):
+    def __init__(self, plans: dict[str, FilePlan], chunk_bytes: int, deadline: float = float("inf")):
         self.plans = plans
+        self.deadline = deadline            # time.monotonic() after which nobody takes or reads a chunk
         self.pending = [Chunk(f, s, min(s + chunk_bytes, p.size)) for f, p in plans.items()
                         for s in range(0, p.size, chunk_bytes)]
         self.inflight: list[Chunk] = []
@@ -84,7 +85,7 @@ class Board:
     def take(self, peer: str) -> Chunk | None:
         """The next chunk this peer can serve; None when there is nothing left for it."""
         with self.cond:
-            while peer not in self.dead and not self.stuck():
+            while peer not in self.dead and not self.stuck() and not self.expired():
                 chunk = next((c for c in self.pending if self._serves(peer, c)), None)
                 if chunk is not None:
                     self.pending.remove(chunk)
@@ -134,6 +135,9 @@ class Board:
                 log.warning("%s (the rest of that chunk goes back in the queue)", error)
             self.cond.notify_all()
 
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
     def stuck(self) -> bool:
         """True when some pending chunk has no live peer left to serve it."""
         return any(not any(self._serves(p, c) for p in self.plans[c.file].sources) for c in self.pending)
@@ -145,9 +149,10 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, plan: FilePlan, fd: int,
-                 progress: TransferProgress, report: Report) -> None:
+def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, board: Board, fd: int,
+                 progress: TransferProgress) -> None:
     """Copy the rest of `chunk` from the peer into `fd`; progress survives a failure."""
+    plan, report = board.plans[chunk.file], board.report
     response = client.open_range(name, chunk.file, chunk.start + chunk.done, chunk.stop, plan.sha256)
     buf = bytearray(_BUF)
     view = memoryview(buf)
@@ -157,6 +162,8 @@ def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, plan: FilePlan, fd
             n = response.readinto(view[:want])
             if n == 0:
                 raise http.client.IncompleteRead(b"")
+            if board.expired():
+                raise TimeoutError("the live-recovery deadline passed")
             _write_all(fd, view[:n], chunk.start + chunk.done)
             chunk.done += n
             report.bytes_by_peer[client.peer] += n
@@ -175,7 +182,7 @@ def _worker(board: Board, peer: str, name: str, token: str, timeout: float, fds:
     try:
         while (chunk := board.take(peer)) is not None:
             try:
-                _fetch_chunk(client, name, chunk, board.plans[chunk.file], fds[chunk.file], progress, board.report)
+                _fetch_chunk(client, name, chunk, board, fds[chunk.file], progress)
             except PeerError as e:
                 board.fail(chunk, peer, e)
                 time.sleep(min(0.2 * board.failures[peer], 1.0))  # back off before retrying this peer
@@ -199,12 +206,14 @@ def _run_workers(board: Board, names: dict[str, str], token: str, timeout: float
 
 
 def download(plans: dict[str, FilePlan], names: dict[str, str], dest: Path, token: str, *, timeout: float,
-             conns_per_peer: int, chunk_bytes: int, progress: TransferProgress) -> Report:
-    """Download every planned file into `dest/<file>`; DownloadFailed names the peers if it cannot finish.
+             conns_per_peer: int, chunk_bytes: int, progress: TransferProgress,
+             deadline: float = float("inf")) -> Report:
+    """Download every planned file into `dest/<file>`; DownloadFailed names the peers if it cannot finish
+    (by `deadline`, a time.monotonic() value).
 
     `names` maps each peer to its own name of the snapshot (the URL path component).
     """
-    board = Board(plans, chunk_bytes)
+    board = Board(plans, chunk_bytes, deadline)
     fds = {f: os.open(dest / f, os.O_RDWR | os.O_CREAT, 0o644) for f in plans}
     hashers: dict[str, PrefixHasher] = {}
     try:
@@ -219,5 +228,6 @@ def download(plans: dict[str, FilePlan], names: dict[str, str], dest: Path, toke
         for fd in fds.values():
             os.close(fd)
     if board.pending or board.inflight:
-        raise DownloadFailed(dict(board.errors), gone=bool(board.gone) and board.gone >= board.dead)
+        raise DownloadFailed(dict(board.errors), gone=bool(board.gone) and board.gone >= board.dead,
+                             expired=board.expired())
     return board.report

@@ -63,18 +63,21 @@ class _Request:
     wait_s: float
     conns_per_peer: int
     chunk_bytes: int | None
+    deadline: float                 # time.monotonic() by which the whole fetch must be done
 
 
 def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step: int | None = None,
                    files: list[str] | None = None, fingerprint: str | None = None, progress: bool | None = None,
                    timeout: float = 30.0, wait_s: float = 0.0, conns_per_peer: int = 2,
-                   chunk_bytes: int | None = None, max_restarts: int = 2) -> FetchResult:
+                   chunk_bytes: int | None = None, max_restarts: int = 2,
+                   deadline_s: float | None = None) -> FetchResult:
     """Fetch a snapshot from `peers` ("host:port") into `dest_dir/<name>`; EnvironmentFailure if it cannot.
 
     `files` keeps only those files (a joiner takes the node-identical ones); `fingerprint`, if given,
     ignores peers of another run (InvalidInput if all are); `wait_s` polls that long for a peer to
     serve a snapshot (of `expect_step`); `timeout` bounds every socket operation, so a stalled peer
-    is dropped after that long; `progress` None = a bar only on a terminal.
+    is dropped after that long; `deadline_s` bounds the whole fetch; `progress` None = a bar only on
+    a terminal.
     """
     if not peers:
         raise InvalidInput("live recovery needs at least one peer address")
@@ -82,9 +85,9 @@ def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step:
         parse_peer(peer)
     for name in files or ():
         check_file_name(name)
-    req = _Request(list(peers), token, Path(dest_dir), expect_step, files, fingerprint, progress, timeout, wait_s,
-                   conns_per_peer, chunk_bytes)
     start = time.monotonic()
+    req = _Request(list(peers), token, Path(dest_dir), expect_step, files, fingerprint, progress, timeout, wait_s,
+                   conns_per_peer, chunk_bytes, start + deadline_s if deadline_s is not None else float("inf"))
     for attempt in range(max_restarts + 1):
         try:
             return _fetch_once(req, start)
@@ -188,9 +191,13 @@ def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan
                            for f in todo}
             try:
                 report = download(round_plans, names, tmp, req.token, timeout=req.timeout,
-                                  conns_per_peer=req.conns_per_peer, progress=bar,
+                                  conns_per_peer=req.conns_per_peer, progress=bar, deadline=req.deadline,
                                   chunk_bytes=req.chunk_bytes or _chunk_size(round_plans, req.conns_per_peer))
             except DownloadFailed as e:
+                if e.expired:
+                    errors = "; ".join(e.errors.values())
+                    raise EnvironmentFailure(f"live recovery from {', '.join(req.peers)} missed its deadline (peers "
+                                             f"too slow or stalled){': ' + errors if errors else ''}") from None
                 if e.gone:
                     raise _SnapshotGone() from None
                 raise EnvironmentFailure(str(e)) from None
