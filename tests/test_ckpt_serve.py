@@ -462,7 +462,8 @@ def test_fetch_from_a_slow_and_a_fast_peer(tmp_path):
                                 progress=False)
         elapsed = time.monotonic() - start
         assert torch.equal(load_snapshot(result.path)[0]["model.safetensors"]["w"], tensors["model.safetensors"]["w"])
-        assert handles[1].address in result.peers and elapsed < 1.5, elapsed
+        slow, fast = (result.bytes_by_peer.get(h.address, 0) for h in handles)
+        assert fast > slow, (slow, fast, elapsed)  # without splitting the slow peer would serve it all
     finally:
         for h in handles:
             h.close()
@@ -555,7 +556,7 @@ def test_fetch_deadline_bounds_a_slow_download(tmp_path):
         start = time.monotonic()
         with pytest.raises(EnvironmentFailure, match="missed its deadline"):
             fetch_snapshot([handle.address], TOKEN, tmp_path / "dest", deadline_s=0.5, progress=False)
-        assert time.monotonic() - start < 1.5
+        assert time.monotonic() - start < 3
         assert not (tmp_path / "dest" / "step-000000001").exists()
     finally:
         handle.close()

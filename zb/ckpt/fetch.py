@@ -39,6 +39,7 @@ class FetchResult:
     peers: list[str]            # peers that served bytes
     bytes: int                  # bytes transferred (reused files not counted)
     seconds: float
+    bytes_by_peer: dict[str, int]
 
     def metrics(self) -> dict:
         """Fields of the `recovery` metrics event."""
@@ -111,10 +112,11 @@ def _fetch_once(req: _Request, start: float) -> FetchResult:
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [f for f in wanted if not _reusable(tmp / f, entries[f])]
     names = {p: nm[0] for p, nm in found.items()}
-    moved, used = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
+    by_peer = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
     path = commit(tmp, manifest)
-    result = FetchResult(path, step, manifest.outer_step, sorted(used), moved, time.monotonic() - start)
-    log.info("recovered step %d (%.1f MB) from %s in %.2f s", step, moved / 1e6, ", ".join(result.peers) or "cache",
+    result = FetchResult(path, step, manifest.outer_step, sorted(p for p, n in by_peer.items() if n),
+                         sum(by_peer.values()), time.monotonic() - start, by_peer)
+    log.info("recovered step %d (%.1f MB) from %s in %.2f s", step, result.bytes / 1e6, ", ".join(result.peers) or "cache",
              result.seconds)
     return result
 
@@ -181,9 +183,10 @@ def _reusable(path: Path, entry: FileEntry) -> bool:
 
 
 def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan], names: dict[str, str], tmp: Path,
-                       total: int) -> tuple[int, set[str]]:
-    """Download and check `todo`; a file with a bad checksum is retried one source at a time."""
-    moved, used, solo = 0, set(), {}
+                       total: int) -> dict[str, int]:
+    """Download and check `todo`; a file with a bad checksum is retried one source at a time.
+    Returns the bytes each peer served."""
+    by_peer, solo = Counter(), {}
     bar = TransferProgress(total, "live recovery", req.progress)
     try:
         while todo:
@@ -201,12 +204,11 @@ def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan
                 if e.gone:
                     raise _SnapshotGone() from None
                 raise EnvironmentFailure(str(e)) from None
-            moved += sum(report.bytes_by_peer.values())
-            used |= {p for p, n in report.bytes_by_peer.items() if n}
+            by_peer.update(report.bytes_by_peer)
             todo = _check_round(todo, plans, solo, report, tmp)
     finally:
         bar.close()
-    return moved, used
+    return dict(by_peer)
 
 
 def _chunk_size(plans: dict[str, FilePlan], conns_per_peer: int) -> int:
