@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import signal
 import socket
@@ -340,6 +341,8 @@ def test_cli_clear_errors(tmp_path):
             (["--dir", str(tmp_path / "missing")], 2, "does not exist"),
             (["--dir", str(tmp_path), "--token-file", str(tmp_path / "nope")], 2, "cannot read the token file"),
             (["--dir", str(tmp_path), "--publish", "127.0.0.1:1"], 2, "needs a node id"),
+            (["--dir", str(tmp_path), "--publish", f"127.0.0.1:{free_port()}", "--node-id", "n",
+              "--connect-timeout", "0.5"], 1, "cannot reach the global store"),
         ]:
             proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", *args], env=env, capture_output=True,
                                   text=True, timeout=60)
@@ -355,7 +358,7 @@ def test_prefix_hasher_matches_sha256_whatever_the_completion_order(tmp_path):
     import hashlib
     import random
 
-    from zb.ckpt.download import PrefixHasher
+    from zb.ckpt.prefix_hash import PrefixHasher
 
     data = os.urandom(3_000_001)
     path = tmp_path / "f"
@@ -407,3 +410,153 @@ def test_client_reconnects_after_the_server_dropped_an_idle_connection(peer):
         assert client.manifest()[1].step == 10
     finally:
         client.close()
+
+
+def test_tail_chunks_are_split_between_idle_connections():
+    from zb.ckpt.download import MIN_SPLIT, Board, FilePlan
+
+    board = Board({"f.safetensors": FilePlan(10 * MIN_SPLIT, "0" * 64, ["a", "b"])}, chunk_bytes=10 * MIN_SPLIT)
+    first = board.take("a")
+    first.done = 2 * MIN_SPLIT
+    second = board.take("b")  # nothing pending: b takes the second half of what a has left
+    assert (first.start, first.stop, second.start, second.stop) == (0, 6 * MIN_SPLIT, 6 * MIN_SPLIT, 10 * MIN_SPLIT)
+    board.finish(second, "b")
+    first.done = first.stop - MIN_SPLIT  # too little left to split again: b would wait for it
+    board.finish(first, "a")
+    assert board.take("b") is None and not board.pending and not board.inflight
+
+
+class _SlowHandler(serve._Handler):
+    """Serves file bytes at ~4 MB/s, so a faster peer must take over the tail."""
+
+    def _send_file(self, name, file_name, body):
+        real = self.connection
+
+        class Slow:
+            def sendfile(self, f, offset, count):
+                total = count
+                while count > 0:
+                    n = real.sendfile(f, offset, min(count, 256 << 10))
+                    offset, count = offset + n, count - n
+                    time.sleep(0.06)
+                return total
+
+        self.connection = Slow()
+        try:
+            super()._send_file(name, file_name, body)
+        finally:
+            self.connection = real
+
+
+def test_fetch_from_a_slow_and_a_fast_peer(tmp_path):
+    """One 8 MB chunk, first taken by the slow peer (alone it needs ~2 s): the fast one takes over."""
+    tensors = {"model.safetensors": {"w": torch.randn(2 << 20)}}
+    handles = []
+    for name in ("slow", "fast"):
+        write_snapshot(tmp_path / name, tensors, {}, 1)
+        handles.append(serve.serve_in_thread(tmp_path / name, TOKEN, "127.0.0.1", 0))
+    handles[0].server.RequestHandlerClass = _SlowHandler
+    try:
+        start = time.monotonic()
+        result = fetch_snapshot([h.address for h in handles], TOKEN, tmp_path / "dest", chunk_bytes=8 << 20,
+                                progress=False)
+        elapsed = time.monotonic() - start
+        assert torch.equal(load_snapshot(result.path)[0]["model.safetensors"]["w"], tensors["model.safetensors"]["w"])
+        slow, fast = (result.bytes_by_peer.get(h.address, 0) for h in handles)
+        assert fast > slow, (slow, fast, elapsed)  # without splitting the slow peer would serve it all
+    finally:
+        for h in handles:
+            h.close()
+
+
+def test_a_client_resetting_its_connection_is_not_a_traceback(peer, capfd):
+    _, h = peer()
+    host, port = h.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+    s.sendall(b"GET /manifest HTTP/1.1\r\n")
+    s.close()
+    time.sleep(0.3)
+    assert _get(h, "/manifest")[0].status == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_progress_bar_and_log_lines(peer, tmp_path, caplog, monkeypatch):
+    from zb.ckpt import progress
+
+    _, a = peer("a")
+    fetch_snapshot([a.address], TOKEN, tmp_path / "bar", progress=True)  # rich bar on stderr
+    monkeypatch.setattr(progress, "_LOG_EVERY_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="zb.ckpt.fetch"):
+        fetch_snapshot([a.address], TOKEN, tmp_path / "plain", progress=False)
+    assert "live recovery: " in caplog.text and "MB/s" in caplog.text
+
+
+@pytest.mark.parametrize("header, size, expected", [
+    (None, 10, None), ("bytes=0-0", 10, (0, 1)), ("bytes=2-", 10, (2, 10)), ("bytes=-3", 10, (7, 10)),
+    ("bytes=-30", 10, (0, 10)), ("bytes=5-100", 10, (5, 10)), (" bytes=1-2 ", 10, (1, 3)),
+    ("bytes=10-", 10, 416), ("bytes=3-2", 10, 416), ("bytes=-", 10, 416), ("bytes=0-1,2-3", 10, 416),
+    ("bytes=0-0", 0, 416), ("bits=0-1", 10, 416),
+])
+def test_parse_range(header, size, expected):
+    from zb.ckpt.http_util import HttpError, parse_range
+
+    if expected == 416:
+        with pytest.raises(HttpError) as e:
+            parse_range(header, size)
+        assert e.value.status == 416 and e.value.headers["Content-Range"] == f"bytes */{size}"
+    else:
+        assert parse_range(header, size) == expected
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("/manifest", ("manifest", "")), ("/manifest?step=3", ("manifest", "step=3")),
+    ("/files/step-1/model.safetensors", ("file", "step-1", "model.safetensors")),
+    ("/files/step%2D1/model.safetensors", ("file", "step-1", "model.safetensors")),
+    ("/files/%2e%2e/model.safetensors", 400), ("/files/a/b/c.safetensors", 404), ("/files/a/..", 400),
+    ("/files/a/%c0%ae.safetensors", 400), ("/files/a/x.safetensors%2f", 400), ("http://h/manifest", 400),
+    ("/nothing", 404), ("/files/.hidden/x.safetensors", 400),
+])
+def test_route(target, expected):
+    from zb.ckpt.http_util import HttpError, route
+
+    if isinstance(expected, int):
+        with pytest.raises(HttpError) as e:
+            route(target)
+        assert e.value.status == expected
+    else:
+        assert route(target) == expected
+
+
+def test_advertised_address_and_store_keys():
+    from zb.ckpt.publish import advertised_address, peer_addresses, publish_address
+
+    assert advertised_address("10.1.2.3", 7000) == "10.1.2.3:7000"
+    assert advertised_address("0.0.0.0", 7000, advertise="node-a.vpn") == "node-a.vpn:7000"
+    assert advertised_address("0.0.0.0", 7000, toward="127.0.0.1") == "127.0.0.1:7000"  # route to the store
+    assert advertised_address("::1", 7000) == "[::1]:7000"
+
+    class DictStore(dict):
+        def set(self, key, value):
+            self[key] = value.encode()
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    store = DictStore()
+    assert publish_address(store, "n1", "10.0.0.1:7000") == "ckpt_serve/n1"
+    assert peer_addresses(store, ["n1", "n2"]) == {"n1": "10.0.0.1:7000"}
+
+
+def test_fetch_deadline_bounds_a_slow_download(tmp_path):
+    write_snapshot(tmp_path / "slow", {"model.safetensors": {"w": torch.randn(2 << 20)}}, {}, 1)
+    handle = serve.serve_in_thread(tmp_path / "slow", TOKEN, "127.0.0.1", 0)
+    handle.server.RequestHandlerClass = _SlowHandler  # ~2 s for the file
+    try:
+        start = time.monotonic()
+        with pytest.raises(EnvironmentFailure, match="missed its deadline"):
+            fetch_snapshot([handle.address], TOKEN, tmp_path / "dest", deadline_s=0.5, progress=False)
+        assert time.monotonic() - start < 3
+        assert not (tmp_path / "dest" / "step-000000001").exists()
+    finally:
+        handle.close()

@@ -5,6 +5,7 @@ size, sha256 and tensor table, caller metadata) and a `COMMITTED` marker written
 comes from a peer is ever unpickled: tensors travel as safetensors, everything else as JSON.
 
 Modules: manifest (format, parsing, name rules), catalog (commit, list, verify, latest, prune),
-tensorfile (streaming safetensors writer), snapshot (write/load tensors), serve (HTTP sidecar),
-fetch + download (live-recovery client), publish (sidecar address in the global store).
+tensorfile (streaming safetensors writer), snapshot (write/load tensors), serve + http_util (HTTP
+sidecar), sidecar (the `zb ckpt-serve` process), token (the shared secret), publish (sidecar
+address in the global store), fetch + download + peer + prefix_hash + progress (live recovery).
 """

@@ -10,7 +10,6 @@ can serve what is left, the download fails naming every peer and its last error.
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import logging
 import os
@@ -21,22 +20,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zb.ckpt.peer import PeerClient, PeerError
+from zb.ckpt.prefix_hash import PrefixHasher
 from zb.ckpt.progress import TransferProgress
 
 log = logging.getLogger("zb.ckpt.fetch")
 
 _BUF = 1 << 20
-_HASH_PIECE = 8 << 20
 MAX_PEER_FAILURES = 3
+MIN_SPLIT = 1 << 20           # never split the tail into pieces smaller than this
 
 
 class DownloadFailed(Exception):
     """No live peer can serve what is left; `gone` when every peer lost the snapshot (pruned)."""
 
-    def __init__(self, errors: dict[str, str], gone: bool):
+    def __init__(self, errors: dict[str, str], gone: bool, expired: bool = False):
         detail = "; ".join(e for _, e in sorted(errors.items())) or "no peer to ask"
         super().__init__(f"no peer could serve the rest of the snapshot ({detail})")
-        self.errors, self.gone = errors, gone
+        self.errors, self.gone, self.expired = errors, gone, expired
 
 
 @dataclass
@@ -52,54 +52,8 @@ class Chunk:
     start: int
     stop: int
     done: int = 0               # bytes already written from `start` (a retry resumes there)
-
-
-class PrefixHasher:
-    """sha256 of a file written out of order, hashed by its own thread as the completed prefix grows.
-
-    Chunks are handed out in file order, so the prefix advances steadily and hashing overlaps the
-    transfer instead of re-reading the whole file at the end (30 s for 40 GB at 1.3 GB/s). Workers
-    only record finished chunks; they never wait for the hashing.
-    """
-
-    def __init__(self, fd: int, size: int):
-        self.fd, self.size = fd, size
-        self.digest = hashlib.sha256()
-        self.hashed = 0
-        self.frontier = 0
-        self.finished: dict[int, int] = {}   # start -> stop of completed chunks beyond the frontier
-        self.cond = threading.Condition()
-        self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="zb-fetch-hash", daemon=True)
-        self.thread.start()
-
-    def add(self, start: int, stop: int) -> None:
-        with self.cond:
-            self.finished[start] = stop
-            while self.frontier in self.finished:
-                self.frontier = self.finished.pop(self.frontier)
-            self.cond.notify()
-
-    def _run(self) -> None:
-        while self.hashed < self.size:
-            with self.cond:
-                while self.frontier == self.hashed and not self.stopped:
-                    self.cond.wait()
-                if self.stopped:
-                    return
-                frontier = self.frontier
-            while self.hashed < frontier:  # hashlib releases the GIL: workers keep downloading
-                data = os.pread(self.fd, min(_HASH_PIECE, frontier - self.hashed), self.hashed)
-                self.digest.update(data)
-                self.hashed += len(data)
-
-    def result(self) -> str | None:
-        """The file's sha256 once every byte is in, else None; stops the thread either way."""
-        with self.cond:
-            self.stopped = self.frontier < self.size
-            self.cond.notify()
-        self.thread.join()
-        return self.digest.hexdigest() if self.hashed == self.size else None
+    # `stop` may shrink while the chunk is in flight (Board._split_inflight); bytes written past the
+    # new stop are the same bytes the new chunk writes, since every source holds the same file.
 
 
 @dataclass
@@ -112,8 +66,9 @@ class Report:
 class Board:
     """The shared queue of chunks, the peers' health, and the first fatal error."""
 
-    def __init__(self, plans: dict[str, FilePlan], chunk_bytes: int):
+    def __init__(self, plans: dict[str, FilePlan], chunk_bytes: int, deadline: float = float("inf")):
         self.plans = plans
+        self.deadline = deadline            # time.monotonic() after which nobody takes or reads a chunk
         self.pending = [Chunk(f, s, min(s + chunk_bytes, p.size)) for f, p in plans.items()
                         for s in range(0, p.size, chunk_bytes)]
         self.inflight: list[Chunk] = []
@@ -130,7 +85,7 @@ class Board:
     def take(self, peer: str) -> Chunk | None:
         """The next chunk this peer can serve; None when there is nothing left for it."""
         with self.cond:
-            while peer not in self.dead and not self.stuck():
+            while peer not in self.dead and not self.stuck() and not self.expired():
                 chunk = next((c for c in self.pending if self._serves(peer, c)), None)
                 if chunk is not None:
                     self.pending.remove(chunk)
@@ -138,8 +93,24 @@ class Board:
                     return chunk
                 if not any(self._serves(peer, c) for c in self.inflight):
                     return None
+                stolen = self._split_inflight(peer)
+                if stolen is not None:
+                    return stolen
                 self.cond.wait(0.5)  # a chunk in flight elsewhere may fail and come back to us
             return None
+
+    def _split_inflight(self, peer: str) -> Chunk | None:
+        """At the tail, take the second half of the largest chunk still in flight, so an idle
+        connection helps instead of waiting for the slowest one (its owner stops at the new end)."""
+        candidates = [c for c in self.inflight if self._serves(peer, c)]
+        chunk = max(candidates, key=lambda c: c.stop - c.start - c.done, default=None)
+        if chunk is None or chunk.stop - chunk.start - chunk.done < 2 * MIN_SPLIT:
+            return None
+        mid = chunk.start + chunk.done + (chunk.stop - chunk.start - chunk.done) // 2
+        stolen = Chunk(chunk.file, mid, chunk.stop)
+        chunk.stop = mid
+        self.inflight.append(stolen)
+        return stolen
 
     def finish(self, chunk: Chunk, peer: str) -> None:
         with self.cond:
@@ -164,6 +135,9 @@ class Board:
                 log.warning("%s (the rest of that chunk goes back in the queue)", error)
             self.cond.notify_all()
 
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
+
     def stuck(self) -> bool:
         """True when some pending chunk has no live peer left to serve it."""
         return any(not any(self._serves(p, c) for p in self.plans[c.file].sources) for c in self.pending)
@@ -175,9 +149,10 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, plan: FilePlan, fd: int,
-                 progress: TransferProgress, report: Report) -> None:
+def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, board: Board, fd: int,
+                 progress: TransferProgress) -> None:
     """Copy the rest of `chunk` from the peer into `fd`; progress survives a failure."""
+    plan, report = board.plans[chunk.file], board.report
     response = client.open_range(name, chunk.file, chunk.start + chunk.done, chunk.stop, plan.sha256)
     buf = bytearray(_BUF)
     view = memoryview(buf)
@@ -187,10 +162,14 @@ def _fetch_chunk(client: PeerClient, name: str, chunk: Chunk, plan: FilePlan, fd
             n = response.readinto(view[:want])
             if n == 0:
                 raise http.client.IncompleteRead(b"")
+            if board.expired():
+                raise TimeoutError("the live-recovery deadline passed")
             _write_all(fd, view[:n], chunk.start + chunk.done)
             chunk.done += n
             report.bytes_by_peer[client.peer] += n
             progress.advance(n)
+        if response.length:  # the chunk was split while in flight: its old tail is not ours to read
+            client.close()
     except (OSError, http.client.HTTPException) as e:
         client.close()
         raise PeerError(client.peer, f"transfer of {chunk.file} broke at byte {chunk.start + chunk.done}: "
@@ -203,7 +182,7 @@ def _worker(board: Board, peer: str, name: str, token: str, timeout: float, fds:
     try:
         while (chunk := board.take(peer)) is not None:
             try:
-                _fetch_chunk(client, name, chunk, board.plans[chunk.file], fds[chunk.file], progress, board.report)
+                _fetch_chunk(client, name, chunk, board, fds[chunk.file], progress)
             except PeerError as e:
                 board.fail(chunk, peer, e)
                 time.sleep(min(0.2 * board.failures[peer], 1.0))  # back off before retrying this peer
@@ -227,12 +206,14 @@ def _run_workers(board: Board, names: dict[str, str], token: str, timeout: float
 
 
 def download(plans: dict[str, FilePlan], names: dict[str, str], dest: Path, token: str, *, timeout: float,
-             conns_per_peer: int, chunk_bytes: int, progress: TransferProgress) -> Report:
-    """Download every planned file into `dest/<file>`; DownloadFailed names the peers if it cannot finish.
+             conns_per_peer: int, chunk_bytes: int, progress: TransferProgress,
+             deadline: float = float("inf")) -> Report:
+    """Download every planned file into `dest/<file>`; DownloadFailed names the peers if it cannot finish
+    (by `deadline`, a time.monotonic() value).
 
     `names` maps each peer to its own name of the snapshot (the URL path component).
     """
-    board = Board(plans, chunk_bytes)
+    board = Board(plans, chunk_bytes, deadline)
     fds = {f: os.open(dest / f, os.O_RDWR | os.O_CREAT, 0o644) for f in plans}
     hashers: dict[str, PrefixHasher] = {}
     try:
@@ -247,5 +228,6 @@ def download(plans: dict[str, FilePlan], names: dict[str, str], dest: Path, toke
         for fd in fds.values():
             os.close(fd)
     if board.pending or board.inflight:
-        raise DownloadFailed(dict(board.errors), gone=bool(board.gone) and board.gone >= board.dead)
+        raise DownloadFailed(dict(board.errors), gone=bool(board.gone) and board.gone >= board.dead,
+                             expired=board.expired())
     return board.report

@@ -39,6 +39,7 @@ class FetchResult:
     peers: list[str]            # peers that served bytes
     bytes: int                  # bytes transferred (reused files not counted)
     seconds: float
+    bytes_by_peer: dict[str, int]
 
     def metrics(self) -> dict:
         """Fields of the `recovery` metrics event."""
@@ -63,18 +64,21 @@ class _Request:
     wait_s: float
     conns_per_peer: int
     chunk_bytes: int | None
+    deadline: float                 # time.monotonic() by which the whole fetch must be done
 
 
 def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step: int | None = None,
                    files: list[str] | None = None, fingerprint: str | None = None, progress: bool | None = None,
                    timeout: float = 30.0, wait_s: float = 0.0, conns_per_peer: int = 2,
-                   chunk_bytes: int | None = None, max_restarts: int = 2) -> FetchResult:
+                   chunk_bytes: int | None = None, max_restarts: int = 2,
+                   deadline_s: float | None = None) -> FetchResult:
     """Fetch a snapshot from `peers` ("host:port") into `dest_dir/<name>`; EnvironmentFailure if it cannot.
 
     `files` keeps only those files (a joiner takes the node-identical ones); `fingerprint`, if given,
     ignores peers of another run (InvalidInput if all are); `wait_s` polls that long for a peer to
     serve a snapshot (of `expect_step`); `timeout` bounds every socket operation, so a stalled peer
-    is dropped after that long; `progress` None = a bar only on a terminal.
+    is dropped after that long; `deadline_s` bounds the whole fetch; `progress` None = a bar only on
+    a terminal.
     """
     if not peers:
         raise InvalidInput("live recovery needs at least one peer address")
@@ -82,9 +86,9 @@ def fetch_snapshot(peers: list[str], token: str, dest_dir: Path, *, expect_step:
         parse_peer(peer)
     for name in files or ():
         check_file_name(name)
-    req = _Request(list(peers), token, Path(dest_dir), expect_step, files, fingerprint, progress, timeout, wait_s,
-                   conns_per_peer, chunk_bytes)
     start = time.monotonic()
+    req = _Request(list(peers), token, Path(dest_dir), expect_step, files, fingerprint, progress, timeout, wait_s,
+                   conns_per_peer, chunk_bytes, start + deadline_s if deadline_s is not None else float("inf"))
     for attempt in range(max_restarts + 1):
         try:
             return _fetch_once(req, start)
@@ -108,10 +112,11 @@ def _fetch_once(req: _Request, start: float) -> FetchResult:
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [f for f in wanted if not _reusable(tmp / f, entries[f])]
     names = {p: nm[0] for p, nm in found.items()}
-    moved, used = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
+    by_peer = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
     path = commit(tmp, manifest)
-    result = FetchResult(path, step, manifest.outer_step, sorted(used), moved, time.monotonic() - start)
-    log.info("recovered step %d (%.1f MB) from %s in %.2f s", step, moved / 1e6, ", ".join(result.peers) or "cache",
+    result = FetchResult(path, step, manifest.outer_step, sorted(p for p, n in by_peer.items() if n),
+                         sum(by_peer.values()), time.monotonic() - start, by_peer)
+    log.info("recovered step %d (%.1f MB) from %s in %.2f s", step, result.bytes / 1e6, ", ".join(result.peers) or "cache",
              result.seconds)
     return result
 
@@ -178,9 +183,10 @@ def _reusable(path: Path, entry: FileEntry) -> bool:
 
 
 def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan], names: dict[str, str], tmp: Path,
-                       total: int) -> tuple[int, set[str]]:
-    """Download and check `todo`; a file with a bad checksum is retried one source at a time."""
-    moved, used, solo = 0, set(), {}
+                       total: int) -> dict[str, int]:
+    """Download and check `todo`; a file with a bad checksum is retried one source at a time.
+    Returns the bytes each peer served."""
+    by_peer, solo = Counter(), {}
     bar = TransferProgress(total, "live recovery", req.progress)
     try:
         while todo:
@@ -188,18 +194,21 @@ def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan
                            for f in todo}
             try:
                 report = download(round_plans, names, tmp, req.token, timeout=req.timeout,
-                                  conns_per_peer=req.conns_per_peer, progress=bar,
+                                  conns_per_peer=req.conns_per_peer, progress=bar, deadline=req.deadline,
                                   chunk_bytes=req.chunk_bytes or _chunk_size(round_plans, req.conns_per_peer))
             except DownloadFailed as e:
+                if e.expired:
+                    errors = "; ".join(e.errors.values())
+                    raise EnvironmentFailure(f"live recovery from {', '.join(req.peers)} missed its deadline (peers "
+                                             f"too slow or stalled){': ' + errors if errors else ''}") from None
                 if e.gone:
                     raise _SnapshotGone() from None
                 raise EnvironmentFailure(str(e)) from None
-            moved += sum(report.bytes_by_peer.values())
-            used |= {p for p, n in report.bytes_by_peer.items() if n}
+            by_peer.update(report.bytes_by_peer)
             todo = _check_round(todo, plans, solo, report, tmp)
     finally:
         bar.close()
-    return moved, used
+    return dict(by_peer)
 
 
 def _chunk_size(plans: dict[str, FilePlan], conns_per_peer: int) -> int:

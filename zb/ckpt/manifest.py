@@ -99,11 +99,6 @@ class Manifest:
         """Deterministic bytes (sorted keys), so the commit marker is a function of the content."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
-    def subset(self, names: list[str]) -> "Manifest":
-        """The same snapshot restricted to some files (what a joiner keeps)."""
-        return Manifest(self.name, self.step, self.outer_step, self.fingerprint, self.created,
-                        {n: self.files[n] for n in names}, self.meta, self.version)
-
     @classmethod
     def from_json(cls, data: bytes | str, source: str) -> "Manifest":
         """Parse and validate; anything malformed is an InvalidInput naming `source`."""

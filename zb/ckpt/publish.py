@@ -62,3 +62,9 @@ def advertised_host(bind_host: str, toward: str | None = None) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def advertised_address(bind_host: str, port: int, advertise: str | None = None, toward: str | None = None) -> str:
+    """"host:port" for peers: `advertise` if given (ZERO_BAND_LIVE_RECO_ADDR), else advertised_host()."""
+    host = advertise or advertised_host(bind_host, toward)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -20,71 +20,24 @@ import hmac
 import json
 import logging
 import os
-import re
 import socket
 import socketserver
 import stat
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs
 
 from zb.ckpt.catalog import check_quick, list_snapshots, read_committed
-from zb.ckpt.manifest import Manifest, is_file_name, is_snapshot_name
+from zb.ckpt.http_util import HttpError, parse_range, route
+from zb.ckpt.manifest import Manifest
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt.serve")
 
 RETRY_AFTER_S = 1
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
-
-
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
-
-
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """Half-open (start, stop) of a single `bytes=` range, None without a Range header; 416 if bad."""
-    if header is None:
-        return None
-    m = _RANGE.fullmatch(header.strip())
-    unsatisfiable = HttpError(416, f"bad or unsatisfiable range {header!r} for {size} bytes",
-                              {"Content-Range": f"bytes */{size}"})
-    if not m or not (m[1] or m[2]):
-        raise unsatisfiable
-    if m[1]:
-        start = int(m[1])
-        stop = size if not m[2] else min(int(m[2]) + 1, size)
-        if m[2] and int(m[2]) < start:
-            raise unsatisfiable
-    else:
-        start, stop = max(0, size - int(m[2])), size
-        if int(m[2]) == 0:
-            raise unsatisfiable
-    if start >= size:
-        raise unsatisfiable
-    return start, stop
-
-
-def route(target: str) -> tuple[str, ...]:
-    """("manifest", query) or ("file", snapshot, file) from a raw request target; HttpError otherwise."""
-    if "\x00" in target or "\\" in target or not target.startswith("/") or "#" in target:
-        raise HttpError(400, "malformed request path")
-    raw_path, _, query = target.partition("?")
-    try:
-        parts = [unquote(p, errors="strict") for p in raw_path.split("/")[1:]]
-    except UnicodeDecodeError:
-        raise HttpError(400, "malformed request path") from None
-    if parts == ["manifest"]:
-        return ("manifest", query)
-    if len(parts) == 3 and parts[0] == "files":
-        if not is_snapshot_name(parts[1]) or not is_file_name(parts[2]):
-            raise HttpError(400, "invalid snapshot or file name")
-        return ("file", parts[1], parts[2])
-    raise HttpError(404, "no such endpoint (GET /manifest or /files/<snapshot>/<file>)")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -160,8 +113,8 @@ class _Handler(BaseHTTPRequestHandler):
             for key, value in headers.items():
                 self.send_header(key, value)
             self.end_headers()
-            if body and stop > start:
-                self.connection.sendfile(f, start, stop - start)
+            if body and stop > start and self.connection.sendfile(f, start, stop - start) < stop - start:
+                self.close_connection = True  # the file shrank under us: the client sees a short body
 
 
 class SnapshotServer(ThreadingHTTPServer):
@@ -182,6 +135,15 @@ class SnapshotServer(ThreadingHTTPServer):
         # HTTPServer.server_bind calls getfqdn(), which can stall for seconds on DNS: skip it.
         socketserver.TCPServer.server_bind(self)
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that resets or stalls its connection is routine (a joiner dropping a split
+        range, a peer dying): one debug line, not a traceback. Anything else is a bug."""
+        error = sys.exc_info()[1]
+        if isinstance(error, (ConnectionError, TimeoutError)):
+            log.debug("connection from %s ended: %s", client_address[0], error)
+            return
+        super().handle_error(request, client_address)
 
     def find(self, query: str) -> tuple[Path, Manifest]:
         """Newest committed snapshot, or the one of `?step=N`; 503 while nothing is committed."""

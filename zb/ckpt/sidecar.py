@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from zb.ckpt.peer import parse_peer
-from zb.ckpt.publish import advertised_host, publish_address, unpublish_address
+from zb.ckpt.publish import advertised_address, publish_address, unpublish_address
 from zb.ckpt.serve import SnapshotServer, make_server
 from zb.ckpt.token import read_token
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -29,19 +31,18 @@ class Sidecar:
 
 
 def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
-                 node_id: str | None, advertise: str | None, client_timeout: float) -> Sidecar:
+                 node_id: str | None, advertise: str | None, client_timeout: float,
+                 connect_timeout: float = STORE_CONNECT_TIMEOUT_S) -> Sidecar:
     """Check the inputs, bind the port, publish the address if asked; every failure is one clear line."""
     token = read_token(token_file)
     if store_addr is not None and not node_id:
         raise InvalidInput("--publish needs a node id: pass --node-id or set GLOBAL_UNIQUE_ID")
     store_host = parse_peer(store_addr)[0] if store_addr else None
     server = make_server(root, token, host, port, client_timeout)
-    bound_port = server.server_address[1]
-    adv = advertise or advertised_host(host, store_host)
-    sidecar = Sidecar(server, f"[{adv}]:{bound_port}" if ":" in adv else f"{adv}:{bound_port}")
+    sidecar = Sidecar(server, advertised_address(host, server.server_address[1], advertise, store_host))
     if store_addr is not None:
         try:
-            sidecar.store = _connect_store(store_addr)
+            sidecar.store = _connect_store(store_addr, connect_timeout)
             sidecar.node_id, sidecar.key = node_id, publish_address(sidecar.store, node_id, sidecar.address)
         except BaseException:
             server.server_close()
@@ -49,12 +50,27 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
     return sidecar
 
 
-def _connect_store(store_addr: str) -> Any:
+def _probe(host: str, port: int, deadline_s: float) -> None:
+    """Plain TCP connect first: torch's TCPStore would print C++ stack traces for an unreachable host."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic())).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise EnvironmentFailure(f"cannot reach the global store at {host}:{port}: {e.strerror or e} "
+                                         "(is `zb store` running there?)") from None
+            time.sleep(0.2)
+
+
+def _connect_store(store_addr: str, connect_timeout: float) -> Any:
+    host, port = parse_peer(store_addr)
+    _probe(host, port, connect_timeout)
     from torch.distributed import TCPStore
 
-    host, port = parse_peer(store_addr)
     try:
-        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_CONNECT_TIMEOUT_S),
+        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(connect_timeout, 1.0)),
                         wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - torch raises several types (DistNetworkError, RuntimeError)
         raise EnvironmentFailure(f"cannot reach the global store at {store_addr}: {str(e).splitlines()[0]} "

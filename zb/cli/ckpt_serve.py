@@ -28,14 +28,18 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir or token; exit 1: port in use, s
                    "[env: ZERO_BAND_LIVE_RECO_ADDR]")
 @click.option("--client-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
               help="Seconds a client may stall before its connection is dropped.")
+@click.option("--connect-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds to keep trying to reach the store of --publish.")
 @click.option("--json", "as_json", is_flag=True, help="Print {address, dir} as one JSON line on stdout once listening.")
 def ckpt_serve(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
-               node_id: str | None, advertise: str | None, client_timeout: float, as_json: bool) -> None:
+               node_id: str | None, advertise: str | None, client_timeout: float, connect_timeout: float,
+               as_json: bool) -> None:
     """Serve committed snapshots to joining nodes (live recovery) until SIGINT/SIGTERM."""
     from zb.ckpt.sidecar import open_sidecar, run_until_signal
     from zb.cli.terminal import print_json, stderr
 
-    sidecar = open_sidecar(root, host, port, token_file, store_addr, node_id, advertise, client_timeout)
+    sidecar = open_sidecar(root, host, port, token_file, store_addr, node_id, advertise, client_timeout,
+                           connect_timeout)
     if as_json:
         print_json({"address": sidecar.address, "dir": str(sidecar.server.root), "published": sidecar.key})
     stderr.print(f"zb ckpt-serve: serving {sidecar.server.root} on {sidecar.address}"

@@ -1,0 +1,60 @@
+"""Request parsing for the sidecar: the route of a raw request target and single byte ranges.
+
+Kept apart from the server so the rules that guard the filesystem are small and testable alone.
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import unquote
+
+from zb.ckpt.manifest import is_file_name, is_snapshot_name
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """Half-open (start, stop) of a single `bytes=` range, None without a Range header; 416 if bad."""
+    if header is None:
+        return None
+    m = _RANGE.fullmatch(header.strip())
+    unsatisfiable = HttpError(416, f"bad or unsatisfiable range {header!r} for {size} bytes",
+                              {"Content-Range": f"bytes */{size}"})
+    if not m or not (m[1] or m[2]):
+        raise unsatisfiable
+    if m[1]:
+        start = int(m[1])
+        stop = size if not m[2] else min(int(m[2]) + 1, size)
+        if m[2] and int(m[2]) < start:
+            raise unsatisfiable
+    else:
+        start, stop = max(0, size - int(m[2])), size
+        if int(m[2]) == 0:
+            raise unsatisfiable
+    if start >= size:
+        raise unsatisfiable
+    return start, stop
+
+
+def route(target: str) -> tuple[str, ...]:
+    """("manifest", query) or ("file", snapshot, file) from a raw request target; HttpError otherwise."""
+    if "\x00" in target or "\\" in target or not target.startswith("/") or "#" in target:
+        raise HttpError(400, "malformed request path")
+    raw_path, _, query = target.partition("?")
+    try:
+        parts = [unquote(p, errors="strict") for p in raw_path.split("/")[1:]]
+    except UnicodeDecodeError:
+        raise HttpError(400, "malformed request path") from None
+    if parts == ["manifest"]:
+        return ("manifest", query)
+    if len(parts) == 3 and parts[0] == "files":
+        if not is_snapshot_name(parts[1]) or not is_file_name(parts[2]):
+            raise HttpError(400, "invalid snapshot or file name")
+        return ("file", parts[1], parts[2])
+    raise HttpError(404, "no such endpoint (GET /manifest or /files/<snapshot>/<file>)")
