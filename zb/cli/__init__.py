@@ -17,6 +17,7 @@ from zb import __version__
 # name -> "module:attribute"; order is the order shown in `zb --help`.
 COMMANDS: dict[str, str] = {
     "train": "zb.cli.train:train",
+    "bench-allreduce": "zb.cli.bench_allreduce:bench_allreduce",
 }
 
 
