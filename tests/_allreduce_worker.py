@@ -39,7 +39,7 @@ def install_death(spec: dict) -> None:
     """Make this rank die (SIGKILL) or hang (SIGSTOP) inside the ring, after message die_after."""
     from zb.collectives import ring
 
-    original = ring.RingPart._send
+    original = ring.Sender.send
 
     def send_then_die(self, k, buf):
         original(self, k, buf)
@@ -47,7 +47,7 @@ def install_death(spec: dict) -> None:
             time.sleep(0.05)  # let the sent message leave
             os.kill(os.getpid(), signal.SIGSTOP if spec.get("hang") else signal.SIGKILL)
 
-    ring.RingPart._send = send_then_die
+    ring.Sender.send = send_then_die
 
 
 def main() -> None:

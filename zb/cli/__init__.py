@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "store": "zb.cli.store:store",
     "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
     "subset-data": "zb.cli.subset_data:subset_data",
+    "bench-allreduce": "zb.cli.bench_allreduce:bench_allreduce",
 }
 
 

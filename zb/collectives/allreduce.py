@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zb.collectives.errors import PeerFailure
-from zb.collectives.ring import Deadlines, RingPart, run_ring
+from zb.collectives.ring import Deadlines, run_ring
 from zb.collectives.kernels import BLOCK, num_blocks
 from zb.collectives.pieces import split_blocks
 from zb.errors import InvalidInput
@@ -89,10 +89,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp =
     if compression == "none":
         wire = _fp32(flat, groups, avg, deadlines)
     else:
-        parts = [RingPart(flat[a:b], g, avg, deadlines, piece_values, window)
-                 for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
-        run_ring(parts)
-        wire = sum(p.wire_bytes for p in parts)
+        parts = [(flat[a:b], g) for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
+        wire = run_ring(parts, avg, deadlines, piece_values, window)
     if flat.data_ptr() != tensor.data_ptr() or flat.dtype != tensor.dtype:
         tensor.copy_(flat.view(tensor.shape))
     return AllReduceStats(compression, tensor.numel(), world, wire, time.perf_counter() - t0)

@@ -22,7 +22,7 @@ log = logging.getLogger("zb.collectives")
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "zb_quant.cpp"
 # No -ffast-math, and no FMA contraction: every rounding is the one the twin performs.
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-march=native", "-std=c++17"]
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()

@@ -12,6 +12,8 @@ import torch
 from zb.collectives import twins
 from zb.collectives.build import use_cpp
 
+__all__ = ["BLOCK", "num_blocks", "wire_bytes", "quantize", "dequantize", "dequantize_add", "reduce_quantize", "use_cpp"]
+
 BLOCK = 256
 """Values per scale. Chosen by error at equal wire bytes (BENCHMARKS.md: quantization schemes)."""
 

@@ -10,6 +10,7 @@ it suspects, so a failure travels the ring at once instead of each rank waiting 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -74,17 +75,31 @@ def views(buf: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class BufferPool:
-    """Reuses message buffers: allocating fresh MB-sized buffers per message costs page faults."""
+    """Message buffers reused across pieces and calls (thread-safe).
 
-    def __init__(self) -> None:
+    Fresh MB-sized buffers cost page faults on every message; a pool kept for the process makes
+    them free after the first all-reduce. At most `cap_bytes` of idle buffers are kept.
+    """
+
+    def __init__(self, cap_bytes: int = 256 << 20) -> None:
         self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.cap_bytes = cap_bytes
 
     def get(self, nbytes: int) -> torch.Tensor:
-        for i, buf in enumerate(self._free):
-            if buf.numel() >= nbytes:
-                return self._free.pop(i)[:nbytes]
+        with self._lock:
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=lambda i: self._free[i].numel())
+                return self._free.pop(best)[:nbytes]
         return torch.empty(max(nbytes, 1), dtype=torch.uint8)[:nbytes]
 
     def put(self, buf: torch.Tensor) -> None:
         base = buf._base if buf._base is not None else buf
-        self._free.append(base)
+        with self._lock:
+            if sum(b.numel() for b in self._free) + base.numel() <= self.cap_bytes:
+                self._free.append(base)
+
+
+POOL = BufferPool()
+"""The process-wide pool the ring draws its message buffers from."""

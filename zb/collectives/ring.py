@@ -10,10 +10,11 @@ Numbered steps, as rank r of W sees them (chunk indices mod W, m pieces per chun
    send (`write_back`): the owner fixes the chunk's final quantized form once.
 5. All-gather steps W-1 .. 2W-4: dequantize the received piece into our tensor and forward the
    very same bytes; the last step only dequantizes. So every rank holds identical bits.
-Sends are asynchronous and receives are posted `window` messages ahead, so quantizing piece k+1
-overlaps the transfer of piece k. Each wait is bounded by a deadline from the message size and
-the minimum bandwidth. On failure we send a FAILED header (naming the suspect) as our next
-message, so the right neighbour raises at once with the same suspect rather than timing out.
+Receives are posted `window` messages ahead and a sender thread keeps up to `window` sends in
+flight, so quantizing piece k+1 overlaps the transfer of piece k. Each receive is bounded by a
+deadline from its size and the minimum bandwidth; when it passes, the watchdog sends a FAILED
+header naming the suspect as our next message, so the right neighbour raises at once with the
+same suspect (and so on around the ring) instead of timing out and blaming us.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch.distributed as dist
 
 from zb.collectives import kernels
 from zb.collectives.errors import PeerFailure
-from zb.collectives.pieces import FAILED, OK, BufferPool, Layout, Piece, views
+from zb.collectives.pieces import FAILED, OK, POOL, Layout, Piece, views
+from zb.collectives.sender import Sender
 from zb.collectives.watchdog import Watchdog
 
 
@@ -57,33 +59,49 @@ class Deadlines:
         return 2.0 + self.transfer_s(nbytes)
 
 
+@contextmanager
+def failure_names(peer: int, what: str, observer: int) -> Iterator[None]:
+    """gloo errors (peer gone, pair closed, timeout) become PeerFailure naming that peer."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistError variants
+        raise PeerFailure(f"int8 all-reduce: {what} rank {peer} failed: {str(e).splitlines()[0]}",
+                          rank=peer, observer=observer) from e
+
+
 class RingPart:
     """One ring over one process group for one contiguous fp32 slice; driven by advance(k)."""
 
     def __init__(self, flat: torch.Tensor, pg: dist.ProcessGroup, avg: bool, deadlines: Deadlines,
-                 piece_values: int, window: int) -> None:
-        self.flat, self.pg, self.avg, self.deadlines = flat, pg, avg, deadlines
+                 piece_values: int, window: int, watchdog: Watchdog) -> None:
+        self.flat, self.pg, self.avg, self.deadlines, self.watchdog = flat, pg, avg, deadlines, watchdog
         self.rank, self.world = pg.rank(), pg.size()
         self.left, self.right = (self.rank - 1) % self.world, (self.rank + 1) % self.world
         self.layout = Layout(flat.numel(), self.world, piece_values)
-        self.window, self.pool = window, BufferPool()
+        self.window = window
         self.recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
-        self.sends: list[tuple[int, torch.Tensor, dist.Work]] = []
         self.next_post = 0
-        self.sent_upto = 0  # messages [0, sent_upto) are handed to gloo
+        self.sent_upto = 0  # messages [0, sent_upto) are handed to the sender
         self.notified = False  # our FAILED notice has been sent
         self.wire_bytes = 0
-        self.watchdog: Watchdog | None = None
-
-    # message k <-> (piece, chunk) -------------------------------------------------------------
-    def _piece(self, k: int, incoming: bool) -> Piece:
-        step, p = divmod(k, self.layout.m)
-        chunk = (self.rank - step - (1 if incoming else 0)) % self.world
-        return self.layout.chunks[chunk][p]
+        self.sender = Sender(pg, self.right, window, POOL, self._send_deadline, self._names)
 
     @property
     def total(self) -> int:
         return self.layout.messages
+
+    def _piece(self, k: int, incoming: bool) -> Piece:
+        step, p = divmod(k, self.layout.m)
+        return self.layout.chunks[(self.rank - step - (1 if incoming else 0)) % self.world][p]
+
+    def _names(self, peer: int, what: str):
+        return failure_names(peer, what, self.rank)
+
+    def _send_deadline(self, k: int, nbytes: int) -> float:
+        # a send also waits for the receiver to get there: give it the receive's time twice over
+        return 2 * self.deadlines.for_bytes(nbytes, step=k // self.layout.m) + self.deadlines.margin(nbytes)
 
     # receives --------------------------------------------------------------------------------
     def _post_recvs(self, upto: int) -> None:
@@ -91,17 +109,17 @@ class RingPart:
             k, self.next_post = self.next_post, self.next_post + 1
             piece = self._piece(k, incoming=True)
             if piece.numel:
-                buf = self.pool.get(piece.nbytes)
-                with self._failure(self.left, "receive from"):
+                buf = POOL.get(piece.nbytes)
+                with self._names(self.left, "receive from"):
                     self.recvs[k] = (buf, self.pg.recv([buf], self.left, k))
 
     def _wait_recv(self, k: int, piece: Piece) -> torch.Tensor:
         buf, work = self.recvs.pop(k)
         deadline = self.deadlines.for_bytes(piece.nbytes, first=(k == 0), step=k // self.layout.m)
-        assert self.watchdog is not None
         self.watchdog.arm(deadline, lambda: self.notify_failure(self.left))
         try:
-            self._wait(work, deadline + self.deadlines.margin(piece.nbytes), self.left, "receive from")
+            with self._names(self.left, "receive from"):
+                work.wait(timedelta(seconds=deadline + self.deadlines.margin(piece.nbytes)))
         finally:
             self.watchdog.disarm()
         if self.notified:  # the watchdog gave up on this transfer: data arriving later is too late
@@ -110,75 +128,38 @@ class RingPart:
         header = views(buf, piece.numel)[0]
         if int(header[0]) == FAILED:
             suspect = int(header[1])
-            raise PeerFailure(f"rank {self.left} reported a failed transfer with rank {suspect}",
+            raise PeerFailure(f"int8 all-reduce: rank {self.left} reported a failed transfer with rank {suspect}",
                               rank=None if suspect < 0 else suspect, observer=self.rank)
         return buf
 
-    # sends -----------------------------------------------------------------------------------
-    def _send(self, k: int, buf: torch.Tensor) -> None:
-        with self._failure(self.right, "send to"):
-            self.sends.append((k, buf, self.pg.send([buf], self.right, k)))
-        self.wire_bytes += buf.numel()
-        self._reap_sends(block=False)
-
-    def _reap_sends(self, block: bool) -> None:
-        keep = []
-        for k, buf, work in self.sends:
-            if block:
-                seconds = self.deadlines.for_bytes(buf.numel(), step=k // self.layout.m)
-                self._wait(work, seconds, self.right, "send to")
-            elif not work.is_completed():
-                keep.append((k, buf, work))
-                continue
-            self.pool.put(buf)
-        self.sends = keep
-
-    @contextmanager
-    def _failure(self, peer: int, what: str) -> Iterator[None]:
-        """gloo errors (peer gone, pair closed) become PeerFailure naming that peer."""
-        try:
-            yield
-        except PeerFailure:
-            raise
-        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistError variants
-            raise PeerFailure(f"int8 all-reduce: {what} rank {peer} failed: {str(e).splitlines()[0]}",
-                              rank=peer, observer=self.rank) from e
-
-    def _wait(self, work: dist.Work, seconds: float, peer: int, what: str) -> None:
-        with self._failure(peer, what):
-            ok = work.wait(timedelta(seconds=seconds))
-        if ok is False:
-            raise PeerFailure(f"int8 all-reduce: {what} rank {peer} did not finish within "
-                              f"{seconds:.1f} s", rank=peer, observer=self.rank)
-
-    # one step of the pipeline ----------------------------------------------------------------
+    # the pipeline ----------------------------------------------------------------------------
     def advance(self, k: int) -> None:
         """Produce and send message k (k < total), consuming received message k - m."""
         if k >= self.total:
             return
-        m = self.layout.m
+        self.sender.check()
         self._post_recvs(k + self.window)
         piece = self._piece(k, incoming=False)
         if piece.numel:
-            buf = self._quantize_own(piece) if k < m else self._combine(k - m, piece)
-            self._send(k, buf)
+            buf = self._quantize_own(piece) if k < self.layout.m else self._combine(k - self.layout.m, piece)
+            self.sender.send(k, buf)
+            self.wire_bytes += buf.numel()
         self.sent_upto = k + 1
 
     def finish(self) -> None:
         """Consume the last all-gather step, then wait for every send."""
-        m = self.layout.m
         self._post_recvs(self.total)
-        for j in range(self.total - m, self.total):
+        for j in range(self.total - self.layout.m, self.total):
             piece = self._piece(j, incoming=True)
             if piece.numel:
                 buf = self._wait_recv(j, piece)
                 _, scales, codes = views(buf, piece.numel)
                 kernels.dequantize(codes, scales, self.flat[piece.start:piece.stop])
-                self.pool.put(buf)
-        self._reap_sends(block=True)
+                POOL.put(buf)
+        self.sender.close(timeout=self._send_deadline(self.total, self.layout.chunks[0][0].nbytes) * 2)
 
     def _quantize_own(self, piece: Piece) -> torch.Tensor:
-        buf = self.pool.get(piece.nbytes)
+        buf = POOL.get(piece.nbytes)
         header, scales, codes = views(buf, piece.numel)
         header.fill_(OK)
         kernels.quantize(self.flat[piece.start:piece.stop], codes, scales)
@@ -193,13 +174,13 @@ class RingPart:
         if step >= self.world - 1:  # all-gather: keep the bytes and forward them as they are
             kernels.dequantize(in_codes, in_scales, own)
             return inbuf
-        out = self.pool.get(piece.nbytes)
+        out = POOL.get(piece.nbytes)
         header, scales, codes = views(out, piece.numel)
         header.fill_(OK)
         owner = step == self.world - 2
         kernels.reduce_quantize(in_codes, in_scales, own, codes, scales,
                                 divisor=float(self.world) if (owner and self.avg) else 1.0, write_back=owner)
-        self.pool.put(inbuf)
+        POOL.put(inbuf)
         return out
 
     # failure ---------------------------------------------------------------------------------
@@ -210,26 +191,29 @@ class RingPart:
         self.notified = True
         for k in range(self.sent_upto, self.total):
             piece = self._piece(k, incoming=False)
-            if not piece.numel:
-                continue
-            buf = torch.zeros(piece.nbytes, dtype=torch.uint8)
-            header = views(buf, piece.numel)[0]
-            header[0], header[1] = FAILED, -1 if suspect is None else suspect
-            try:
-                self.pg.send([buf], self.right, k).wait(timedelta(seconds=self.deadlines.margin(piece.nbytes)))
-            except Exception:  # noqa: BLE001 - the right neighbour may be the one that is gone
-                pass
-            return
+            if piece.numel:
+                buf = torch.zeros(piece.nbytes, dtype=torch.uint8)
+                header = views(buf, piece.numel)[0]
+                header[0], header[1] = FAILED, -1 if suspect is None else suspect
+                self.sender.send(k, buf)
+                break
+        try:
+            self.sender.close(timeout=self.deadlines.margin(self.layout.chunks[0][0].nbytes))
+        except PeerFailure:
+            pass  # the right neighbour may be the one that is gone
 
 
-def run_ring(parts: list[RingPart]) -> None:
-    """Drive every part (one per stream) round-robin in this thread; raises PeerFailure."""
-    longest = max(p.total for p in parts)
+def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup]], avg: bool, deadlines: Deadlines,
+             piece_values: int, window: int) -> int:
+    """All-reduce each (slice, group) pair as its own ring, driven round-robin in this thread.
+
+    Returns the bytes this rank sent; raises PeerFailure.
+    """
     watchdog = Watchdog()
-    for part in parts:
-        part.watchdog = watchdog
+    parts: list[RingPart] = []
     try:
-        for k in range(longest):
+        parts = [RingPart(flat, pg, avg, deadlines, piece_values, window, watchdog) for flat, pg in flat_parts]
+        for k in range(max(p.total for p in parts)):
             for part in parts:
                 part.advance(k)
         for part in parts:
@@ -240,3 +224,4 @@ def run_ring(parts: list[RingPart]) -> None:
         raise
     finally:
         watchdog.stop()
+    return sum(p.wire_bytes for p in parts)
