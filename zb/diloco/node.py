@@ -198,6 +198,8 @@ class DilocoNode:
         if self.live is not None:
             self._publish_live(received or counters, view)
         self._save_position(data_state)
+        if self.local.is_leader:
+            self._reassert_claims(view)
         return report, received
 
     def _sync(self, view, plan: checkin.Plan) -> SyncStats:
@@ -272,6 +274,17 @@ class DilocoNode:
             log.warning("drift guard: this node's outer params differ from the majority's; "
                         "resyncing from a live node at the next outer step")
             self.role = checkin.NEEDS_STATE
+
+    def _reassert_claims(self, view) -> None:
+        """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
+        later joiner is still checked and never takes a live node's shard. A no-op otherwise."""
+        try:
+            self.store = self.store or self._connect()
+            self.store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
+            self.store.compare_set(slots.slot_key(self.slot), "", view.uid)
+        except (*store_errors(), EnvironmentFailure) as e:
+            log.warning("store unreachable at outer step (retried next outer step): %s", str(e).splitlines()[0])
+            self.store = None
 
     def _save_position(self, data_state: dict | None) -> None:
         if data_state is None:
