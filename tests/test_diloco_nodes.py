@@ -8,6 +8,7 @@ Nodes are real `zb train` processes (through torch's launcher for 2 local ranks)
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,13 @@ class Run:
         self.procs: dict[str, subprocess.Popen] = {}
         self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+        deadline = time.monotonic() + 60  # importing torch takes a while on a busy machine
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
 
     def start(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0) -> subprocess.Popen:
         env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
@@ -168,3 +176,15 @@ def test_joiner_with_another_model_is_refused(make_run):
     assert "model.n_layers" in log and "Traceback" not in log
     assert run.finish("n0") == 0, run.log("n0")
     assert all(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step"))
+
+
+def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run):
+    run = make_run(2)
+    run.start("n0", "--optim.total_steps", "10", rank=0)
+    run.start("bad", "--optim.total_steps", "10", "--optim.lr", "1e30", rank=1)  # diverges to NaN
+    for uid in ("n0", "bad"):
+        assert run.finish(uid) == 0, run.log(uid)
+    outer = run.metrics("n0", "outer_step")
+    assert outer and not any(e["applied"] for e in outer), "a NaN pseudo-gradient must skip the step on every node"
+    assert all(isinstance(s["loss"], float) for s in run.metrics("n0", "step")), "the healthy node stayed finite"
+    assert "reset to the outer params" in (run.tmp / "bad.log").read_text()
