@@ -198,6 +198,7 @@ def _check_fetched(result, files=None):
 def test_fetch_splits_across_two_peers(peer, tmp_path):
     _, a = peer("a")
     _, b = peer("b")
+    a.server.RequestHandlerClass = _SlowHandler  # so b gets chunks however late its threads start
     result = fetch_snapshot([a.address, b.address], TOKEN, tmp_path / "dest", chunk_bytes=64 << 10, progress=False)
     _check_fetched(result)
     assert result.step == 10 and sorted(result.peers) == sorted([a.address, b.address])
@@ -237,6 +238,7 @@ def test_fetch_falls_back_when_a_peer_dies_mid_transfer(peer, tmp_path, caplog):
     _, a = peer("a")
     _, b = peer("b")
     b.server.RequestHandlerClass = _DyingHandler
+    a.server.RequestHandlerClass = _SlowHandler  # so the dying peer surely gets a chunk
     result = fetch_snapshot([b.address, a.address], TOKEN, tmp_path / "dest", chunk_bytes=256 << 10,
                             progress=False, timeout=5)
     _check_fetched(result)
@@ -250,6 +252,7 @@ def test_fetch_drops_a_peer_serving_bad_bytes(peer, tmp_path, caplog):
     with open(root_b / "step-000000010" / "model.safetensors", "r+b") as f:  # same size, wrong bytes
         f.seek(5000)
         f.write(b"\xff" * 64)
+    a.server.RequestHandlerClass = _SlowHandler  # so the bad peer surely serves part of the file
     result = fetch_snapshot([b.address, a.address], TOKEN, tmp_path / "dest", chunk_bytes=64 << 10, progress=False)
     _check_fetched(result)
     assert f"{b.address} served a copy of model.safetensors that does not match" in caplog.text
