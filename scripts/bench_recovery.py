@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from zb.ckpt.fetch import fetch_snapshot  # noqa: E402
-from zb.ckpt.snapshot import read_manifest  # noqa: E402
+from zb.ckpt.catalog import read_manifest  # noqa: E402 (torch-free: the client starts fast)
 
 TOKEN = "bench-recovery-token-0123456789abcdef"
 PORT = 7711

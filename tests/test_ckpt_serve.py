@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -198,6 +199,7 @@ def _check_fetched(result, files=None):
 def test_fetch_splits_across_two_peers(peer, tmp_path):
     _, a = peer("a")
     _, b = peer("b")
+    a.server.RequestHandlerClass = _SlowHandler  # so b gets chunks however late its threads start
     result = fetch_snapshot([a.address, b.address], TOKEN, tmp_path / "dest", chunk_bytes=64 << 10, progress=False)
     _check_fetched(result)
     assert result.step == 10 and sorted(result.peers) == sorted([a.address, b.address])
@@ -237,6 +239,7 @@ def test_fetch_falls_back_when_a_peer_dies_mid_transfer(peer, tmp_path, caplog):
     _, a = peer("a")
     _, b = peer("b")
     b.server.RequestHandlerClass = _DyingHandler
+    a.server.RequestHandlerClass = _SlowHandler  # so the dying peer surely gets a chunk
     result = fetch_snapshot([b.address, a.address], TOKEN, tmp_path / "dest", chunk_bytes=256 << 10,
                             progress=False, timeout=5)
     _check_fetched(result)
@@ -250,6 +253,7 @@ def test_fetch_drops_a_peer_serving_bad_bytes(peer, tmp_path, caplog):
     with open(root_b / "step-000000010" / "model.safetensors", "r+b") as f:  # same size, wrong bytes
         f.seek(5000)
         f.write(b"\xff" * 64)
+    a.server.RequestHandlerClass = _SlowHandler  # so the bad peer surely serves part of the file
     result = fetch_snapshot([b.address, a.address], TOKEN, tmp_path / "dest", chunk_bytes=64 << 10, progress=False)
     _check_fetched(result)
     assert f"{b.address} served a copy of model.safetensors that does not match" in caplog.text
@@ -271,6 +275,7 @@ def test_fetch_restarts_when_the_snapshot_is_pruned_mid_download(peer, tmp_path)
     result = fetch_snapshot([a.address], TOKEN, tmp_path / "dest", progress=False)
     assert result.step == 20
     _check_fetched(result)
+    assert [p.name for p in (tmp_path / "dest").iterdir()] == ["step-000000020"]  # no partial left behind
 
 
 def test_fetch_failures_name_the_peers(peer, tmp_path):
@@ -558,5 +563,24 @@ def test_fetch_deadline_bounds_a_slow_download(tmp_path):
             fetch_snapshot([handle.address], TOKEN, tmp_path / "dest", deadline_s=0.5, progress=False)
         assert time.monotonic() - start < 3
         assert not (tmp_path / "dest" / "step-000000001").exists()
+        assert (tmp_path / "dest" / ".tmp-step-000000001").is_dir()  # kept: a retry reuses complete files
     finally:
         handle.close()
+    handle = serve.serve_in_thread(tmp_path / "slow", TOKEN, "127.0.0.1", 0)
+    try:
+        result = fetch_snapshot([handle.address], TOKEN, tmp_path / "dest", progress=False)
+        assert [p.name for p in (tmp_path / "dest").iterdir()] == [result.path.name]
+    finally:
+        handle.close()
+
+
+def test_fetch_reuses_files_completed_by_an_interrupted_fetch(peer, tmp_path):
+    root, a = peer("a")
+    partial = tmp_path / "dest" / ".tmp-step-000000010"
+    partial.mkdir(parents=True)
+    shutil.copy(root / "step-000000010" / "outer.safetensors", partial)
+    (partial / "model.safetensors").write_bytes(b"torn")
+    result = fetch_snapshot([a.address], TOKEN, tmp_path / "dest", progress=False)
+    _check_fetched(result)
+    manifest = read_manifest(result.path)
+    assert result.bytes == manifest.total_bytes - manifest.files["outer.safetensors"].size

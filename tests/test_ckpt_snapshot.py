@@ -111,10 +111,11 @@ def test_latest_skips_a_corrupt_newest_with_a_warning(tmp_path, caplog):
 def test_prune_keeps_the_newest(tmp_path):
     paths = [_write(tmp_path, step) for step in (30, 10, 20, 40)]
     (tmp_path / ".tmp-step-000000050").mkdir()  # a writer still busy: untouched
+    (tmp_path / ".del-step-000000005-abcd").mkdir()  # a deletion that crashed: removed
     deleted = prune(tmp_path, keep=2)
     assert sorted(p.name for p in deleted) == ["step-000000010", "step-000000020"]
     assert [p for p, _ in list_snapshots(tmp_path)] == [paths[0], paths[3]]
-    assert (tmp_path / ".tmp-step-000000050").is_dir()
+    assert (tmp_path / ".tmp-step-000000050").is_dir() and not (tmp_path / ".del-step-000000005-abcd").exists()
     assert prune(tmp_path, keep=1) == [paths[0]]
     with pytest.raises(InvalidInput, match="at least 1"):
         prune(tmp_path, keep=0)

@@ -22,6 +22,7 @@ from zb.errors import InvalidInput
 log = logging.getLogger("zb.ckpt")
 
 _HASH_CHUNK = 8 << 20
+_DELETED = ".del-"
 
 
 class CorruptSnapshot(InvalidInput):
@@ -83,7 +84,7 @@ def commit(tmp: Path, manifest: Manifest) -> Path:
 
 
 def _move_aside(path: Path) -> Path:
-    aside = path.parent / f".del-{path.name}-{uuid.uuid4().hex[:8]}"
+    aside = path.parent / f"{_DELETED}{path.name}-{uuid.uuid4().hex[:8]}"
     os.rename(path, aside)
     return aside
 
@@ -177,11 +178,14 @@ def remove_snapshot(path: Path) -> None:
 def prune(root: Path, keep: int) -> list[Path]:
     """Delete committed snapshots older than the newest `keep`; returns the deleted paths.
 
-    Uncommitted and temporary directories are left alone (a writer may still be busy with them).
+    Uncommitted and temporary directories are left alone (a writer may still be busy with them);
+    leftovers of interrupted deletions (`.del-*`) are removed.
     """
     if keep < 1:
         raise InvalidInput(f"prune keep={keep}: must be at least 1 (the newest snapshot is never pruned)")
     old = [path for path, _ in list_snapshots(root)][:-keep]
     for path in old:
         remove_snapshot(path)
+    for leftover in Path(root).glob(f"{_DELETED}*"):  # moved aside by a deletion that crashed
+        shutil.rmtree(leftover, ignore_errors=True)
     return old

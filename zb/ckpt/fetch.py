@@ -15,6 +15,7 @@ served bad bytes; 5. commit the snapshot locally (same format, so load_snapshot 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from zb.ckpt.catalog import commit, sha256_file
 from zb.ckpt.download import DownloadFailed, FilePlan, download
-from zb.ckpt.manifest import TMP_PREFIX, FileEntry, Manifest, check_file_name
+from zb.ckpt.manifest import TMP_PREFIX, FileEntry, Manifest, check_file_name, is_snapshot_name
 from zb.ckpt.peer import PeerClient, PeerError, parse_peer
 from zb.ckpt.progress import TransferProgress
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -112,8 +113,13 @@ def _fetch_once(req: _Request, start: float) -> FetchResult:
     tmp.mkdir(parents=True, exist_ok=True)
     todo = [f for f in wanted if not _reusable(tmp / f, entries[f])]
     names = {p: nm[0] for p, nm in found.items()}
-    by_peer = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
+    try:
+        by_peer = _download_verified(req, todo, plans, names, tmp, manifest.total_bytes)
+    except _SnapshotGone:
+        shutil.rmtree(tmp, ignore_errors=True)  # nobody serves this snapshot any more
+        raise
     path = commit(tmp, manifest)
+    _remove_stale_tmp(req.dest_dir)
     result = FetchResult(path, step, manifest.outer_step, sorted(p for p, n in by_peer.items() if n),
                          sum(by_peer.values()), time.monotonic() - start, by_peer)
     log.info("recovered step %d (%.1f MB) from %s in %.2f s", step, result.bytes / 1e6, ", ".join(result.peers) or "cache",
@@ -175,6 +181,14 @@ def _plan(found: dict[str, tuple[str, Manifest]], wanted: list[str]) -> tuple[di
         entries[f] = next(e for e in holders.values() if (e.size, e.sha256) == (size, sha))
         plans[f] = FilePlan(size, sha, [p for p, e in holders.items() if (e.size, e.sha256) == (size, sha)])
     return entries, plans
+
+
+def _remove_stale_tmp(dest_dir: Path) -> None:
+    """Partial downloads of other snapshots left by failed fetches: RAM in /dev/shm, never reusable now."""
+    for tmp in dest_dir.glob(f"{TMP_PREFIX}*"):
+        if tmp.is_dir() and is_snapshot_name(tmp.name[len(TMP_PREFIX):]):
+            log.debug("removing the stale partial download %s", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _reusable(path: Path, entry: FileEntry) -> bool:
