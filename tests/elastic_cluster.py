@@ -61,8 +61,15 @@ class Cluster:
         self.env.update(env)
         self.nodes: dict[str, Node] = {}
         self.store: subprocess.Popen | None = None
+        self.hosted = None
 
     # -- processes --------------------------------------------------------------------------
+    def host_store(self) -> None:
+        """The store in this process (saves a torch import per test); `zb store` is tested on its own."""
+        from zb.elastic.store import host
+
+        self.hosted = host("127.0.0.1", self.port)
+
     def start_store(self) -> None:
         self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
                                       stdout=subprocess.DEVNULL, stderr=open(self.tmp / "store.err", "a"))
@@ -89,8 +96,8 @@ class Cluster:
         self.nodes[f"{uid}.{len(self.nodes)}"] = node
         return node
 
-    def start_world(self, n: int, *args: str) -> list[Node]:
-        return [self.start(chr(ord("a") + i), i, n, *args) for i in range(n)]
+    def start_world(self, n: int, *args: str, **env: str) -> list[Node]:
+        return [self.start(chr(ord("a") + i), i, n, *args, **env) for i in range(n)]
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -98,6 +105,7 @@ class Cluster:
                 node.proc.send_signal(signal.SIGCONT)
                 node.proc.kill()
             node.proc.wait(10)
+        self.hosted = None
         if self.store is not None and self.store.poll() is None:
             self.store.kill()
             self.store.wait(10)

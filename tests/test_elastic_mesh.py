@@ -18,7 +18,7 @@ from elastic_cluster import Cluster
 @pytest.fixture
 def cluster(tmp_path):
     c = Cluster(tmp_path)
-    c.start_store()
+    c.host_store()
     yield c
     c.close()
 
@@ -65,6 +65,10 @@ def test_sigkill(cluster, victim):
     assert membership(nodes["b"], died=[victim])
     if victim == "a":
         assert view["nodes"][0] == "b"          # the next in line took over
+        return
+    again = cluster.start(victim, 2, 3)         # restarted under its old id: admitted as a joiner
+    back = cluster.agreement([*nodes.values(), again], 3, after=view["time"])
+    assert back["nodes"] == ["a", "b", victim] and again.events("ready")[0]["joiner"]
 
 
 def test_sigterm_sends_deathrattle(cluster):
@@ -103,9 +107,15 @@ def test_two_deaths_at_once(cluster):
 
 
 def test_join_and_death_in_one_resolution(cluster):
-    a, b, c = cluster.start_world(3, "--step-time", "2.0")
+    # Long timeouts make it deterministic: c is frozen first, so the members wait for its check-in
+    # (up to 30 s, or block in the all-reduce with c) while d asks to join; then c is killed and its
+    # refused port (or reset connection) gives it away.
+    slow = {"ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "30", "ZB_ELASTIC_SYNC_DEADLINE": "30",
+            "ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS": "30"}
+    a, b, c = cluster.start_world(3, **slow)
     first = cluster.agreement([a, b, c], 3)
-    d = cluster.start("d", 0, 1, "--step-time", "2.0")
+    c.signal(signal.SIGSTOP)
+    d = cluster.start("d", 0, 1, **slow)
     _wait_join_request(cluster, "d")
     killed = c.signal(signal.SIGKILL)
     view = cluster.agreement([a, b, d], 3, after=killed)
@@ -149,7 +159,16 @@ def test_unreachable_store(tmp_path):
         c.close()
 
 
-def test_store_restart_mid_run(cluster):
+def test_store_restart_mid_run(tmp_path):
+    cluster = Cluster(tmp_path)
+    try:
+        cluster.start_store()           # a real `zb store` process, killed and restarted
+        _store_restart(cluster)
+    finally:
+        cluster.close()
+
+
+def _store_restart(cluster):
     a, b, c = cluster.start_world(3)
     first = cluster.agreement([a, b, c], 3)
     cluster.kill_store()

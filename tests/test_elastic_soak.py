@@ -26,7 +26,7 @@ SCENARIOS = {
     "two-deaths": t.test_two_deaths_at_once,
     "join-and-death": t.test_join_and_death_in_one_resolution,
     "duplicate-id": t.test_duplicate_unique_id_refused,
-    "store-restart": t.test_store_restart_mid_run,
+    "store-restart": t._store_restart,
 }
 REPEATS = int(os.environ.get("ELASTIC_SOAK_REPEATS", "5"))
 

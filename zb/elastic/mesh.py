@@ -62,7 +62,11 @@ class ElasticDeviceMesh:
         """Connect, check the id, heartbeat, join (waiting for the quorum up to elastic.start_timeout),
         build the global groups. Raises ZbError (one clear line) on an expected failure."""
         payload = self._guarded(self._start_leader) if self.local_rank == 0 else None
-        return self._follow(payload)
+        view = self._follow(payload)
+        if self.global_pg is None:       # a peer did not arrive at the first group: resolve again
+            self._failed = True
+            return self.resolve()
+        return view
 
     def resolve(self) -> WorldView:
         """Outer-step boundary: admit joiners, drop leavers/dead/late nodes, rebuild groups if needed."""
