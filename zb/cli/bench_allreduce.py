@@ -17,7 +17,7 @@ Kernels only: zb bench-allreduce --kernels. Machine-readable: --json (one docume
               help="Join a multi-host run through this TCPStore (rank 0 hosts it); needs --rank.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="This process's rank (with --store).")
 @click.option("--size-mb", type=click.FloatRange(min=1e-6), default=64.0, show_default=True,
-              help="fp32 tensor size per rank, in MB (1e6 bytes).")
+              help="fp32 tensor size per rank (or per kernel call with --kernels), in MB (1e6 bytes).")
 @click.option("--compressions", default="none,int8", show_default=True,
               help="Comma-separated compressions to compare: none (fp32), int8.")
 @click.option("--streams", type=click.IntRange(min=1), default=1, show_default=True,
@@ -48,7 +48,7 @@ def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_m
     if any(c not in ("none", "int8") for c in comps) or not comps:
         raise InvalidInput(f"--compressions {compressions!r}: use a comma-separated subset of none,int8")
     if kernels_only:
-        report = _kernels(threads)
+        report = _kernels(threads, max(256, int(size_mb * 1e6) // 4))
         print_json(report) if as_json else stderr.print(kernels_table(report))
         return
     cfg = BenchConfig(size_mb=size_mb, compressions=comps, streams=streams, iterations=iterations,
@@ -59,14 +59,14 @@ def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_m
     print_json(report) if as_json else stderr.print(results_table(report))
 
 
-def _kernels(threads: int) -> dict:
+def _kernels(threads: int, numel: int) -> dict:
     import torch
 
     from zb.collectives.kernel_bench import run_kernel_bench
 
     if threads:
         torch.set_num_threads(threads)
-    return run_kernel_bench()
+    return run_kernel_bench(numel, twin_numel=min(numel, 1 << 22))
 
 
 def _run(world_size: int, store: str | None, rank: int | None, cfg) -> dict | None:

@@ -128,19 +128,17 @@ def _row(times: list[float], x: torch.Tensor, world: int, wire: int, err: float,
             "bit_identical": same}
 
 
-def spawn_local(world: int, cfg: BenchConfig, port: int, extra_env: dict[str, str] | None = None) -> dict:
-    """Run W ranks as local processes through `python -m zb bench-allreduce --store ...`."""
-    args = ["--size-mb", str(cfg.size_mb), "--compressions", ",".join(cfg.compressions),
+def _cli_args(cfg: BenchConfig, world: int) -> list[str]:
+    return ["--size-mb", str(cfg.size_mb), "--compressions", ",".join(cfg.compressions),
             "--streams", str(cfg.streams), "--iterations", str(cfg.iterations), "--warmup", str(cfg.warmup),
             "--threads", str(cfg.threads or max(1, (os.cpu_count() or 1) // world)), "--data", cfg.data,
             "--min-bandwidth-mbps", str(cfg.min_bandwidth_mbps), "--json"]
-    env = {**os.environ, **(extra_env or {})}
-    procs = [subprocess.Popen([sys.executable, "-m", "zb", "-q", "bench-allreduce", "--store", f"127.0.0.1:{port}",
-                               "--rank", str(r), "--world-size", str(world), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-             for r in range(world)]
+
+
+def _collect(procs: list[subprocess.Popen], timeout: float) -> dict:
+    """Wait for every rank; rank 0's stdout is the report. Kills leftovers on any failure."""
     try:
-        outs = [p.communicate(timeout=cfg.timeout_s * 2) for p in procs]
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -149,5 +147,21 @@ def spawn_local(world: int, cfg: BenchConfig, port: int, extra_env: dict[str, st
     failed = [(r, p.returncode, e) for r, (p, (_, e)) in enumerate(zip(procs, outs)) if p.returncode != 0]
     if failed:
         r, code, err = failed[0]
-        raise EnvironmentFailure(f"bench rank {r} exited with {code}: {err.strip().splitlines()[-1:] or ''}")
+        raise EnvironmentFailure(f"bench rank {r} exited with {code}: {' '.join(err.strip().splitlines()[-1:])}")
     return json.loads(outs[0][0])
+
+
+def spawn_on(launchers: list, store_addr: str, port: int, cfg: BenchConfig,
+             env: dict[str, str] | None = None) -> dict:
+    """One rank per launcher (a callable argv -> Popen, e.g. a namespace host's popen); rank 0 hosts the store."""
+    world = len(launchers)
+    procs = [launch([sys.executable, "-m", "zb", "-q", "bench-allreduce", "--store", f"{store_addr}:{port}",
+                     "--rank", str(r), "--world-size", str(world), *_cli_args(cfg, world)],
+                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, launch in enumerate(launchers)]
+    return _collect(procs, cfg.timeout_s * 2)
+
+
+def spawn_local(world: int, cfg: BenchConfig, port: int) -> dict:
+    """Run W ranks as local processes through `python -m zb bench-allreduce --store 127.0.0.1:port`."""
+    return spawn_on([subprocess.Popen] * world, "127.0.0.1", port, cfg, env=dict(os.environ))

@@ -1,0 +1,1 @@
+"""Networks: link measurement and, for tests and benchmarks, emulated hosts in namespaces."""
