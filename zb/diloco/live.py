@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from zb.ckpt.fetch import FetchResult, fetch_snapshot
-from zb.ckpt.publish import peer_addresses, publish_address, unpublish_address
+from zb.ckpt.publish import advertised_address, peer_addresses, publish_address, unpublish_address
 from zb.ckpt.serve import serve_in_thread
 from zb.ckpt.snapshot import load_snapshot, prune, snapshot_name, write_snapshot
 from zb.ckpt.token import read_token
@@ -55,8 +55,10 @@ class LiveSnapshots:
         shutil.rmtree(self.root, ignore_errors=True)  # a previous incarnation's state is stale
         self.root.mkdir(parents=True, exist_ok=True)
         port = cfg.elastic.live_reco_port + local_rank if cfg.elastic.live_reco_port else 0
-        self.server = serve_in_thread(self.root, self.token, cfg.elastic.live_reco_addr or "0.0.0.0", port)
-        self.advertised = _advertised(cfg, self.server.address)
+        bind = cfg.elastic.live_reco_addr or "0.0.0.0"  # token-protected; the address peers use is advertised
+        self.server = serve_in_thread(self.root, self.token, bind, port)
+        bound_port = int(self.server.address.rsplit(":", 1)[1])
+        self.advertised = advertised_address(bind, bound_port, cfg.elastic.live_reco_addr, cfg.elastic.addr)
         self._writer: threading.Thread | None = None
 
     def publish_address(self, store) -> None:
@@ -89,15 +91,6 @@ class LiveSnapshots:
         if store is not None:
             unpublish_address(store, sidecar_id(self.uid, self.local_rank))
         self.server.close()
-
-
-def _advertised(cfg: Config, address: str) -> str:
-    host, port = address.rsplit(":", 1)
-    if host in ("0.0.0.0", "[::]", "::"):
-        from zb.ckpt.publish import advertised_host
-
-        host = advertised_host("0.0.0.0", cfg.elastic.addr)
-    return f"{host}:{port}"
 
 
 def publish_progress(store, outer_step: int, step: int) -> None:
