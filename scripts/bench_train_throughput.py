@@ -53,7 +53,7 @@ def zb_loop(model_name: str, steps: int, micro_bs: int, seq: int, warmup: int) -
         cfg = load_config([], {"model.name": model_name, "data.fake": "true", "optim.total_steps": str(steps),
                                "optim.warmup_steps": "1", "optim.batch_size": str(micro_bs),
                                "train.micro_bs": str(micro_bs), "data.seq_length": str(seq),
-                               "eval.interval": "-1", "log.dir": logdir, "log.progress": "plain",
+                               "eval.interval": "-1", "log.dir": logdir, "log.progress": "plain", "train.log_interval": "1",
                                "train.device": "cpu"}, environ={})
         run(cfg)
         rates = [r["tokens_per_s"] for r in read_metrics(f"{logdir}/metrics.jsonl", "step")]
