@@ -50,6 +50,15 @@ def run(cfg: Config) -> Counters:
         close_local_group()
 
 
+def _warn_unused(cfg: Config, prefix: str, why: str) -> None:
+    """Say so when settings were given that cannot have an effect, instead of ignoring them."""
+    from zb.config import KEYS, source_of
+
+    given = [k for k in KEYS if k.startswith(prefix) and source_of(cfg, k) != "default"]
+    if given and (local_world().is_leader):
+        log.warning("settings without effect (%s): %s", ", ".join(given), why)
+
+
 class TrainingRun:
     def __init__(self, cfg: Config, local: LocalWorld, placement: Placement):
         from zb.data import build_tokenizer
@@ -100,6 +109,7 @@ class TrainingRun:
         """With DiLoCo: join the elastic world and claim a data slot. Without: the configured shard."""
         cfg = self.cfg
         if cfg.diloco is None:
+            _warn_unused(cfg, "elastic.", "without DiLoCo this node trains alone; add a [diloco] table to join a run")
             return (cfg.data.data_rank or 0), (cfg.data.data_world_size or 1)
         from zb.diloco.fingerprint import fingerprint
         from zb.diloco.node import DilocoNode
