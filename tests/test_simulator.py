@@ -1,0 +1,54 @@
+"""scripts/simulate_multi_node_diloco.sh: a short run finishes on every node; Ctrl-C leaves no orphans."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from conftest import REPO, subprocess_env
+from elastic_cluster import PROFILE
+from zb.metrics import read_metrics
+
+SCRIPT = str(REPO / "scripts" / "simulate_multi_node_diloco.sh")
+SHORT = ["--model.name", "debug", "--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2",
+         "--optim.warmup_steps", "2", "--diloco.inner_steps", "4", "--eval.interval", "-1", "--train.device", "cpu"]
+
+
+def _env(tmp_path):
+    return subprocess_env(PYTHON=sys.executable, ZB_SIM_LOGDIR=str(tmp_path), **PROFILE)
+
+
+def test_two_nodes_finish(tmp_path):
+    proc = subprocess.run(["bash", SCRIPT, "2", "1", "@configs/debug/diloco.toml", *SHORT, "--optim.total_steps", "8"],
+                          capture_output=True, text=True, timeout=170, env=_env(tmp_path), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr + (tmp_path / "node0.log").read_text()[-2000:]
+    for i in range(2):
+        outer = read_metrics(tmp_path / f"node{i}" / "metrics.jsonl", "outer_step")
+        assert [e["outer_step"] for e in outer] == [1, 2]
+        assert all(e["global_world_size"] == 2 for e in outer)
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+    proc = subprocess.Popen(["bash", SCRIPT, "2", "1", "@configs/debug/diloco.toml", *SHORT,
+                             "--optim.total_steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=_env(tmp_path), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        metrics = tmp_path / "node1" / "metrics.jsonl"
+        while not (metrics.exists() and read_metrics(metrics, "outer_step")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
+            time.sleep(0.5)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive, f"orphans: {[p.cmdline() for p in alive]}"
+    assert proc.returncode != 0
