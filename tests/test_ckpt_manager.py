@@ -231,3 +231,11 @@ def test_agree_on_latest_through_the_store():
         t.join(30)
     assert results == {"a": 20, "b": 20, "c": 20}
     assert agree_on_latest(store, "late", [30], 3, 1) is None  # decided already; it lacks step 20
+
+
+def test_benchmark_smoke():
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from bench_checkpoint import main
+
+    res = main(["--model", "debug", "--dim", "64", "--repeats", "1", "--steps", "1", "--interval", "10", "--json"])
+    assert res["sync_s"] > 0 and res["blocking_s"] > 0 and res["state_bytes"] > 0

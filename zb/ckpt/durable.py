@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -21,27 +22,18 @@ from zb.ckpt.manifest import MANIFEST, MARKER
 log = logging.getLogger("zb.ckpt")
 
 T = TypeVar("T")
-_COPY_CHUNK = 8 << 20
 
 
 def copy_file(src: Path, dst: Path) -> int:
-    """Copy and fsync one file; returns its size."""
-    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
-        size = os.fstat(fin.fileno()).st_size
-        if hasattr(os, "copy_file_range"):
-            left = size
-            while left:
-                n = os.copy_file_range(fin.fileno(), fout.fileno(), min(left, 1 << 30))
-                if n == 0:
-                    break
-                left -= n
-            if left:
-                raise OSError(f"short copy of {src}: {left} bytes left")
-        else:
-            while chunk := fin.read(_COPY_CHUNK):
-                fout.write(chunk)
-        os.fsync(fout.fileno())
-    return size
+    """Copy and fsync one file; returns its size.
+
+    shutil.copyfile picks the kernel's fast path (sendfile) and works across file systems; RAM
+    (tmpfs) -> disk is always such a crossing, where copy_file_range fails with EXDEV.
+    """
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+", buffering=0) as f:
+        os.fsync(f.fileno())
+        return os.fstat(f.fileno()).st_size
 
 
 def copy_part(src: Path, dst_step_dir: Path) -> Path:
