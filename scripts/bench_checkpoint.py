@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 
 def build(model_name: str, dim: int, tmp: Path):
