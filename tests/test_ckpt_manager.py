@@ -32,18 +32,21 @@ def run_driver(args: list[str], ranks: int, port: int | None = None) -> subproce
     return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
 
 
-def outputs(proc: subprocess.CompletedProcess) -> dict[int, dict]:
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
-    return {d["rank"]: d for d in lines}
+def outputs(proc: subprocess.CompletedProcess, out: Path, mode: str, rc: int = 0) -> dict[int, dict]:
+    assert proc.returncode == rc, proc.stderr[-3000:]
+    docs = [json.loads(p.read_text()) for p in out.glob(f"out-{mode}-*.json")]
+    return {d["rank"]: d for d in docs}
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_is_bit_exact_in_a_new_process(tmp_path, ranks):
-    port = free_port()
-    steps = 3 if ranks == 1 else 2
-    straight = outputs(run_driver(["first", str(tmp_path), str(steps)], ranks, port))
-    resumed = outputs(run_driver(["resume", str(tmp_path), str(steps)], ranks, port))
+    """With one rank the first process also dies in the middle of copying a later checkpoint."""
+    port, steps = free_port(), 3 if ranks == 1 else 2
+    first = run_driver(["first", str(tmp_path), str(steps)] + (["die"] if ranks == 1 else []), ranks, port)
+    if ranks == 1:
+        check_killed_mid_copy(first, tmp_path / "disk", steps)
+    straight = outputs(first, tmp_path, "first", rc=9 if ranks == 1 else 0)
+    resumed = outputs(run_driver(["resume", str(tmp_path), str(steps)], ranks, port), tmp_path, "resume")
     assert set(straight) == set(resumed) == set(range(ranks))
     for rank in range(ranks):
         assert resumed[rank]["step"] == straight[rank]["step"] == 2 * steps
@@ -51,14 +54,12 @@ def test_resume_is_bit_exact_in_a_new_process(tmp_path, ranks):
         assert resumed[rank]["params"] == straight[rank]["params"]
 
 
-def test_process_killed_mid_copy_leaves_previous_checkpoint(tmp_path):
-    proc = run_driver(["first", str(tmp_path), "2", "die"], 1)
+def check_killed_mid_copy(proc: subprocess.CompletedProcess, disk: Path, steps: int) -> None:
     assert proc.returncode == 9, proc.stderr[-3000:]
-    disk = tmp_path / "disk"
-    assert complete_steps(disk) == [2]
-    half = disk / step_dir_name(3)
+    assert complete_steps(disk) == [steps]
+    half = disk / step_dir_name(2 * steps)
     assert (half / ".tmp-rank-0").is_dir() and not (half / "rank-0").exists()
-    verify_snapshot(disk / step_dir_name(2) / "rank-0")  # checksums of the survivor still hold
+    verify_snapshot(disk / step_dir_name(steps) / "rank-0")  # checksums of the survivor still hold
 
 
 # -- in-process tests on a small model ------------------------------------------------------------
@@ -182,7 +183,20 @@ def test_topk_prunes_only_older_than_committed(tmp_path):
     m.close()
 
 
-def test_remote_copy_and_failing_remote(tmp_path):
+def test_final_checkpoint_goes_straight_to_disk_and_warns_on_inexact_data(tmp_path, caplog):
+    m, state = manager(tmp_path), small_state()
+    state.data_exact = False
+    state.counters["step"] = 7
+    m.save(7, state, final=True)
+    assert m.wait(30)
+    m.close()
+    assert m.committed_steps() == [7] and not (tmp_path / "ram").exists()
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
+        manager(tmp_path, resume="latest").resume(small_state(seed=1))
+    assert any("cannot resume exactly" in r.getMessage() for r in caplog.records)
+
+
+def test_remote_copy_and_failing_remote(tmp_path, caplog):
     sink = Recorder()
     m = manager(tmp_path, sink, remote=str(tmp_path / "remote"))
     save_steps(m, small_state(), [1])
@@ -196,6 +210,7 @@ def test_remote_copy_and_failing_remote(tmp_path):
     state = small_state()
     save_steps(m, state, [2, 3])  # training goes on: save returns, copies finish
     assert [u["ok"] for u in sink.of("upload")] == [False, False]
+    assert sum("failed (attempt" in r.getMessage() and "upload" in r.getMessage() for r in caplog.records) == 6
     assert m.committed_steps()[-2:] == [2, 3]
     m.close()
 

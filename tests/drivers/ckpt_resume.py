@@ -5,10 +5,11 @@
 
 MODE first: 2 x STEPS steps with a checkpoint after STEPS (the uninterrupted reference run).
 resume: `ckpt.resume latest`, then train until step 2 x (the checkpoint's step). With `die`, first
-lets its checkpoint commit, then exits hard (os._exit) in the middle of copying a second one.
+then checkpoints step 2 x STEPS and exits hard (os._exit 9) in the middle of its copy to disk, so
+`latest` must fall back to step STEPS.
 The builtin data loader covers the data position; a one-node DiLoCo outer step every OUTER_EVERY
 steps (no all-reduce) covers the outer params and momentum. Every rank prints one JSON line:
-its losses and a sha256 of its parameter shards.
+its losses and a sha256 of its parameter shards, into CKPT_DIR/out-MODE-RANK.json.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -53,7 +55,7 @@ def params_sha(model: torch.nn.Module) -> str:
 
 
 def die_during_next_copy(manager: CheckpointManager, step: int, state: TrainState) -> None:
-    """Let checkpoint `step` commit, then crash (os._exit) in the middle of copying the next one."""
+    """Let the pending checkpoint commit, then crash (os._exit) in the middle of copying checkpoint `step`."""
     import zb.ckpt.durable as durable
 
     assert manager.wait(60)
@@ -64,7 +66,7 @@ def die_during_next_copy(manager: CheckpointManager, step: int, state: TrainStat
         os._exit(9)
 
     durable.copy_file = copy_then_die
-    manager.save(step + 1, state)
+    manager.save(step, state)
     manager.wait(60)
     raise AssertionError("the copy did not run")
 
@@ -115,11 +117,12 @@ def main() -> None:
             counters["outer_step"] += 1
         if counters["step"] == save_at:
             manager.save(counters["step"], state())
-            if die:
-                die_during_next_copy(manager, counters["step"], state())
+    # A file per rank: torchrun interleaves the ranks' stdout, even within a line.
+    result = {"rank": local.rank, "losses": losses, "params": params_sha(model), "step": counters["step"]}
+    Path(ckpt_dir, f"out-{mode}-{local.rank}.json").write_text(json.dumps(result))
+    if die:
+        die_during_next_copy(manager, counters["step"], state())
     manager.close()
-    print(json.dumps({"rank": local.rank, "losses": losses, "params": params_sha(model),
-                      "step": counters["step"]}), flush=True)
     close_local_group()
 
 
