@@ -254,3 +254,27 @@ def test_benchmark_smoke():
 
     res = main(["--model", "debug", "--dim", "64", "--repeats", "1", "--steps", "1", "--interval", "10", "--json"])
     assert res["sync_s"] > 0 and res["blocking_s"] > 0 and res["state_bytes"] > 0
+
+
+def test_queued_checkpoint_keeps_its_staging_buffers(tmp_path, monkeypatch):
+    """Saves in a row while the first is still copying: each checkpoint holds its own step's weights."""
+    import threading
+
+    import zb.ckpt.worker as worker
+
+    gate, real = threading.Event(), worker.copy_part
+    monkeypatch.setattr(worker, "copy_part", lambda *a: (gate.wait(30), real(*a))[1])
+    m, state = manager(tmp_path, topk=5), small_state()
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            state.model[0].weight.fill_(float(step))
+        state.counters["step"] = step
+        if step == 3:
+            threading.Timer(0.5, gate.set).start()  # save 3 must wait for step 2's RAM write, not step 1's end
+        m.save(step, state)
+    assert m.wait(30)
+    m.close()
+    for step in (1, 2, 3):
+        fresh = small_state(seed=9)
+        manager(tmp_path, resume=str(tmp_path / "disk" / step_dir_name(step))).resume(fresh)
+        assert float(fresh.model[0].weight.detach()[0, 0]) == step

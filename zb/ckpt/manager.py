@@ -61,7 +61,7 @@ class CheckpointManager:
         self.ram_root = Path(cfg.ram_dir) / node_id if cfg.ram_dir else None
         remote = f"{cfg.remote.path.rstrip('/')}/{node_id}" if cfg.remote.path else None
         self._staging = Staging()
-        self._free = threading.Event()
+        self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
         self._free.set()
         self._worker = Worker(Targets(self.ram_root, self.disk_root, remote, cfg.remote.interval, cfg.topk,
                                       local_rank, attempts, retry_delay), sink)
@@ -87,7 +87,8 @@ class CheckpointManager:
         meta = {**json_meta(state), "local_world_size": self.local_world_size, "local_rank": self.local_rank,
                 "node_id": self.node_id, "shared_files": [OUTER] if state.outer is not None else [],
                 "final": final}
-        self._free.clear()
+        # One event per job: an older job finishing must not free the buffers a queued one still reads.
+        self._free = threading.Event()
         blocking = time.perf_counter() - t0
         self._worker.submit(Job(step, state.counters.get("outer_step"), staged, state.outer if outer_bg else None,
                                 meta, encode(state.fingerprint), final, blocking, self._free))
