@@ -1,0 +1,161 @@
+"""The training state of one local rank as named tensors + JSON, and loading it back in place.
+
+A rank's checkpoint part holds these safetensors files (names are part of the format):
+
+    model.safetensors   "<param name>": the rank's local shard (FSDP2) or the whole tensor
+    optim.safetensors   "<param name>/<state key>": inner optimizer state (AdamW: step, exp_avg, exp_avg_sq)
+    rng.safetensors     "rng/cpu" (+ "rng/cuda"): generator states as uint8 tensors
+    outer.safetensors   "outer/params", "outer/momentum": the DiLoCo outer state (identical on every node)
+
+Numbers (counters, scheduler, optimizer hyperparameters, data position) go in the manifest as JSON.
+`Staging` preallocates CPU buffers once and refills them at every save: the only blocking work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zb.errors import InvalidInput
+
+MODEL, OPTIM, RNG, OUTER = "model.safetensors", "optim.safetensors", "rng.safetensors", "outer.safetensors"
+SHARED_FILES = (OUTER,)  # identical on every node of a DiLoCo run (per local rank)
+
+
+@dataclass
+class TrainState:
+    """What the training loop hands over at a save, and what a resume fills in."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    counters: dict[str, int]                       # step, outer_step, tokens, run_tokens
+    data_state: dict                               # this local rank's loader.state_dict() (JSON-able)
+    outer: dict[str, torch.Tensor] | None          # OuterState.state_tensors(), None without DiLoCo
+    config: dict                                   # zb.config.to_dict(cfg)
+    fingerprint: dict                              # zb.diloco.fingerprint.fingerprint(...)
+    data_exact: bool = True                        # loader.exact_resume
+    extra: dict = field(default_factory=dict)      # any other JSON the caller wants back
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds (a DTensor's local shard), detached."""
+    t = t.detach()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: local_tensor(p) for name, p in model.named_parameters()}
+
+
+def optim_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"{name}/{key}"] = local_tensor(value)
+    return out
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng/cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["rng/cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return out
+
+
+def live_tensors(state: TrainState) -> dict[str, dict[str, torch.Tensor]]:
+    """File -> name -> tensor that must be copied before training continues (they change every step)."""
+    return {MODEL: model_tensors(state.model), OPTIM: optim_tensors(state.model, state.optimizer),
+            RNG: rng_tensors()}
+
+
+def json_meta(state: TrainState) -> dict[str, Any]:
+    """Everything that is not a tensor: numbers and the data position, as plain JSON."""
+    groups = [{k: v for k, v in g.items() if k != "params" and _is_number_like(v)}
+              for g in state.optimizer.param_groups]
+    return {"counters": dict(state.counters), "data_state": state.data_state, "data_exact": state.data_exact,
+            "scheduler": _scheduler_state(state.scheduler), "param_groups": groups, "config": state.config,
+            "fingerprint": state.fingerprint, "threads": torch.get_num_threads(), "extra": state.extra}
+
+
+def _is_number_like(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(_is_number_like(x) for x in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _scheduler_state(scheduler: Any) -> dict | None:
+    if scheduler is None:
+        return None
+    sd = scheduler.state_dict()
+    return {k: v for k, v in sd.items() if _is_number_like(v)}
+
+
+class Staging:
+    """Preallocated CPU copies of the live tensors, reused save after save (pinned with CUDA)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, dict[str, torch.Tensor]] = {}
+
+    def fill(self, live: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        for file_name, tensors in live.items():
+            bufs = self.buffers.setdefault(file_name, {})
+            for name, t in tensors.items():
+                buf = bufs.get(name)
+                if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+                    buf = bufs[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+                buf.copy_(t, non_blocking=t.is_cuda)
+            for stale in set(bufs) - set(tensors):
+                del bufs[stale]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return {f: dict(ts) for f, ts in self.buffers.items() if f in live}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.buffers.values() for t in ts.values())
+
+
+# -- loading in place ---------------------------------------------------------------------------
+
+@torch.no_grad()
+def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        local_tensor(p).copy_(tensors[name])
+
+
+@torch.no_grad()
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                   groups: list[dict]) -> None:
+    """Fill the optimizer state (created if the optimizer has not stepped yet) and its hyperparameters."""
+    for name, p in model.named_parameters():
+        prefix = f"{name}/"
+        saved = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
+        state = optimizer.state[p]
+        for key, t in saved.items():
+            if key not in state:
+                # AdamW's step is a plain scalar; moments are shaped (and sharded) like the param.
+                state[key] = torch.zeros_like(p) if t.shape == local_tensor(p).shape and t.dim() else t.clone()
+            local_tensor(state[key]).copy_(t)
+    if len(groups) != len(optimizer.param_groups):
+        raise InvalidInput(f"checkpoint has {len(groups)} optimizer param groups, the model has "
+                           f"{len(optimizer.param_groups)}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        for k, v in saved.items():
+            group[k] = tuple(v) if isinstance(v, list) else v
+
+
+def load_scheduler(scheduler: Any, sd: dict | None) -> None:
+    if scheduler is not None and sd is not None:
+        scheduler.load_state_dict({**scheduler.state_dict(), **sd})
+
+
+def load_rng(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng/cpu"])
+    if "rng/cuda" in tensors and torch.cuda.is_available():
+        states = list(tensors["rng/cuda"])
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)

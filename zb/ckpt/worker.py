@@ -1,0 +1,181 @@
+"""The background half of a checkpoint: one thread that turns staged tensors into durable copies.
+
+Per job, in order: copy the outer state (it does not change during inner steps) -> write the part
+into the RAM directory (frees the staging buffers for the next save) -> copy it to ckpt.path and
+commit -> prune older parts there (topk) -> upload it to ckpt.remote.path -> drop older RAM copies.
+Every stage is retried with backoff and reported; a failure never reaches the training loop and
+never leaves anything that lists as committed. No torch.distributed call happens on this thread:
+the local process group belongs to the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from zb.ckpt.durable import copy_part, prune_remote, retry, upload_part
+from zb.ckpt.layout import part_name, prune_own_parts, step_dir_name
+from zb.ckpt.snapshot import write_snapshot
+from zb.ckpt.state import OUTER, Staging
+
+log = logging.getLogger("zb.ckpt")
+
+
+@dataclass
+class Job:
+    step: int
+    outer_step: int | None
+    tensors: dict[str, dict[str, torch.Tensor]]      # staged (private) copies
+    outer: dict[str, torch.Tensor] | None            # live outer state, copied by the worker
+    meta: dict[str, Any]
+    fingerprint: str
+    final: bool
+    blocking_s: float
+    release: threading.Event                          # set once the staging buffers may be reused
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Targets:
+    ram_root: Path | None      # RAM staging directory of this node, None to write straight to disk
+    disk_root: Path | None     # ckpt.path
+    remote: str | None         # ckpt.remote.path/<node id> (fsspec URL)
+    remote_interval: int | None
+    topk: int | None
+    local_rank: int
+    attempts: int = 3
+    retry_delay: float = 1.0
+
+
+class Worker:
+    def __init__(self, targets: Targets, sink: Any):
+        self.t, self.sink = targets, sink
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._outer_staging = Staging()
+        self._uploaded: list[int] = []  # steps uploaded by this worker, oldest first
+        self._thread = threading.Thread(target=self._run, name="zb-ckpt", daemon=True)
+        self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        with self._cond:
+            return self._pending == 0
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put(job)
+
+    def wait(self, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending == 0, timeout)
+
+    def stop(self, timeout: float | None) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._process(job)
+            except Exception:  # noqa: BLE001 - a bug here must not kill training; log it loudly
+                log.exception("checkpoint of step %d failed", job.step)
+            finally:
+                job.release.set()
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    # -- stages ------------------------------------------------------------------------------
+    def _process(self, job: Job) -> None:
+        tensors = dict(job.tensors)
+        if job.outer is not None:
+            tensors[OUTER] = self._outer_staging.fill({OUTER: job.outer})[OUTER]
+        first = self._write_first(job, tensors)
+        job.release.set()
+        if first is None:
+            self._report_checkpoint(job, None, 0)
+            return
+        durable = first
+        if self.t.disk_root is not None and not _is_under(first, self.t.disk_root):
+            durable, error = retry(f"checkpoint step {job.step}: copy to disk",
+                                   lambda: copy_part(first, self.t.disk_root / step_dir_name(job.step)),
+                                   self.t.attempts, self.t.retry_delay)
+            if durable is None:
+                log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
+        if durable is not None and self.t.disk_root is not None and _is_under(durable, self.t.disk_root):
+            self._prune(self.t.disk_root, self.t.topk)  # only now that a newer checkpoint is committed
+        nbytes = sum(p.stat().st_size for p in first.iterdir() if p.is_file())
+        self._report_checkpoint(job, durable, nbytes)
+        if self.t.remote is not None and (job.final or not self.t.remote_interval
+                                          or job.step % self.t.remote_interval == 0):
+            self._upload(job, durable or first, nbytes)
+        if self.t.ram_root is not None and _is_under(first, self.t.ram_root):
+            self._prune(self.t.ram_root, 1)
+
+    def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]) -> Path | None:
+        roots = [r for r in ([self.t.disk_root] if job.final else []) + [self.t.ram_root, self.t.disk_root]
+                 if r is not None]
+        for root in dict.fromkeys(roots):  # a final checkpoint goes straight to disk: one copy, not two
+            write: Callable[[], Path] = lambda root=root: write_snapshot(
+                root / step_dir_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
+                fingerprint=job.fingerprint, name=part_name(self.t.local_rank))
+            path, error = retry(f"checkpoint step {job.step}: write to {root}", write, self.t.attempts,
+                                self.t.retry_delay)
+            if path is not None:
+                return path
+            log.error("checkpoint of step %d could not be written to %s: %s", job.step, root, error)
+        return None
+
+    def _prune(self, root: Path | None, keep: int | None) -> None:
+        if root is None or not keep:
+            return
+        try:
+            removed = prune_own_parts(root, self.t.local_rank, keep)
+            if removed:
+                log.info("pruned checkpoint steps %s under %s", removed, root)
+        except OSError as e:
+            log.warning("pruning %s failed: %s", root, e)
+
+    def _upload(self, job: Job, src: Path, nbytes: int) -> None:
+        url = f"{self.t.remote.rstrip('/')}/{step_dir_name(job.step)}/{part_name(self.t.local_rank)}"
+        t0 = time.perf_counter()
+        sent, error = retry(f"upload of step {job.step} to {url}", lambda: upload_part(src, url),
+                            self.t.attempts, self.t.retry_delay)
+        seconds = time.perf_counter() - t0
+        self.sink.log("upload", step=job.step, target=url, seconds=round(seconds, 3), bytes=sent or 0,
+                      ok=error is None)
+        if error is not None:
+            log.error("upload of checkpoint step %d to %s failed for good: %s (training continues)", job.step,
+                      url, error)
+            return
+        log.info("checkpoint step %d uploaded to %s: %s bytes in %.1f s", job.step, url, f"{nbytes:,}", seconds)
+        self._uploaded.append(job.step)
+        if self.t.topk and self.t.local_rank == 0 and len(self._uploaded) >= self.t.topk:
+            self._uploaded = self._uploaded[-self.t.topk:]
+            retry("pruning the remote", lambda: prune_remote(self.t.remote, self._uploaded[0]), 1, 0.0)
+
+    def _report_checkpoint(self, job: Job, path: Path | None, nbytes: int) -> None:
+        background = time.perf_counter() - job.started
+        self.sink.log("checkpoint", step=job.step, path=str(path) if path else None, blocking_s=round(job.blocking_s, 4),
+                      bytes=nbytes, background_s=round(background, 3), ok=path is not None, final=job.final)
+        if path is not None:
+            log.info("checkpoint step %d committed at %s: %s bytes, %.2f s blocking, %.1f s in the background",
+                     job.step, path, f"{nbytes:,}", job.blocking_s, background)
+
+
+def _is_under(path: Path, root: Path) -> bool:
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False
