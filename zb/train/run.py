@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from zb.config_schema import Config
 from zb.metrics import MetricsSink
+from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import Placement, close_local_group, init_local_group, pick_placement
 from zb.train.progress import TrainingDisplay, format_step_line
 from zb.train.schedule import build_optimizer, build_scheduler, set_schedule_position
@@ -79,6 +80,10 @@ class TrainingRun:
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
         self.diloco = None
+        from zb.diloco.fingerprint import fingerprint
+
+        self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
+        self.checkpoints = RunCheckpoints(self)
         self._loss_mean: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -89,6 +94,7 @@ class TrainingRun:
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
                                                                 data_world)
             self._restore_data_position()
+            self.checkpoints.resume()
             if self.local.is_leader and self.sink.path is not None:
                 log.info("metrics: %s", self.sink.path)
             if self.diloco is not None and self.diloco.joining:
@@ -97,7 +103,9 @@ class TrainingRun:
                                  enabled=self.local.is_leader) as display:
                 self._loop(display, stop)
             self._final_eval()
+            self.checkpoints.final()
         finally:
+            self.checkpoints.close()
             if self.diloco is not None:
                 # Normal end, error or signal: the deathrattle lets peers drop this node at once.
                 self.diloco.shutdown(graceful=True)
@@ -111,11 +119,9 @@ class TrainingRun:
         if cfg.diloco is None:
             _warn_unused(cfg, "elastic.", "without DiLoCo this node trains alone; add a [diloco] table to join a run")
             return (cfg.data.data_rank or 0), (cfg.data.data_world_size or 1)
-        from zb.diloco.fingerprint import fingerprint
         from zb.diloco.node import DilocoNode
 
-        fp = fingerprint(cfg, self.local.world_size, self.model.tok_embeddings.num_embeddings)
-        self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, fp)
+        self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, self.fingerprint)
         slot = self.diloco.start()
         self.counters.num_nodes = self.diloco.mesh.view.global_world_size
         if self.diloco.recovered_counters is not None:
@@ -148,6 +154,7 @@ class TrainingRun:
             display.update(c.step, result.loss, self.tokens_per_step / dt)
             if inner_steps and c.step % inner_steps == 0:
                 self._outer_step()
+            self.checkpoints.maybe_save()
             if cfg.eval.interval > 0 and c.step % cfg.eval.interval == 0 and c.step < self.total:
                 self._evaluate()
             if result.stop:

@@ -1,0 +1,57 @@
+"""`zb train` with checkpoints, end to end: 10 + resume + 10 steps equals 20 straight (bit for bit),
+and SIGTERM (spot preemption) leaves a final checkpoint that a restart resumes from."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, subprocess_env
+from zb.metrics import read_metrics
+
+TINY = ["--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2", "--optim.warmup_steps", "2",
+        "--train.log_interval", "1", "--eval.interval", "-1", "--log.progress", "plain", "--train.device", "cpu"]
+
+
+def _train(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), *args],
+                          capture_output=True, text=True, timeout=170, env=subprocess_env(), cwd=REPO)
+
+
+def _losses(path) -> list[float]:
+    return [e["loss"] for e in read_metrics(path, "step")]
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    straight = _train(tmp_path, "--optim.total_steps", "16", "--log.dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    ck = ["--ckpt.path", str(tmp_path / "ck"), "--optim.total_steps", "16", "--log.dir", str(tmp_path / "b")]
+    first = _train(tmp_path, *ck, "--train.max_steps", "8")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = _train(tmp_path, *ck, "--ckpt.resume", "latest")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "resumed from" in second.stderr
+    assert _losses(tmp_path / "b" / "metrics.jsonl") == _losses(tmp_path / "a" / "metrics.jsonl")
+
+
+def test_sigterm_writes_a_final_checkpoint(tmp_path):
+    args = [sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), "--ckpt.path",
+            str(tmp_path / "ck"), "--optim.total_steps", "100000", "--log.dir", str(tmp_path / "log")]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=REPO)
+    metrics = tmp_path / "log" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(read_metrics(metrics, "step")) >= 3):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    last = read_metrics(metrics, "step")[-1]["step"]
+    assert (tmp_path / "ck" / f"step-{last:09d}").is_dir(), err[-2000:]
+    resumed = _train(tmp_path, "--ckpt.path", str(tmp_path / "ck"), "--ckpt.resume", "latest", "--optim.total_steps",
+                     str(last + 2), "--log.dir", str(tmp_path / "log2"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert [e["step"] for e in read_metrics(tmp_path / "log2" / "metrics.jsonl", "step")] == [last + 1, last + 2]

@@ -1,0 +1,92 @@
+"""Checkpoints in the training loop: resume at start, save at the interval, a final one at the end.
+
+The manager (zb.ckpt.manager) does the work: RAM staging (the only blocking part), then disk and
+remote copies in the background. This module decides when, and what resuming means for a node of
+a DiLoCo run: a node that joins a running run takes the run's state from a live node instead of
+its own older checkpoint; when the whole run restarts, every node resumes the newest step that all
+of them committed, agreed through the store.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from zb.config import to_dict
+from zb.train.schedule import set_schedule_position
+
+if TYPE_CHECKING:
+    from zb.train.run import TrainingRun
+
+log = logging.getLogger("zb.train")
+
+
+class RunCheckpoints:
+    def __init__(self, run: "TrainingRun"):
+        self.run, cfg = run, run.cfg.ckpt
+        self.manager = None
+        if cfg.path or cfg.interval or cfg.resume or cfg.remote.path:
+            from zb.ckpt.manager import CheckpointManager
+
+            self.manager = CheckpointManager(cfg, node_id=run.cfg.elastic.unique_id, local_rank=run.local.rank,
+                                             local_world_size=run.local.world_size, sink=run.sink,
+                                             local_group=dist.group.WORLD if dist.is_initialized() else None)
+
+    def state(self):
+        from zb.ckpt.state import TrainState
+
+        run, c = self.run, self.run.counters
+        return TrainState(run.model, run.optimizer, run.scheduler,
+                          {"step": c.step, "outer_step": c.outer_step, "tokens": c.tokens, "run_tokens": c.run_tokens},
+                          run.train_loader.state_dict(),
+                          run.diloco.outer.state_tensors() if run.diloco is not None else None,
+                          to_dict(run.cfg), run.fingerprint, data_exact=run.train_loader.exact_resume)
+
+    def resume(self) -> None:
+        run = self.run
+        if self.manager is None or not run.cfg.ckpt.resume:
+            return
+        if run.diloco is not None and run.diloco.joining:
+            log.info("joining a running run: its current state comes from a live node, not from ckpt.resume")
+            return
+        agreed = None
+        if run.diloco is not None and run.cfg.ckpt.resume == "latest":
+            from zb.ckpt.agree import agree_on_latest
+
+            agreed = agree_on_latest(run.diloco.store, run.cfg.elastic.unique_id, self.manager.committed_steps(),
+                                     quorum=run.cfg.elastic.world_size, timeout=run.cfg.elastic.start_timeout)
+            if agreed is None:
+                return
+        loaded = self.manager.resume(self.state(), agreed_step=agreed)
+        if loaded is not None:
+            self._apply(loaded)
+
+    def _apply(self, loaded: dict) -> None:
+        run, c = self.run, self.run.counters
+        counters = loaded["counters"]
+        c.step, c.outer_step = counters["step"], counters["outer_step"]
+        c.tokens, c.run_tokens = counters.get("tokens", 0), counters.get("run_tokens", 0)
+        set_schedule_position(run.scheduler, c.step)
+        run.train_loader.load_state_dict(loaded["data_state"])
+        if run.diloco is not None and loaded.get("outer"):
+            run.diloco.outer.load_state_tensors(loaded["outer"])
+        log.info("resumed from %s at step %d (outer step %d)", loaded["path"], c.step, c.outer_step)
+
+    def maybe_save(self) -> None:
+        if self.manager is not None and self.manager.due(self.run.counters.step):
+            self.manager.save(self.run.counters.step, self.state())
+
+    def final(self) -> None:
+        """At the normal end or a signalled stop: one last checkpoint, within ckpt.grace_period."""
+        if self.manager is None or not self.run.cfg.ckpt.path or self.run.counters.step == 0:
+            return
+        self.manager.save(self.run.counters.step, self.state(), final=True)
+        if not self.manager.wait(self.run.cfg.ckpt.grace_period):
+            log.warning("the final checkpoint did not finish within ckpt.grace_period (%.0f s)",
+                        self.run.cfg.ckpt.grace_period)
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close(0)
