@@ -9,6 +9,8 @@ unset or "auto" = C++ if it builds, else the twins (one logged line says why); "
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -29,14 +31,22 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_tag() -> str:
-    """-march=native code must not be shared across CPU models: the cache name carries the flags."""
+def _build_tag() -> str:
+    """A cache name per (CPU flags, source path and content, flags).
+
+    -march=native code must not be shared across CPU models, and two checkouts (or versions) of
+    zb on one machine must not share a build directory: torch would rebuild at every switch.
+    """
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    digest = hashlib.sha1(flags.encode())
+    digest.update(str(SOURCE).encode())
+    digest.update(SOURCE.read_bytes() if SOURCE.is_file() else b"")
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return digest.hexdigest()[:10]
 
 
 def _mode() -> str:
@@ -59,8 +69,31 @@ def _build() -> None:
         raise FileNotFoundError(f"no C++ compiler ({compiler}) on PATH")
     from torch.utils import cpp_extension
 
-    cpp_extension.load(name=f"zb_quant_{_cpu_tag()}", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-                       extra_ldflags=LDFLAGS, is_python_module=False, verbose=False)
+    name = f"zb_quant_{_build_tag()}"
+    with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                           is_python_module=False, verbose=False)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """Serialize builds with a kernel-held lock, released even if the builder is SIGKILLed.
+
+    torch's own lock is a plain file: a process killed mid-build leaves it behind and every later
+    process waits for it forever. Whoever holds this flock is the only possible builder, so a torch
+    lock file found while holding it is stale and is removed.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "zb-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            log.warning("removing a stale build lock left by a killed process: %s", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def use_cpp() -> bool:
