@@ -31,14 +31,22 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _cpu_tag() -> str:
-    """-march=native code must not be shared across CPU models: the cache name carries the flags."""
+def _build_tag() -> str:
+    """A cache name per (CPU flags, source path and content, flags).
+
+    -march=native code must not be shared across CPU models, and two checkouts (or versions) of
+    zb on one machine must not share a build directory: torch would rebuild at every switch.
+    """
     try:
         text = Path("/proc/cpuinfo").read_text()
         flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+    digest = hashlib.sha1(flags.encode())
+    digest.update(str(SOURCE).encode())
+    digest.update(SOURCE.read_bytes() if SOURCE.is_file() else b"")
+    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return digest.hexdigest()[:10]
 
 
 def _mode() -> str:
@@ -61,7 +69,7 @@ def _build() -> None:
         raise FileNotFoundError(f"no C++ compiler ({compiler}) on PATH")
     from torch.utils import cpp_extension
 
-    name = f"zb_quant_{_cpu_tag()}"
+    name = f"zb_quant_{_build_tag()}"
     with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                            is_python_module=False, verbose=False)
