@@ -70,8 +70,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="only the JSON line on stdout")
     args = parser.parse_args(argv)
-    import logging
-
     from zb.log import setup_logging
 
     setup_logging(-1)  # warnings only: the benchmark prints its own table

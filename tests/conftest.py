@@ -43,6 +43,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(port: int, timeout: float = 60.0, what: str = "zb store") -> None:
+    """Until something accepts connections on 127.0.0.1:port (importing torch is slow on a busy box)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise AssertionError(f"{what} did not start listening on port {port} within {timeout:g} s")
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
     """Environment for child processes: the repo importable even without an editable install."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZB_", "GLOBAL_", "ZERO_BAND_"))}

@@ -7,15 +7,13 @@ agree on. Every wait is bounded; `close()` kills whatever is left (tests call it
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, free_port, subprocess_env
+from conftest import REPO, free_port, subprocess_env, wait_listening
 
 # The short-timeout test profile (README, "Elastic runs and zb store"): safe on 2 busy cores.
 PROFILE = {
@@ -73,14 +71,7 @@ class Cluster:
     def start_store(self) -> None:
         self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
                                       stdout=subprocess.DEVNULL, stderr=open(self.tmp / "store.err", "a"))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                return
-            except OSError:
-                time.sleep(0.1)
-        raise AssertionError("zb store did not start listening within 30 s")
+        wait_listening(self.port, 60)
 
     def kill_store(self) -> None:
         self.store.kill()

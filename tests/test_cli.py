@@ -32,7 +32,7 @@ def test_print_config_shows_sources(run_zb, tmp_path):
     cfg.write_text("[optim]\nlr = 0.01\n")
     result = run_zb("train", f"@{cfg}", "--optim.warmup-steps", "3", "--print-config")
     assert result.exit_code == 0
-    assert f"lr = 0.01" in result.output and f"file {cfg}" in result.output
+    assert "lr = 0.01" in result.output and f"file {cfg}" in result.output
     assert "warmup_steps = 3" in result.output and "flag --optim.warmup_steps" in result.output
 
 

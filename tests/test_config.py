@@ -32,7 +32,7 @@ def test_later_sources_win(tmp_path):
     assert cfg.optim.lr == 0.3
     cfg = load_config([a, b], {"optim.lr": "0.4"}, environ={"ZB_OPTIM_LR": "0.3"})
     assert cfg.optim.lr == 0.4
-    assert f"flag --optim.lr" in describe(cfg)
+    assert "flag --optim.lr" in describe(cfg)
 
 
 def test_dashes_and_underscores_name_the_same_key():

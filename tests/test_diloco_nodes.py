@@ -8,7 +8,6 @@ Nodes are real `zb train` processes (through torch's launcher for 2 local ranks)
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, subprocess_env
+from conftest import REPO, free_port, subprocess_env, wait_listening
 from elastic_cluster import PROFILE
 from zb.metrics import read_metrics
 
@@ -35,13 +34,7 @@ class Run:
         self.procs: dict[str, subprocess.Popen] = {}
         self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-        deadline = time.monotonic() + 60  # importing torch takes a while on a busy machine
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_listening(self.port)
 
     def start(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0) -> subprocess.Popen:
         env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))

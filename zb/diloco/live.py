@@ -19,7 +19,6 @@ import shutil
 import threading
 from pathlib import Path
 
-import torch
 
 from zb.ckpt.fetch import FetchResult, fetch_snapshot
 from zb.ckpt.publish import advertised_address, peer_addresses, publish_address, unpublish_address
