@@ -54,3 +54,10 @@ def retarget_stream(stream) -> None:
     for handler in logging.getLogger("zb").handlers:
         if isinstance(handler, logging.StreamHandler):
             handler.setStream(stream)
+
+
+def quiet_follower_ranks(local_rank: int) -> None:
+    """Local ranks other than 0 log warnings and errors only, unless ZB_LOG_ALL_RANKS=1: a node's
+    ranks train in lockstep, so one rank's info lines tell the node's story."""
+    if local_rank != 0 and os.environ.get("ZB_LOG_ALL_RANKS", "").strip().lower() not in ("1", "true", "yes"):
+        logging.getLogger("zb").setLevel(max(logging.WARNING, logging.getLogger("zb").level))

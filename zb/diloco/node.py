@@ -68,6 +68,10 @@ class DilocoNode:
         self.recovered_counters: dict[str, int] | None = None
         self.live = None
         self._fresh_view = False
+        if cfg.diloco.compression == "int8":
+            from zb.collectives.build import use_cpp
+
+            use_cpp()  # build or load the kernels now, not inside the first timed outer step
         if cfg.ckpt.live_recovery:
             from zb.ckpt.token import read_token
 

@@ -42,7 +42,10 @@ class Counters:
 
 
 def run(cfg: Config) -> Counters:
+    from zb.log import quiet_follower_ranks
+
     local = local_world()
+    quiet_follower_ranks(local.rank)
     placement = pick_placement(cfg.train, local)
     init_local_group(local, placement)
     try:
