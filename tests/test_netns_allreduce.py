@@ -44,7 +44,7 @@ def test_int8_beats_fp32_on_shaped_links() -> None:
 
     from zb.collectives.bench import BenchConfig
 
-    cfg = BenchConfig(size_mb=8, iterations=1, warmup=0, threads=1)
+    cfg = BenchConfig(size_mb=8, iterations=1, warmup=1, threads=1)
     report = run(3, 100.0, cfg)
     res = report["results"]
     assert res["int8"]["bit_identical"] and res["none"]["bit_identical"]
