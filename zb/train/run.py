@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from zb.config_schema import Config
+from zb.diloco.fingerprint import fingerprint
 from zb.metrics import MetricsSink
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import Placement, close_local_group, init_local_group, pick_placement
@@ -83,8 +84,6 @@ class TrainingRun:
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
         self.diloco = None
-        from zb.diloco.fingerprint import fingerprint
-
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
         self.checkpoints = RunCheckpoints(self)
         self._loss_mean: float | None = None
@@ -189,9 +188,10 @@ class TrainingRun:
         if report.params_hash is not None:
             fields["params_hash"] = report.params_hash
         self.sink.log("outer_step", **fields)
+        note = " | joined: state received" if received is not None else "" if report.applied else " | NOT applied"
         log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes, %.1f Mbit/s%s",
                  c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
-                 f"{report.wire_bytes:,}", report.wire_mbps, "" if report.applied else " | NOT applied")
+                 f"{report.wire_bytes:,}", report.wire_mbps, note)
 
     def _log_step(self, result: StepResult, dt: float) -> None:
         c = self.counters
