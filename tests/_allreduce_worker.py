@@ -50,6 +50,24 @@ def install_death(spec: dict) -> None:
     ring.Sender.send = send_then_die
 
 
+def run_concurrent(spec: dict, groups: list, rank: int, outdir: Path) -> None:
+    import threading
+
+    from zb.collectives import all_reduce
+
+    inputs = [make_input({**case, "seed": 50 + i}, rank) for i, case in enumerate(spec["cases"])]
+    outputs = [x.clone() for x in inputs]
+    threads = [threading.Thread(target=all_reduce, args=(out, g), kwargs={"compression": case["compression"]})
+               for out, g, case in zip(outputs, groups, spec["cases"])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    torch.save([{"input": x, "output": o, "wire_bytes": 0, "seconds": 0.0} for x, o in zip(inputs, outputs)],
+               outdir / f"rank{rank}.pt")
+    groups[0].barrier().wait()
+
+
 def main() -> None:
     rank, world, port, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     spec = json.loads(sys.argv[5])
@@ -61,6 +79,9 @@ def main() -> None:
     if spec.get("die") == rank:
         install_death(spec)
     results = []
+    if spec.get("concurrent"):  # one all-reduce per group, at the same time, from two threads
+        run_concurrent(spec, groups, rank, outdir)
+        return
     try:
         for case in spec["cases"]:
             x = make_input(case, rank)

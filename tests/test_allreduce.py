@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -111,6 +110,16 @@ def test_streams_stripe_over_groups(tmp_path: Path) -> None:
     for i in range(2):
         outs = [r[i]["output"] for r in ranks]
         assert all(torch.equal(o, outs[0]) for o in outs)
+        exact = torch.stack([r[i]["input"].double() for r in ranks]).sum(0)
+        assert torch.all((outs[0].double() - exact).abs() <= bound([r[i]["input"] for r in ranks], False))
+
+
+def test_concurrent_all_reduces_on_different_groups(tmp_path: Path) -> None:
+    cases = [{"numel": 60_001, "compression": "int8"}, {"numel": 40_000, "compression": "int8", "piece": 1024}]
+    ranks = run_ranks(2, {"cases": cases, "streams": 2, "concurrent": True}, tmp_path)
+    for i in range(2):
+        outs = [r[i]["output"] for r in ranks]
+        assert torch.equal(outs[0], outs[1])
         exact = torch.stack([r[i]["input"].double() for r in ranks]).sum(0)
         assert torch.all((outs[0].double() - exact).abs() <= bound([r[i]["input"] for r in ranks], False))
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from zb.collectives import kernels, twins
+from zb.collectives import kernels
 from zb.collectives.build import use_cpp
 
 pytestmark = pytest.mark.skipif(not use_cpp(), reason="C++ kernels unavailable (no compiler or ZB_USE_CPP=0)")
