@@ -37,7 +37,7 @@ def aggregate(runs: list[dict], args: argparse.Namespace, params: int) -> dict[s
     n = args.nodes
     dp_bytes = 2 * (n - 1) / n * 4 * params * args.steps  # ring all-reduce of fp32 grads, every step, per node
     rows: dict[str, dict] = {}
-    for row in dict.fromkeys(r["row"] for r in runs):
+    for row in dict.fromkeys([*args.rows, *(r["row"] for r in runs)]):
         mine = [r for r in runs if r["row"] == row and "error" not in r]
         if not mine:
             continue

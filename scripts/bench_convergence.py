@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="Tiny smoke size: 20 steps, batch 4, seq 64, 2 nodes.")
     p.add_argument("--json", action="store_true", help="Only the JSON line on stdout (no table).")
     p.add_argument("--keep", metavar="DIR", help="Keep every run's logs and metrics under DIR.")
+    p.add_argument("--reuse", metavar="FILE", action="append", default=[],
+                   help="Take (row, seed) runs from an earlier JSON line of this script instead of running them "
+                        "(same training settings; for DiLoCo rows also the same outer settings). Repeatable.")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.nodes, args.warmup, args.eval_batches = 20, 4, 64, 2, 2, 4
@@ -103,14 +106,17 @@ def summarize(records: dict[str, list[dict]], live: list[str], dp_steps: int = 0
     evals = {name: [r for r in records[name] if r["event"] == "eval"] for name in live}
     outer = {name: [r for r in records[name] if r["event"] == "outer_step"] for name in records}
     loss = evals["node0"][-1]["loss"]
-    finals = {name: (o[-1]["outer_step"], o[-1].get("params_hash")) for name, o in outer.items() if o and name in live}
+    # Every live node's last outer step and params hash (a node that never synced counts as disagreeing).
+    finals = {name: (outer[name][-1]["outer_step"], outer[name][-1].get("params_hash")) if outer[name] else name
+              for name in live}
     return dict(
         loss=loss,
         loss_nodes_mean=sum(e[-1]["loss"] for e in evals.values()) / len(evals),
         wire_bytes=sum(r["wire_bytes"] for r in outer["node0"]),
         outer_steps=len(outer["node0"]),
         applied=sum(bool(r["applied"]) for r in outer["node0"]),
-        agree=len(set(finals.values())) == 1 if finals else None,
+        agree=len(set(finals.values())) == 1 if outer["node0"] else None,
+        mesh_version=max((r["mesh_version"] for r in outer["node0"]), default=0),
         final_nodes=sorted(live),
         max_world=max((r["global_world_size"] for r in outer["node0"]), default=1),
         min_world=min((r["global_world_size"] for r in outer["node0"]), default=1),
@@ -119,13 +125,36 @@ def summarize(records: dict[str, list[dict]], live: list[str], dp_steps: int = 0
     )
 
 
+SAME = ("model", "seq", "batch", "nodes", "steps", "lr", "warmup", "eval_batches")
+
+
+def reused_runs(paths: list[str], args: argparse.Namespace) -> list[dict]:
+    """Runs of earlier invocations for the requested (row, seed) pairs; a file whose training settings
+    differ is refused, and its DiLoCo runs are used only if its outer settings match too."""
+    taken: dict[tuple[str, int], dict] = {}
+    for path in paths:
+        earlier = json.loads(Path(path).read_text().strip().splitlines()[-1])
+        differ = [k for k in SAME if earlier["config"][k] != getattr(args, k)]
+        if differ:
+            raise SystemExit(f"--reuse {path}: settings differ ({', '.join(differ)}); rerun those rows instead")
+        same_outer = all(earlier["config"][k] == getattr(args, k) for k in ("outer_lr", "outer_momentum"))
+        for r in earlier["runs"]:
+            if r["row"] in args.rows and r["seed"] in args.seeds and "error" not in r \
+                    and (r["row"] in ("single", "dp") or same_outer):
+                taken.setdefault((r["row"], r["seed"]), r)
+    return list(taken.values())
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     base = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="zb-convergence-"))
-    runs = []
+    runs = reused_runs(args.reuse, args)
+    done = {(r["row"], r["seed"]) for r in runs}
     try:
         for seed in args.seeds:
             for row in args.rows:
+                if (row, seed) in done:
+                    continue
                 try:
                     runs.append(run_row(row, seed, args, base / f"{row}-s{seed}"))
                 except (RuntimeError, TimeoutError, KeyError, IndexError) as e:
