@@ -1,0 +1,127 @@
+"""Summary of scripts/bench_convergence.py: per-row loss mean and spread, bytes, the targets, a table."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+# Targets of the DiLoCo issue (anchors: OpenDiLoCo +0.4% ppl with 8 replicas; Prime: int8 no impact).
+DILOCO_VS_DP = 1.0      # % above data-parallel's held-out loss
+INT8_VS_FP32 = 0.5      # % between int8 and fp32 at the same H
+ELASTIC_VS_STATIC = 2.0  # % above the static run with the same H and compression
+COMM_SLACK = 0.95       # reduction >= 0.95 * H (fp32) or 0.95 * 4H (int8): int8 carries scales too
+
+
+def model_params(model: str, seq: int) -> int:
+    """Parameter count of the benchmarked model (for what a data-parallel all-reduce would send)."""
+    import torch
+
+    from zb.config_schema import ModelConfig
+    from zb.data import build_tokenizer
+    from zb.models import Transformer, count_params, model_args
+
+    with torch.device("meta"):
+        net = Transformer(model_args(ModelConfig(name=model), build_tokenizer("bytes").vocab_size, seq))
+    return count_params(net)
+
+
+def entropy_floor() -> float:
+    from zb.config_schema import DataConfig
+    from zb.data import entropy_floor as floor
+
+    return floor(DataConfig())
+
+
+def aggregate(runs: list[dict], args: argparse.Namespace, params: int) -> dict[str, dict]:
+    """{row: loss mean/spread over seeds, bytes per node, reduction against data-parallel}."""
+    n = args.nodes
+    dp_bytes = 2 * (n - 1) / n * 4 * params * args.steps  # ring all-reduce of fp32 grads, every step, per node
+    rows: dict[str, dict] = {}
+    for row in dict.fromkeys([*args.rows, *(r["row"] for r in runs)]):
+        mine = [r for r in runs if r["row"] == row and "error" not in r]
+        if not mine:
+            continue
+        losses = [r["loss"] for r in mine]
+        sent = dp_bytes if row == "dp" else statistics.mean(r["wire_bytes"] for r in mine)
+        rows[row] = dict(
+            losses=[round(x, 5) for x in losses], loss_mean=round(statistics.mean(losses), 5),
+            loss_spread=round(max(losses) - min(losses), 5),
+            loss_std=round(statistics.stdev(losses), 5) if len(losses) > 1 else 0.0,
+            bytes_per_node=int(sent), comm_reduction=round(dp_bytes / sent, 1) if sent else None,
+            agree=all(r["agree"] is not False for r in mine),
+            outer_steps=mine[0]["outer_steps"], wall_s=round(statistics.mean(r["wall_s"] for r in mine), 1),
+            run_tokens=int(statistics.mean(r["run_tokens"] for r in mine)),
+            failed_runs=sum(1 for r in runs if r["row"] == row and "error" in r),
+        )
+    return rows
+
+
+def pct(a: float, b: float) -> float:
+    return round((a / b - 1) * 100, 2)
+
+
+def targets(rows: dict[str, dict]) -> dict[str, dict]:
+    """Every target that the rows present allow to check: {name: {value, limit, met}}."""
+    found: dict[str, dict] = {}
+    loss = {row: r["loss_mean"] for row, r in rows.items()}
+    if "dp" in loss and "single" in loss:
+        found["dp_beats_single"] = dict(value=pct(loss["dp"], loss["single"]), limit=0.0, met=loss["dp"] < loss["single"])
+    for row, r in rows.items():
+        kind, _, h, comp = _parts(row)
+        if kind == "diloco" and "dp" in loss:
+            v = pct(loss[row], loss["dp"])
+            found[f"{row}_vs_dp"] = dict(value=v, limit=DILOCO_VS_DP, met=v <= DILOCO_VS_DP)
+        if kind == "diloco" and comp == "int8" and f"diloco-h{h}-fp32" in loss:
+            v = pct(loss[row], loss[f"diloco-h{h}-fp32"])
+            found[f"{row}_vs_fp32"] = dict(value=v, limit=INT8_VS_FP32, met=abs(v) <= INT8_VS_FP32)
+        if kind in ("diloco", "elastic") and r["comm_reduction"] is not None:
+            want = h * (4 if comp == "int8" else 1)
+            found[f"{row}_comm"] = dict(value=r["comm_reduction"], limit=want,
+                                        met=r["comm_reduction"] >= COMM_SLACK * want)
+        if kind == "elastic":
+            static = f"diloco-h{h}-{comp}"
+            v = pct(loss[row], loss[static]) if static in loss else None
+            found[f"{row}_vs_static"] = dict(value=v, limit=ELASTIC_VS_STATIC, agree=r["agree"],
+                                             met=v is not None and v <= ELASTIC_VS_STATIC and r["agree"])
+    return found
+
+
+def _parts(row: str) -> tuple[str, str, int, str]:
+    if row in ("single", "dp"):
+        return row, "", 0, ""
+    kind, h, comp = row.split("-")
+    return kind, "", int(h[1:]), comp
+
+
+def report(runs: list[dict], args: argparse.Namespace) -> dict:
+    params, floor = model_params(args.model, args.seq), entropy_floor()
+    rows = aggregate(runs, args, params)
+    doc = dict(bench="diloco_convergence", entropy_floor=round(floor, 4), params=params,
+               config=dict(model=args.model, seq=args.seq, batch=args.batch, nodes=args.nodes, steps=args.steps,
+                           lr=args.lr, warmup=args.warmup, outer_lr=args.outer_lr,
+                           outer_momentum=args.outer_momentum, eval_batches=args.eval_batches, seeds=args.seeds),
+               rows=rows, targets=targets(rows), runs=runs)
+    if not args.json:
+        print_table(doc)
+    return doc
+
+
+def print_table(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows, t = doc["rows"], doc["targets"]
+    dp = rows.get("dp", {}).get("loss_mean")
+    c = doc["config"]
+    table = Table(title=f"DiLoCo convergence: {c['model']} ({doc['params']:,} params), {c['nodes']} nodes x batch "
+                        f"{c['batch']} x seq {c['seq']}, {c['steps']} steps, seeds {c['seeds']}; "
+                        f"entropy floor {doc['entropy_floor']:.4f} nats/token")
+    for col in ("row", "held-out loss (mean)", "spread (max-min)", "vs dp", "bytes/node", "comm / dp", "targets"):
+        table.add_column(col, justify="left" if col in ("row", "targets") else "right")
+    for row, r in rows.items():
+        mine = [f"{k.removeprefix(row + '_')} {'ok' if v['met'] else 'MISSED'}" for k, v in t.items()
+                if k.startswith(row + "_") or (row == "dp" and k == "dp_beats_single")]
+        table.add_row(row, f"{r['loss_mean']:.4f}", f"{r['loss_spread']:.4f}",
+                      f"{pct(r['loss_mean'], dp):+.2f}%" if dp else "-", f"{r['bytes_per_node']:,}",
+                      f"1/{r['comm_reduction']}" if r["comm_reduction"] else "-", ", ".join(mine))
+    Console(stderr=True, width=170).print(table)
