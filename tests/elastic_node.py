@@ -80,8 +80,6 @@ def parse(argv):
 
 def main(argv=None) -> int:
     args = parse(argv)
-    import torch
-
     from zb.config import load_config
     from zb.elastic import ElasticDeviceMesh
     from zb.errors import ZbError
