@@ -16,22 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from zb.elastic.profiles import SHORT_TIMEOUTS as ELASTIC_PROFILE  # a SIGKILLed node is evicted in seconds
 from zb.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
-
-# The short-timeout profile of the elastic tests (tests/elastic_cluster.py PROFILE; README
-# "Elastic runs"): a SIGKILLed node is evicted within seconds instead of a minute.
-ELASTIC_PROFILE = {
-    "ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS": "0.5",
-    "ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "5",
-    "ZB_ELASTIC_SYNC_DEADLINE": "10",
-    "ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS": "5",
-    "ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "30",
-    "ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS": "0.05",
-    "ZB_ELASTIC_CONNECT_TIMEOUT": "10",
-    "ZB_ELASTIC_START_TIMEOUT": "40",
-}
 
 
 def base_env(**extra: str) -> dict[str, str]:

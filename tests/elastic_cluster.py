@@ -14,18 +14,10 @@ import time
 from pathlib import Path
 
 from conftest import REPO, free_port, subprocess_env, wait_listening
+from zb.elastic.profiles import SHORT_TIMEOUTS
 
 # The short-timeout test profile (README, "Elastic runs and zb store"): safe on 2 busy cores.
-PROFILE = {
-    "ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS": "0.5",
-    "ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS": "5",
-    "ZB_ELASTIC_SYNC_DEADLINE": "10",
-    "ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS": "5",
-    "ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS": "30",
-    "ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS": "0.05",
-    "ZB_ELASTIC_CONNECT_TIMEOUT": "10",
-    "ZB_ELASTIC_START_TIMEOUT": "40",
-}
+PROFILE = SHORT_TIMEOUTS
 NODE = str(REPO / "tests" / "elastic_node.py")
 
 
