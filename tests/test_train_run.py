@@ -79,3 +79,11 @@ def test_sigint_stops_cleanly_without_orphans(tmp_path, nproc):
     assert not alive, f"orphans left: {alive}"
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert all(json.loads(line) for line in lines)
+
+
+def test_activation_checkpointing_and_bf16_on_cpu(tmp_path):
+    proc = _zb("--data.fake", "--optim.total_steps", "5", "--train.ac_ckpt", "--train.param_dtype", "bf16",
+               "--log.dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "params computed in bf16" in proc.stderr
+    assert all(math.isfinite(s["loss"]) for s in read_metrics(tmp_path / "metrics.jsonl", "step"))
