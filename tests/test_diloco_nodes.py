@@ -181,3 +181,28 @@ def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run):
     assert outer and not any(e["applied"] for e in outer), "a NaN pseudo-gradient must skip the step on every node"
     assert all(isinstance(s["loss"], float) for s in run.metrics("n0", "step")), "the healthy node stayed finite"
     assert "reset to the outer params" in (run.tmp / "bad.log").read_text()
+
+
+def test_whole_run_restart_resumes_the_agreed_checkpoint(make_run):
+    ck = lambda uid: ["--ckpt.path", str(make_run_dir(run, uid)), "--ckpt.interval", "5",  # noqa: E731
+                      "--ckpt.ram_dir", str(run.tmp / "shm")]
+    run = make_run(2)
+    for i in range(2):
+        run.start(f"n{i}", "--optim.total_steps", "20", "--train.max_steps", "10", *ck(f"n{i}"), rank=i)
+    for i in range(2):
+        assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
+    restart = make_run(2)
+    restart.tmp = run.tmp
+    for i in range(2):
+        restart.start(f"n{i}", "--optim.total_steps", "20", "--ckpt.resume", "latest", *ck(f"n{i}"), rank=i)
+    for i in range(2):
+        assert restart.finish(f"n{i}") == 0, restart.log(f"n{i}")
+        assert "resumed from" in (restart.tmp / f"n{i}.log").read_text()
+    # Both runs log into the same metrics files: the restart continues at step 10, outer step 2.
+    events = restart.metrics("n0", "outer_step")
+    assert [(e["outer_step"], e["step"]) for e in events] == [(1, 5), (2, 10), (3, 15), (4, 20)]
+    assert restart.hashes("n0")[4] == restart.hashes("n1")[4]
+
+
+def make_run_dir(run: Run, uid: str) -> Path:
+    return run.tmp / "ckpt" / uid
