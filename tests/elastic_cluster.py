@@ -94,12 +94,13 @@ class Cluster:
             self.store.wait(10)
 
     # -- what the survivors agree on ----------------------------------------------------------
-    def agreement(self, nodes: list[Node], size: int, after: float = 0.0, timeout: float = 60.0) -> dict:
+    def agreement(self, nodes: list[Node], size: int, after: float = 0.0, timeout: float = 60.0,
+                  store_ok: bool = False) -> dict:
         """Wait until every node in `nodes` summed correctly over one world of `size` with the same
         mesh version, node list and distinct ranks; returns that view plus when it first happened."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = _common_view(nodes, size, after)
+            found = _common_view(nodes, size, after, store_ok)
             if found is not None:
                 return found
             for node in nodes:
@@ -110,10 +111,14 @@ class Cluster:
         raise AssertionError(f"no agreement on a world of {size} within {timeout} s; last steps {views}\n{tails}")
 
 
-def _common_view(nodes: list[Node], size: int, after: float) -> dict | None:
+def _common_view(nodes: list[Node], size: int, after: float, store_ok: bool = False) -> dict | None:
+    """`store_ok`: count only steps taken while the node reached the store (a node keeps its old
+    world while the store is down, so without this an outage could pass for agreement)."""
     by_version: dict[int, list[dict]] = {}
     for node in nodes:
         for step in node.events("step"):
+            if store_ok and not step.get("store_ok", True):
+                continue
             if step["time"] >= after and step["size"] == size and step["ok"]:
                 by_version.setdefault(step["version"], []).append(step)
     for version, steps in sorted(by_version.items()):

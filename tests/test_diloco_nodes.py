@@ -111,37 +111,49 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
     assert all(e["wire_bytes"] > 0 for e in run.metrics("n0", "outer_step"))
 
 
+def _join_late(run: Run, *args: str) -> None:
+    """Two nodes train indefinitely; a third joins after outer step 2 and does 3 outer steps with
+    them; then all stop (SIGTERM). Ending the run on our signal, not after a step count, makes sure
+    the joiner meets the others however fast or slow the machine is."""
+    for i in range(2):
+        run.start(f"n{i}", "--optim.total_steps", "100000", *args, rank=i)
+    run.wait_outer("n0", 2)
+    run.start("late", "--optim.total_steps", "100000", *args, rank=2)
+    run.wait_outer("late", 3)
+    for uid in ("n0", "n1", "late"):
+        run.procs[uid].send_signal(signal.SIGTERM)
+    for uid in ("n0", "n1", "late"):
+        assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
+
+
+def _agree_with_joiner(run: Run) -> None:
+    """At every outer step the three nodes took together, they hold identical outer params."""
+    together = [{e["outer_step"] for e in run.metrics(uid, "outer_step") if e["global_world_size"] == 3}
+                for uid in ("n0", "n1", "late")]
+    shared = sorted(set.intersection(*together))
+    assert len(shared) >= 2, f"the joiner did not train with the others: {together}"
+    for k in shared[1:]:  # the first is the joining step itself
+        assert run.hashes("n0")[k] == run.hashes("n1")[k] == run.hashes("late")[k], f"outer step {k}"
+
+
 def test_joiner_mid_run_ends_identical(make_run):
     run = make_run(2)
-    for i in range(2):
-        run.start(f"n{i}", "--optim.total_steps", "30", local_ranks=1, rank=i)
-    run.wait_outer("n0", 1)
-    run.start("late", "--optim.total_steps", "30", rank=2)
-    for uid in ("n0", "n1", "late"):
-        assert run.finish(uid) == 0, run.log(uid)
-    last = max(run.hashes("n0"))
-    assert run.hashes("n0")[last] == run.hashes("n1")[last] == run.hashes("late")[last]
+    _join_late(run)
+    _agree_with_joiner(run)
     joined = [e for e in run.metrics("n0", "membership") if "late" in e["joined"]]
     assert joined, "the leader never logged the join"
     late_steps = run.metrics("late", "step")
-    assert late_steps[0]["step"] > 5, "the joiner should continue the run's step count, not start at 0"
+    assert late_steps[0]["step"] > 10, "the joiner should continue the run's step count, not start at 0"
 
 
 def test_live_recovery_joiner_downloads_the_outer_state(make_run):
     run = make_run(2)
     run.env["ZB_CKPT_TOKEN"] = "test-token-0123456789abcdef"
-    live = ["--ckpt.live_recovery", "--diloco.blocking_join", "false", "--ckpt.ram_dir", str(run.tmp / "shm"),
-            "--optim.total_steps", "30"]
-    for i in range(2):
-        run.start(f"n{i}", *live, rank=i)
-    run.wait_outer("n0", 2)
-    run.start("late", *live, rank=2)
-    for uid in ("n0", "n1", "late"):
-        assert run.finish(uid) == 0, run.log(uid)
+    _join_late(run, "--ckpt.live_recovery", "--diloco.blocking_join", "false", "--ckpt.ram_dir",
+               str(run.tmp / "shm"))
     recovery = run.metrics("late", "recovery")
     assert recovery and recovery[0]["bytes"] > 0 and recovery[0]["peers"]
-    last = max(run.hashes("n0"))
-    assert run.hashes("n0")[last] == run.hashes("n1")[last] == run.hashes("late")[last]
+    _agree_with_joiner(run)
     first = run.metrics("late", "outer_step")[0]
     assert first["applied"], "a recovered joiner applies the run's update in its first outer step"
 

@@ -176,7 +176,7 @@ def _store_restart(cluster):
     down = [e for n in (a, b, c) for e in n.events("step") if not e["store_ok"]]
     cluster.start_store()
     restarted = time.time()
-    view = cluster.agreement([a, b, c], 3, after=restarted)
+    view = cluster.agreement([a, b, c], 3, after=restarted, store_ok=True)
     assert view["version"] > first["version"] and view["nodes"] == ["a", "b", "c"]
     assert down, "nodes should keep stepping (on the old groups) while the store is away"
 
