@@ -8,6 +8,7 @@ from local rank 0. Both must agree: FSDP2 averaging over ranks equals accumulati
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -49,6 +50,9 @@ def main() -> None:
     if local.is_leader:
         print(json.dumps({"losses": losses, "grad_norm": result.grad_norm}), flush=True)
     close_local_group()
+    # As `zb train` does: skip interpreter finalization, where gloo's threads can abort the process.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

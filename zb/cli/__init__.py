@@ -57,6 +57,15 @@ def cli(ctx: click.Context, verbose: int, quiet: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: expected failures become one line and an exit code."""
+    try:
+        _dispatch(argv)
+    except SystemExit as e:
+        _leave(e.code)
+        raise
+    _leave(0)
+
+
+def _dispatch(argv: list[str] | None) -> None:
     from zb.errors import ZbError
     from zb.cli.terminal import abort
 
@@ -73,3 +82,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         abort("interrupted", 130)
+
+
+def _leave(code) -> None:
+    """After a training run, exit without interpreter finalization: gloo's worker threads can
+    still hold tensors then, and tearing those down without the interpreter aborts the process
+    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291). Everything
+    zb owns is closed by then; stdio and logs are flushed first."""
+    train = sys.modules.get("zb.cli.train")
+    if train is None or not getattr(train, "TRAINED", False):
+        return
+    import logging
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)

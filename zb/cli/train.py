@@ -6,6 +6,8 @@ import click
 
 from zb.cli.config_options import config_options, pop_config_flags, split_config_files
 
+TRAINED = False  # read by zb.cli.main: training processes exit without interpreter finalization
+
 EPILOG = """Config sources, later wins: defaults < @files (left to right) < env twins < flags.
 Example: zb train @configs/debug/normal.toml --optim.lr 3e-4.
 Local ranks: torchrun --nproc_per_node 2 -m zb train ..., or zb train --nproc-per-node 2 ...
@@ -35,6 +37,8 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
         return
     from zb.train.run import run
 
+    global TRAINED
+    TRAINED = True  # set before training: a failing run must skip finalization too
     counters = run(cfg)
     if counters.stop_signal is not None:
         # Stopped cleanly by a signal: the conventional 128 + signal number, so scripts can tell.
