@@ -13,6 +13,7 @@ Outer step, as data flows (DESIGN.md):
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass
@@ -309,8 +310,6 @@ class DilocoNode:
             parts = [torch.empty_like(mine) for _ in range(self.local.world_size)]
             dist.all_gather(parts, mine, group=self.local_group)
             mine = torch.cat(parts)
-        import hashlib
-
         return hashlib.sha256(bytes(mine.tolist())).hexdigest()[:16]
 
     def shutdown(self, graceful: bool = True) -> None:

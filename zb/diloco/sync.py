@@ -2,7 +2,8 @@
 
 The main thread fills the flat pseudo-gradient buffer parameter by parameter (outer - current,
 a device-to-CPU copy on GPU); as soon as a bucket's range is complete it is handed to one worker
-thread that all-reduces it (AVG over the replica group). So the network is busy while the rest is
+thread that all-reduces it (SUM over the replica group, then divided by the number of nodes that
+contributed, so a joiner's zeros never shrink the update). So the network is busy while the rest is
 still being copied. Any failure in the worker is re-raised in the caller, as PeerFailure.
 """
 

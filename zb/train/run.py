@@ -55,12 +55,12 @@ def run(cfg: Config) -> Counters:
         close_local_group()
 
 
-def _warn_unused(cfg: Config, prefix: str, why: str) -> None:
+def _warn_unused(cfg: Config, local: LocalWorld, prefix: str, why: str) -> None:
     """Say so when settings were given that cannot have an effect, instead of ignoring them."""
     from zb.config import KEYS, source_of
 
     given = [k for k in KEYS if k.startswith(prefix) and source_of(cfg, k) != "default"]
-    if given and (local_world().is_leader):
+    if given and local.is_leader:
         log.warning("settings without effect (%s): %s", ", ".join(given), why)
 
 
@@ -71,7 +71,7 @@ class TrainingRun:
 
         self.cfg, self.local, self.placement = cfg, local, placement
         self.accum = check_batch(cfg, local)
-        cfg.elastic.unique_id = node_identity(cfg, placement)
+        cfg.elastic.unique_id = node_identity(cfg, local)
         set_node_id(cfg.elastic.unique_id)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
@@ -119,7 +119,7 @@ class TrainingRun:
         """With DiLoCo: join the elastic world and claim a data slot. Without: the configured shard."""
         cfg = self.cfg
         if cfg.diloco is None:
-            _warn_unused(cfg, "elastic.", "without DiLoCo this node trains alone; add a [diloco] table to join a run")
+            _warn_unused(cfg, self.local, "elastic.", "without DiLoCo this node trains alone; add a [diloco] table to join a run")
             return (cfg.data.data_rank or 0), (cfg.data.data_world_size or 1)
         from zb.diloco.node import DilocoNode
 
