@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from zb.config import to_dict
-from zb.train.schedule import set_schedule_position
 
 if TYPE_CHECKING:
     from zb.train.run import TrainingRun
@@ -66,9 +65,8 @@ class RunCheckpoints:
     def _apply(self, loaded: dict) -> None:
         run, c = self.run, self.run.counters
         counters = loaded["counters"]
-        c.step, c.outer_step = counters["step"], counters["outer_step"]
-        c.tokens, c.run_tokens = counters.get("tokens", 0), counters.get("run_tokens", 0)
-        set_schedule_position(run.scheduler, c.step)
+        run.move_to(counters["step"], counters["outer_step"], counters.get("run_tokens", 0),
+                    tokens=counters.get("tokens", 0))
         run.train_loader.load_state_dict(loaded["data_state"])
         if run.diloco is not None and loaded.get("outer"):
             run.diloco.outer.load_state_tensors(loaded["outer"])

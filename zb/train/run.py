@@ -128,10 +128,16 @@ class TrainingRun:
         self.counters.num_nodes = self.diloco.mesh.view.global_world_size
         if self.diloco.recovered_counters is not None:
             rc = self.diloco.recovered_counters
-            self.counters.step, self.counters.outer_step = rc["step"], rc["outer_step"]
-            self.counters.run_tokens = rc.get("run_tokens", 0)
-            set_schedule_position(self.scheduler, self.counters.step)
+            self.move_to(rc["step"], rc["outer_step"], rc.get("run_tokens", 0))
         return slot, self.diloco.num_slots
+
+    def move_to(self, step: int, outer_step: int, run_tokens: int, tokens: int | None = None) -> None:
+        """Take over the run's position (a joiner, a resume): counters and the LR schedule."""
+        c = self.counters
+        c.step, c.outer_step, c.run_tokens = step, outer_step, run_tokens
+        if tokens is not None:
+            c.tokens = tokens
+        set_schedule_position(self.scheduler, step)
 
     def _restore_data_position(self) -> None:
         position = self.diloco.data_position() if self.diloco is not None else None
@@ -177,8 +183,7 @@ class TrainingRun:
                                                   self.train_loader.state_dict())
         if received is not None:
             # The donor's counters as of the start of this outer step (its tokens are its own).
-            c.step, c.outer_step, _, c.run_tokens = received[:4]
-            set_schedule_position(self.scheduler, c.step)
+            self.move_to(received[0], received[1], received[3])
         c.outer_step += 1
         c.num_nodes = report.global_world_size
         fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,
