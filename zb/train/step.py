@@ -56,21 +56,25 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch], stop_requested: bool = False) -> StepResult:
         self.model.train()
         n = len(micro_batches)
-        ce_sum, z_sum = 0.0, 0.0
+        # Sums stay on the device (fp64): reading them once per step, not per micro batch, keeps
+        # a GPU from stalling on a host sync after every forward/backward.
+        sums = torch.zeros(2, dtype=torch.float64, device=self.placement.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             if is_sharded(self.model):
                 # Reduce-scatter gradients only after the last micro batch.
                 self.model.set_requires_gradient_sync(i == n - 1)
             loss, z_loss = self._forward(inputs, labels)
             (loss / n).backward()
-            ce_sum += loss.item() - self.z_loss_weight * z_loss.item()  # log CE alone
-            z_sum += z_loss.item()
+            z = z_loss.detach().double()
+            sums[0] += loss.detach().double() - self.z_loss_weight * z  # log CE alone
+            sums[1] += z
         grad_norm = self._clip()
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         # One local all-reduce per step carries the logged losses and the stop flag together.
+        ce_sum, z_sum = sums.tolist()
         loss, z, stop = local_mean([ce_sum / n, z_sum / n, float(stop_requested)], self.placement.device)
         return StepResult(loss=loss, z_loss=z, grad_norm=grad_norm, lr=lr, stop=stop > 0)
 
