@@ -263,12 +263,14 @@ def test_fetch_drops_a_peer_serving_bad_bytes(peer, tmp_path, caplog):
 
 def test_fetch_restarts_when_the_snapshot_is_pruned_mid_download(peer, tmp_path):
     root, a = peer("a")
+    replaced = threading.Lock()  # the fetcher opens several connections: only the first replaces
 
     class PruningHandler(serve._Handler):
         def _send_file(self, name, file_name, body):
-            if read_manifest(root / name).step == 10:
-                _snapshot(root, step=20)
-                prune(root, keep=1)
+            with replaced:
+                if (root / name).exists() and read_manifest(root / name).step == 10:
+                    _snapshot(root, step=20)
+                    prune(root, keep=1)
             super()._send_file(name, file_name, body)
 
     a.server.RequestHandlerClass = PruningHandler
