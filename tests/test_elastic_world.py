@@ -221,3 +221,45 @@ def test_silent_peer_with_a_closed_port_is_condemned_and_revived_by_a_new_counte
         assert not live.is_dead("gone")
     finally:
         listener.stop()
+
+
+def test_a_node_that_said_goodbye_leaves_instead_of_hanging_in_the_next_resolution():
+    """SIGTERM sends the deathrattle at once, but the node may still be finishing the step before an
+    outer step. Its resolution must raise LeavingRun, not wait for a round nobody leads (it was the
+    last member) or for an admission it can never get (the others already dropped it)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.config_schema import ElasticConfig
+    from zb.elastic import keys
+    from zb.elastic.membership import Membership
+    from zb.errors import LeavingRun
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+    cfg = ElasticConfig(store_timeout=20, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.5,
+                        heartbeat_timeout=60)
+
+    def member(uid: str) -> Membership:
+        return Membership(cfg, uid, f"tok-{uid}", 1, Liveness(cfg.heartbeat_timeout), client)
+
+    a, b = member("a"), member("b")
+    joined = [threading.Thread(target=m.join, args=(2, 10.0)) for m in (a, b)]
+    for t in joined:
+        t.start()
+    for t in joined:
+        t.join(15)
+    assert a.world is not None and a.world.nodes == b.world.nodes and len(a.world.nodes) == 2
+
+    store.append(keys.GONE, "a tok-a\n")          # a's deathrattle; b resolves the round without it
+    started = time.monotonic()
+    with pytest.raises(LeavingRun):
+        a.resolve()
+    assert b.resolve().nodes == ["b"]
+    store.append(keys.GONE, "b tok-b\n")          # now the last member says goodbye too
+    with pytest.raises(LeavingRun):
+        b.resolve()
+    assert time.monotonic() - started < 5

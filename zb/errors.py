@@ -21,3 +21,10 @@ class EnvironmentFailure(ZbError):
     """The environment failed the command: port in use, store or peers unreachable, disk full."""
 
     exit_code = 1
+
+
+class LeavingRun(ZbError):
+    """This node already said goodbye (its deathrattle is in the store, after SIGTERM/SIGINT), so it
+    takes no further part in the run: the caller stops as it would on the signal."""
+
+    exit_code = 1

@@ -8,6 +8,9 @@
   leader (see zb.elastic.judge) writes the next world with compare_set against the exact text it
   read, so a stale leader (frozen, then woken up) can never overwrite a newer world: it finds
   itself evicted and joins again as a new member.
+- a node whose own goodbye is in the store (its deathrattle fired on SIGTERM while it was still
+  finishing a step) raises LeavingRun instead of checking in or rejoining: the others drop it at
+  once, and waiting for a round without it, or for an admission it can never get, would hang it;
 - the store going away never raises out of resolve: the node keeps its current world, logs loudly
   and retries at the next call; a restarted (empty) store gets new clients, new requests, a new seed.
 """
@@ -25,7 +28,7 @@ from zb.elastic.judge import Deadlines, admissible_joiners, judge, members_all_o
 from zb.elastic.snapshot import Snapshot, encode_line, read_snapshot
 from zb.elastic.store import store_errors
 from zb.elastic.world import Observation, World, next_world
-from zb.errors import EnvironmentFailure
+from zb.errors import EnvironmentFailure, LeavingRun
 
 log = logging.getLogger("zb.elastic")
 
@@ -82,6 +85,7 @@ class Membership:
         give_up = time.monotonic() + self.cfg.store_timeout
         while time.monotonic() < give_up:
             snap = read_snapshot(self.store, None)
+            self._check_not_leaving(snap)
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
                 return world
@@ -136,6 +140,7 @@ class Membership:
         try:
             store = self.ensure_store()
             snap = read_snapshot(store, None)
+            self._check_not_leaving(snap)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
             if snap.world.encode() != self.world.encode():
@@ -156,6 +161,7 @@ class Membership:
         t0 = time.monotonic()
         while True:
             snap = read_snapshot(self.store, world.round)
+            self._check_not_leaving(snap)
             if snap.raw_world.decode() != world.encode():
                 return self._accept(snap.world)
             self._observe(snap, world)
@@ -166,6 +172,11 @@ class Membership:
                 self._lead(world, snap, verdict.observation)
                 continue
             time.sleep(self.cfg.polling_interval)
+
+    def _check_not_leaving(self, snap: Snapshot) -> None:
+        if (self.uid, self.token) in snap.gone:
+            raise LeavingRun("this node said goodbye (deathrattle sent): it leaves the run instead of "
+                             "taking part in the outer step")
 
     def _accept(self, new: World | None) -> World:
         if new is None or new.rank_of(self.uid, self.token) is None:

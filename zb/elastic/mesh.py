@@ -22,7 +22,7 @@ from zb.elastic.probe import ProbeListener, check_peers
 from zb.elastic.snapshot import Snapshot
 from zb.elastic.store import connect, read_many, store_errors
 from zb.elastic.view import WorldView
-from zb.errors import EnvironmentFailure, InvalidInput, ZbError
+from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
 
 log = logging.getLogger("zb.elastic")
 
@@ -173,12 +173,14 @@ class ElasticDeviceMesh:
         try:
             return fn()
         except ZbError as e:
-            localsync.broadcast_json(self.local_group, 0, {"error": str(e)})
+            localsync.broadcast_json(self.local_group, 0, {"error": str(e), "leaving": isinstance(e, LeavingRun)})
             raise
 
     # -- every local rank ----------------------------------------------------------------------
     def _follow(self, payload: dict[str, Any] | None) -> WorldView:
         data = localsync.broadcast_json(self.local_group, self.local_rank, payload)
+        if data.get("leaving"):
+            raise LeavingRun(data["error"])
         if "error" in data:
             raise EnvironmentFailure(f"local rank 0 failed: {data['error']}")
         view = WorldView.from_dict(data)

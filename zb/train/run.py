@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from zb.config_schema import Config
 from zb.diloco.fingerprint import fingerprint
+from zb.errors import LeavingRun
 from zb.metrics import MetricsSink
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import Placement, close_local_group, init_local_group, pick_placement
@@ -86,24 +87,29 @@ class TrainingRun:
         self.diloco = None
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
         self.checkpoints = RunCheckpoints(self)
+        self.stop = StopRequest()
         self._loss_mean: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def execute(self) -> Counters:
-        stop = StopRequest().install()  # before the mesh: its deathrattle chains to this handler
+        self.stop.install()  # before the mesh: its deathrattle chains to this handler
         try:
-            data_rank, data_world = self._join_nodes()
+            try:
+                data_rank, data_world = self._join_nodes()
+            except LeavingRun:  # a signal arrived while this node was joining
+                self._stopped()
+                return self.counters
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
                                                                 data_world)
             self._restore_data_position()
             self.checkpoints.resume()
             if self.local.is_leader and self.sink.path is not None:
                 log.info("metrics: %s", self.sink.path)
-            if self.diloco is not None and self.diloco.joining:
-                self._outer_step()  # join the current outer step at once (the state arrives at its end)
-            with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
-                                 enabled=self.local.is_leader) as display:
-                self._loop(display, stop)
+            # A joiner takes part in the current outer step at once (the state arrives at its end).
+            if self.diloco is None or not self.diloco.joining or self._outer_step():
+                with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
+                                     enabled=self.local.is_leader) as display:
+                    self._loop(display)
             self._final_eval()
             self.checkpoints.final()
         finally:
@@ -111,7 +117,7 @@ class TrainingRun:
             if self.diloco is not None:
                 # Normal end, error or signal: the deathrattle lets peers drop this node at once.
                 self.diloco.shutdown(graceful=True)
-            stop.restore()
+            self.stop.restore()
             self.sink.close()
         return self.counters
 
@@ -146,8 +152,8 @@ class TrainingRun:
             log.info("data slot continues where its previous holder stopped")
 
     # -- the loop ------------------------------------------------------------------------------
-    def _loop(self, display: TrainingDisplay, stop: StopRequest) -> None:
-        cfg, c = self.cfg, self.counters
+    def _loop(self, display: TrainingDisplay) -> None:
+        cfg, c, stop = self.cfg, self.counters, self.stop
         inner_steps = cfg.diloco.inner_steps if cfg.diloco is not None else 0
         while c.step < self.total:
             t0 = time.perf_counter()
@@ -160,16 +166,21 @@ class TrainingRun:
             if c.step % cfg.train.log_interval == 0 or c.step == self.total:
                 self._log_step(result, dt)
             display.update(c.step, result.loss, self.tokens_per_step / dt)
-            if inner_steps and c.step % inner_steps == 0:
-                self._outer_step()
+            # A stopping node skips the outer step: its deathrattle went out with the signal, so the
+            # others no longer count on it.
+            if inner_steps and c.step % inner_steps == 0 and not result.stop and not self._outer_step():
+                break
             self.checkpoints.maybe_save()
             if cfg.eval.interval > 0 and c.step % cfg.eval.interval == 0 and c.step < self.total:
                 self._evaluate()
             if result.stop:
-                # Another local rank may have received the signal: report SIGINT then.
-                c.stop_signal = stop.signum or signal.SIGINT
-                log.warning("stopped at step %d on request", c.step)
+                self._stopped()
                 break
+
+    def _stopped(self) -> None:
+        # Another local rank may have received the signal: report SIGINT then.
+        self.counters.stop_signal = self.stop.signum or signal.SIGINT
+        log.warning("stopped at step %d on request", self.counters.step)
 
     def _watch_loss(self, result: StepResult) -> None:
         if self._loss_mean is not None and result.loss > SPIKE_FACTOR * self._loss_mean:
@@ -177,10 +188,16 @@ class TrainingRun:
                         result.loss, self._loss_mean)
         self._loss_mean = result.loss if self._loss_mean is None else 0.9 * self._loss_mean + 0.1 * result.loss
 
-    def _outer_step(self) -> None:
+    def _outer_step(self) -> bool:
+        """One outer step; False when the node turned out to be leaving (a signal arrived after the
+        step's local stop vote, and its deathrattle already told the others)."""
         c = self.counters
-        report, received = self.diloco.outer_step([c.step, c.outer_step, c.tokens, c.run_tokens],
-                                                  self.train_loader.state_dict())
+        try:
+            report, received = self.diloco.outer_step([c.step, c.outer_step, c.tokens, c.run_tokens],
+                                                      self.train_loader.state_dict())
+        except LeavingRun:
+            self._stopped()
+            return False
         if received is not None:
             # The donor's counters as of the start of this outer step (its tokens are its own).
             self.move_to(received[0], received[1], received[3])
@@ -197,6 +214,7 @@ class TrainingRun:
         log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes, %.1f Mbit/s%s",
                  c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
                  f"{report.wire_bytes:,}", report.wire_mbps, note)
+        return True
 
     def _log_step(self, result: StepResult, dt: float) -> None:
         c = self.counters
