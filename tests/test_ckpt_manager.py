@@ -215,6 +215,68 @@ def test_remote_copy_and_failing_remote(tmp_path, caplog):
     m.close()
 
 
+def _same_params(a: TrainState, b: TrainState) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_resume_from_the_remote_copy_when_the_disk_is_gone(tmp_path, caplog):
+    """A replaced spot instance has only the remote copy: `latest` finds it, downloads this rank's
+    part (verified), commits it locally and resumes; a cut or damaged upload is skipped."""
+    import shutil
+
+    remote = tmp_path / "remote"
+    state = small_state()
+    m = manager(tmp_path, remote=str(remote))
+    save_steps(m, state, [1, 2])
+    m.close()
+    shutil.rmtree(tmp_path / "disk")
+    shutil.rmtree(tmp_path / "ram")
+
+    m = manager(tmp_path, remote=str(remote), resume="latest")
+    assert m.committed_steps() == [1, 2]
+    fresh = small_state(seed=1)
+    assert m.resume(fresh)["counters"]["step"] == 2 and _same_params(state, fresh)
+    assert complete_steps(tmp_path / "disk") == [2]
+    verify_snapshot(tmp_path / "disk" / step_dir_name(2) / "rank-0")
+
+    # A damaged local copy is replaced by the remote one.
+    bad = tmp_path / "disk" / step_dir_name(2) / "rank-0" / "optim.safetensors"
+    bad.write_bytes(bytes(b ^ 0xFF for b in bad.read_bytes()))
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
+        assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1))["counters"]["step"] == 2
+    assert any("using the remote copy" in r.getMessage() for r in caplog.records)
+
+    # Remote only again, with a damaged newest upload: the older one is used, with a warning.
+    shutil.rmtree(tmp_path / "disk")
+    part = remote / "n0" / step_dir_name(2) / "rank-0" / "model.safetensors"
+    part.write_bytes(bytes(b ^ 0xFF for b in part.read_bytes()))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
+        assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1))["counters"]["step"] == 1
+    assert any("skipping checkpoint step 2" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "disk" / step_dir_name(2) / "rank-0").exists()  # nothing half-downloaded looks committed
+
+    # An upload cut before its marker is not a checkpoint at all.
+    (remote / "n0" / step_dir_name(2) / "rank-0" / "COMMITTED").unlink()
+    assert manager(tmp_path, remote=str(remote)).committed_steps() == [1]
+
+
+def test_resume_from_a_named_remote_step(tmp_path):
+    remote = tmp_path / "remote"
+    state = small_state()
+    m = manager(tmp_path, remote=str(remote))
+    save_steps(m, state, [3])
+    m.close()
+    url = f"file://{remote}/n0/{step_dir_name(3)}"
+    fresh = small_state(seed=1)
+    assert manager(tmp_path / "elsewhere", resume=url).resume(fresh)["counters"]["step"] == 3
+    assert _same_params(state, fresh)
+    with pytest.raises(InvalidInput, match="must name its step directory"):
+        manager(tmp_path / "x", resume=f"file://{remote}/n0").resume(small_state())
+    with pytest.raises(InvalidInput, match="not a committed part"):
+        manager(tmp_path / "y", resume=f"file://{remote}/n0/{step_dir_name(9)}").resume(small_state())
+
+
 def test_incomplete_multi_rank_checkpoint_is_not_listed(tmp_path):
     m = CheckpointManager(CkptConfig(interval=1, path=str(tmp_path / "disk"), ram_dir=str(tmp_path / "ram")),
                           node_id="n0", local_rank=0, local_world_size=2, sink=Recorder())

@@ -141,7 +141,8 @@ class CkptConfig:
     path: Optional[str] = knob(None, "Directory for durable checkpoints on this node's disk.")
     remote: RemoteConfig = section(RemoteConfig, "Remote copies of checkpoints.")
     topk: Optional[int] = knob(None, "Keep only the newest K committed checkpoints.")
-    resume: Optional[str] = knob(None, "Resume from a checkpoint path, or `latest`.")
+    resume: Optional[str] = knob(None, "Resume from `latest` (newest complete step on disk or on the remote copy), "
+                                       "a step directory, or a remote URL of one.")
     ram_dir: str = knob("/dev/shm/zb", "RAM-backed staging directory for snapshots.", per_node=True)
     live_recovery: bool = knob(False, "Keep a RAM snapshot after every outer step and serve it to joiners.")
     grace_period: float = knob(30.0, "Seconds allowed for the final checkpoint after SIGTERM.", per_node=True)

@@ -1,10 +1,9 @@
-"""Background copies of a committed checkpoint part: RAM -> disk, and disk -> remote (fsspec).
+"""Background copies of a committed checkpoint part from RAM to disk (remote copies: zb.ckpt.remote).
 
-Both copies keep the commit rule: on disk the files go into `.tmp-rank-N`, are fsynced, then
-`catalog.commit` writes manifest + marker and renames; on a remote (object stores have no atomic
-rename) the files go first, `manifest.json` next and the `COMMITTED` marker last, so a copy cut
-short is never a snapshot. `retry` wraps each copy: failures are logged and retried with backoff,
-then reported; nothing here raises into the training loop.
+The copy keeps the commit rule: the files go into `.tmp-rank-N`, are fsynced, then
+`catalog.commit` writes manifest + marker and renames, so a copy cut short is never a snapshot.
+`retry` wraps each copy (and each upload): failures are logged and retried with backoff, then
+reported; nothing here raises into the training loop.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from zb.ckpt.catalog import commit, fsync_path, read_committed, tmp_dir
-from zb.ckpt.manifest import MANIFEST, MARKER
 
 log = logging.getLogger("zb.ckpt")
 
@@ -46,36 +44,6 @@ def copy_part(src: Path, dst_step_dir: Path) -> Path:
     final = commit(tmp, manifest)
     fsync_path(dst_step_dir.parent)
     return final
-
-
-def upload_part(src: Path, url: str) -> int:
-    """Upload a committed part to an fsspec URL (a directory), marker last; returns bytes sent."""
-    import fsspec
-
-    manifest = read_committed(src)
-    fs, root = fsspec.core.url_to_fs(url)
-    # A stale marker from an earlier attempt must go first, or a partial copy would look committed.
-    if fs.exists(f"{root}/{MARKER}"):
-        fs.rm(f"{root}/{MARKER}")
-    fs.makedirs(root, exist_ok=True)
-    sent = 0
-    for name in [*manifest.files, MANIFEST, MARKER]:
-        fs.put_file(str(src / name), f"{root}/{name}")
-        sent += (src / name).stat().st_size
-    return sent
-
-
-def prune_remote(url: str, keep_from: int) -> None:
-    """Delete step directories older than step `keep_from` under a remote node directory."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url)
-    if not fs.exists(root):
-        return
-    for entry in fs.ls(root, detail=False):
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith("step-") and name[5:].isdigit() and int(name[5:]) < keep_from:
-            fs.rm(entry, recursive=True)
 
 
 def retry(what: str, fn: Callable[[], T], attempts: int, delay: float) -> tuple[T | None, Exception | None]:

@@ -36,14 +36,20 @@ def part_name(local_rank: int) -> str:
     return f"rank-{local_rank}"
 
 
+def step_from_name(name: str) -> int | None:
+    """The step of a step directory's name, None for any other name."""
+    m = _STEP.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
 def step_dirs(root: Path) -> dict[int, Path]:
     """step -> directory, for every step directory under root (complete or not)."""
     out = {}
     if Path(root).is_dir():
         for entry in os.scandir(root):
-            m = _STEP.fullmatch(entry.name)
-            if m and entry.is_dir(follow_symlinks=False):
-                out[int(m.group(1))] = Path(entry.path)
+            step = step_from_name(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                out[step] = Path(entry.path)
     return out
 
 

@@ -35,14 +35,15 @@ import torch
 import torch.distributed as dist
 
 from zb.ckpt.catalog import verify_snapshot
-from zb.ckpt.layout import complete_steps, part_name, resolve_part, step_dir_name
+from zb.ckpt.layout import complete_steps, part_name, resolve_part, step_dir_name, step_from_name
+from zb.ckpt.remote import download_part, remote_steps
 from zb.ckpt.snapshot import load_snapshot
 from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, json_meta, live_tensors, load_model,
                            load_optimizer, load_rng, load_scheduler)
 from zb.ckpt.worker import Job, Targets, Worker
 from zb.config_schema import CkptConfig
 from zb.diloco.fingerprint import differences, encode
-from zb.errors import InvalidInput
+from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt")
 
@@ -59,11 +60,11 @@ class CheckpointManager:
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.disk_root = Path(cfg.path) if cfg.path else None
         self.ram_root = Path(cfg.ram_dir) / node_id if cfg.ram_dir else None
-        remote = f"{cfg.remote.path.rstrip('/')}/{node_id}" if cfg.remote.path else None
+        self.remote = f"{cfg.remote.path.rstrip('/')}/{node_id}" if cfg.remote.path else None
         self._staging = Staging()
         self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
         self._free.set()
-        self._worker = Worker(Targets(self.ram_root, self.disk_root, remote, cfg.remote.interval, cfg.topk,
+        self._worker = Worker(Targets(self.ram_root, self.disk_root, self.remote, cfg.remote.interval, cfg.topk,
                                       local_rank, attempts, retry_delay), sink)
 
     # -- saving ------------------------------------------------------------------------------
@@ -105,8 +106,10 @@ class CheckpointManager:
         self._worker.stop(0 if timeout == 0 else 5.0)
 
     def committed_steps(self) -> list[int]:
-        """Complete checkpoints of this node (all local ranks' markers; sizes checked), oldest first."""
-        return complete_steps(self._root()) if self._root() else []
+        """Complete checkpoints of this node (all local ranks' markers; sizes checked), on its disk or
+        on the remote copy, oldest first."""
+        local = complete_steps(self._root()) if self._root() else []
+        return sorted(set(local) | set(remote_steps(self.remote) if self.remote else []))
 
     def _root(self) -> Path | None:
         return self.disk_root or self.ram_root
@@ -116,8 +119,7 @@ class CheckpointManager:
         """Load per ckpt.resume (or the step agreed with the other nodes) into `state`, in place."""
         spec = self.cfg.resume
         if agreed_step is not None:
-            part = self._need_root() / step_dir_name(agreed_step) / part_name(self.local_rank)
-            verify_snapshot(part)
+            part = self._own_part(agreed_step, self.remote is not None)
         elif not spec:
             return None
         elif spec == "latest":
@@ -126,10 +128,34 @@ class CheckpointManager:
                 log.warning("ckpt.resume = latest: no complete checkpoint under %s; starting from scratch",
                             self._root())
                 return None
+        elif "://" in spec:
+            part = self._download_named(spec)
         else:
             part = resolve_part(Path(spec), self.local_rank)
             verify_snapshot(part)  # an explicitly named bad checkpoint is an error (exit 2)
         return self._load(part, state)
+
+    def _own_part(self, step: int, on_remote: bool) -> Path:
+        """This rank's part of `step`: the local copy when it verifies, else the remote copy, downloaded
+        (a replaced machine has only the remote). Raises InvalidInput/EnvironmentFailure if neither works."""
+        part = self._need_root() / step_dir_name(step) / part_name(self.local_rank)
+        try:
+            verify_snapshot(part)
+            return part
+        except (InvalidInput, OSError) as e:
+            if not on_remote:
+                raise
+            if part.parent.exists():
+                log.warning("checkpoint step %d: the local copy is not usable (%s); using the remote copy", step, e)
+        return download_part(self.remote, step, self.local_rank, self._need_root())
+
+    def _download_named(self, url: str) -> Path:
+        """ckpt.resume names a remote step directory (`<remote>/<node id>/step-000000100`)."""
+        base, _, name = url.rstrip("/").rpartition("/")
+        if step_from_name(name) is None:
+            raise InvalidInput(f"ckpt.resume {url!r}: a remote checkpoint must name its step directory "
+                               "(.../<node id>/step-000000100)")
+        return download_part(base, step_from_name(name), self.local_rank, self._need_root())
 
     def _need_root(self) -> Path:
         if self._root() is None:
@@ -137,21 +163,22 @@ class CheckpointManager:
         return self._root()
 
     def _pick_latest(self) -> Path | None:
-        """The newest step whose part verifies (checksums) on every local rank; bad ones are skipped."""
+        """The newest step whose part verifies (checksums) on every local rank, on this node's disk or
+        else on the remote copy; bad ones are skipped."""
         root, bound = self._need_root(), math.inf
+        local = complete_steps(root)
+        remote = remote_steps(self.remote) if self.remote else []
         while True:
-            mine = [s for s in complete_steps(root) if s < bound]
+            mine = [s for s in sorted(set(local) | set(remote)) if s < bound]
             step = self._all_min(mine[-1] if mine else -1)
             if step < 0:
                 return None
-            part = root / step_dir_name(step) / part_name(self.local_rank)
+            part = None
             try:
-                verify_snapshot(part)
-                ok = 1
-            except (InvalidInput, OSError) as e:
-                log.warning("skipping checkpoint %s: %s", part, e)
-                ok = 0
-            if self._all_min(ok) == 1:
+                part = self._own_part(step, step in remote)
+            except (InvalidInput, EnvironmentFailure, OSError) as e:
+                log.warning("skipping checkpoint step %d: %s", step, e)
+            if self._all_min(int(part is not None)) == 1:
                 return part
             bound = step
 

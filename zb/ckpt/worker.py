@@ -20,7 +20,8 @@ from typing import Any, Callable
 
 import torch
 
-from zb.ckpt.durable import copy_part, prune_remote, retry, upload_part
+from zb.ckpt.durable import copy_part, retry
+from zb.ckpt.remote import prune_remote, upload_part
 from zb.ckpt.layout import part_name, prune_own_parts, step_dir_name
 from zb.ckpt.snapshot import write_snapshot
 from zb.ckpt.state import OUTER, Staging
