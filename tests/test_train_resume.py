@@ -3,10 +3,13 @@ and SIGTERM (spot preemption) leaves a final checkpoint that a restart resumes f
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from conftest import REPO, subprocess_env
 from zb.metrics import read_metrics
@@ -24,15 +27,24 @@ def _losses(path) -> list[float]:
     return [e["loss"] for e in read_metrics(path, "step")]
 
 
-def test_resume_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("machine", ["same", "replaced"])
+def test_resume_continues_bit_for_bit(tmp_path, machine):
+    """"replaced": the restart runs on a new machine (disk and RAM gone) from the remote copy."""
     straight = _train(tmp_path, "--optim.total_steps", "16", "--log.dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-2000:]
     ck = ["--ckpt.path", str(tmp_path / "ck"), "--optim.total_steps", "16", "--log.dir", str(tmp_path / "b")]
+    if machine == "replaced":
+        ck += ["--ckpt.remote.path", str(tmp_path / "remote"), "--elastic.unique_id", "node-a"]
     first = _train(tmp_path, *ck, "--train.max_steps", "8")
     assert first.returncode == 0, first.stderr[-2000:]
+    if machine == "replaced":
+        assert (tmp_path / "remote" / "node-a" / "step-000000008" / "rank-0" / "COMMITTED").is_file()
+        shutil.rmtree(tmp_path / "ck")
+        shutil.rmtree(tmp_path / "ram", ignore_errors=True)
     second = _train(tmp_path, *ck, "--ckpt.resume", "latest")
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "resumed from" in second.stderr
+    assert "resumed from" in second.stderr and "settings without effect" not in second.stderr
+    assert ("downloaded to" in second.stderr) == (machine == "replaced")
     assert _losses(tmp_path / "b" / "metrics.jsonl") == _losses(tmp_path / "a" / "metrics.jsonl")
 
 

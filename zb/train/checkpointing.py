@@ -29,6 +29,12 @@ class RunCheckpoints:
         if cfg.path or cfg.interval or cfg.resume or cfg.remote.path:
             from zb.ckpt.manager import CheckpointManager
 
+            from zb.config import source_of
+
+            if cfg.remote.path and source_of(run.cfg, "elastic.unique_id") == "default" and run.local.is_leader:
+                log.warning("ckpt.remote.path is set but this node's id was generated (%s): set GLOBAL_UNIQUE_ID "
+                            "so that a restarted node finds its remote checkpoints under %s/<node id>",
+                            run.cfg.elastic.unique_id, cfg.remote.path.rstrip("/"))
             self.manager = CheckpointManager(cfg, node_id=run.cfg.elastic.unique_id, local_rank=run.local.rank,
                                              local_world_size=run.local.world_size, sink=run.sink,
                                              local_group=dist.group.WORLD if dist.is_initialized() else None)

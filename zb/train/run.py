@@ -60,7 +60,8 @@ def _warn_unused(cfg: Config, local: LocalWorld, prefix: str, why: str) -> None:
     """Say so when settings were given that cannot have an effect, instead of ignoring them."""
     from zb.config import KEYS, source_of
 
-    given = [k for k in KEYS if k.startswith(prefix) and source_of(cfg, k) != "default"]
+    # The node id also names this node's checkpoint directories (RAM, remote): never without effect.
+    given = [k for k in KEYS if k.startswith(prefix) and k != "elastic.unique_id" and source_of(cfg, k) != "default"]
     if given and local.is_leader:
         log.warning("settings without effect (%s): %s", ", ".join(given), why)
 
