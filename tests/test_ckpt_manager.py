@@ -275,6 +275,8 @@ def test_resume_from_a_named_remote_step(tmp_path):
         manager(tmp_path / "x", resume=f"file://{remote}/n0").resume(small_state())
     with pytest.raises(InvalidInput, match="not a committed part"):
         manager(tmp_path / "y", resume=f"file://{remote}/n0/{step_dir_name(9)}").resume(small_state())
+    with pytest.raises(InvalidInput, match="ckpt.remote.path 'nope://b/run': .*nope"):
+        manager(tmp_path / "z", remote="nope://b/run")  # at start, not at the first upload hours later
 
 
 def test_incomplete_multi_rank_checkpoint_is_not_listed(tmp_path):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from zb.ckpt.catalog import verify_snapshot
 from zb.ckpt.layout import complete_steps, part_name, resolve_part, step_dir_name, step_from_name
-from zb.ckpt.remote import download_part, remote_steps
+from zb.ckpt.remote import check_remote, download_part, remote_steps
 from zb.ckpt.snapshot import load_snapshot
 from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, json_meta, live_tensors, load_model,
                            load_optimizer, load_rng, load_scheduler)
@@ -61,6 +61,8 @@ class CheckpointManager:
         self.disk_root = Path(cfg.path) if cfg.path else None
         self.ram_root = Path(cfg.ram_dir) / node_id if cfg.ram_dir else None
         self.remote = f"{cfg.remote.path.rstrip('/')}/{node_id}" if cfg.remote.path else None
+        if cfg.remote.path:
+            check_remote(cfg.remote.path)
         self._staging = Staging()
         self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
         self._free.set()

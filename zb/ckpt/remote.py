@@ -29,6 +29,14 @@ def _fs(url: str):
     return fsspec.core.url_to_fs(url)
 
 
+def check_remote(url: str) -> None:
+    """Fail at start, not at the first upload hours later, when no fsspec backend serves the URL."""
+    try:
+        _fs(url)
+    except (ImportError, ValueError) as e:
+        raise InvalidInput(f"ckpt.remote.path {url!r}: {e}") from None
+
+
 def upload_part(src: Path, url: str) -> int:
     """Upload a committed part to an fsspec URL (a directory), marker last; returns bytes sent."""
     manifest = read_committed(src)
