@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
     "subset-data": "zb.cli.subset_data:subset_data",
     "bench-allreduce": "zb.cli.bench_allreduce:bench_allreduce",
+    "iperf-mesh": "zb.cli.iperf_mesh:iperf_mesh",
 }
 
 
