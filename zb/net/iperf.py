@@ -29,6 +29,7 @@ from zb.net.schedule import Phase, mesh_phases
 
 PREFIX = "iperf/"
 POLL_S = 0.05
+ABORT_GRACE_S = 1.0  # rank 0 keeps the store up this long after a failure, so the others read why
 
 
 @dataclass
@@ -119,19 +120,27 @@ class Mesh:
         self.set(f"barrier/{name}/{self.rank}", {})
 
     def wait_all(self, name: str, what: str, timeout_s: float) -> None:
-        """Until every rank has arrived at barrier `name`; else one line naming the missing ranks."""
+        """Until every rank has arrived at barrier `name`; else one line naming the missing ranks.
+
+        The first rank to give up publishes its reason under `abort`: the others stop waiting and
+        say the same, instead of timing out one by one (or finding the store gone with rank 0).
+        """
         keys = [f"{PREFIX}barrier/{name}/{r}" for r in range(self.world)]
         deadline = time.monotonic() + timeout_s
         try:
             while not self.store.check(keys):
+                aborted = self.peek("abort")
+                if aborted:
+                    raise EnvironmentFailure(aborted["error"])
                 if time.monotonic() > deadline:
                     missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
                     if not missing:
                         return
                     who = "rank " if len(missing) == 1 else "ranks "
-                    raise EnvironmentFailure(
-                        f"{who}{', '.join(map(str, missing))} did not reach {what} within {timeout_s:g} s; "
-                        "is it running, with the same --store and --world-size, and still alive?")
+                    error = (f"{who}{', '.join(map(str, missing))} did not reach {what} within {timeout_s:g} s; "
+                             "is it running, with the same --store and --world-size, and still alive?")
+                    self.set("abort", {"error": error})
+                    raise EnvironmentFailure(error)
                 time.sleep(POLL_S)
         except RuntimeError as e:
             raise self._lost(e) from e
@@ -146,6 +155,7 @@ def run_rank(store_addr: str, rank: int, world: int, cfg: MeshConfig,
     """Body of one rank; every rank returns the whole report."""
     store_host, store_port = parse_host_port(store_addr, "--store")
     server = LinkServer(cfg.bind, cfg.port)  # first: a busy --port fails before any waiting
+    mesh = None
     try:
         mesh = Mesh(connect_store(store_host, store_port, rank, world, cfg.timeout_s), rank, world,
                     cfg.timeout_s, store_addr)
@@ -159,6 +169,10 @@ def run_rank(store_addr: str, rank: int, world: int, cfg: MeshConfig,
             mesh.barrier("end", "the end")
         else:
             mesh.arrive("end")
+    except EnvironmentFailure:
+        if rank == 0 and mesh is not None:
+            time.sleep(ABORT_GRACE_S)
+        raise
     finally:
         server.close()
     return build_report(world, cfg, hosts, links)
