@@ -1,5 +1,6 @@
 """DiLoCo with real nodes on loopback: agreement every outer step (fp32 and int8, 2 local ranks),
-a join mid-run, a node killed mid-run, and a joiner with another model refused.
+a join mid-run, a node killed mid-run, a node frozen past the heartbeat timeout that comes back,
+and a joiner with another model refused.
 
 Nodes are real `zb train` processes (through torch's launcher for 2 local ranks) around a real
 `zb store`, with the short-timeout profile of the elastic tests.
@@ -7,6 +8,7 @@ Nodes are real `zb train` processes (through torch's launcher for 2 local ranks)
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -111,6 +113,18 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
     assert all(e["wire_bytes"] > 0 for e in run.metrics("n0", "outer_step"))
 
 
+def _hashes_by_mesh(run: Run, uid: str, world_size: int = 2) -> dict[tuple[int, int], str]:
+    """params_hash of every all-reduce the node took in a world of `world_size` nodes, keyed by
+    (mesh version, index within that version): the key the nodes share for one all-reduce,
+    whatever their own counters say."""
+    out, seen = {}, {}
+    for e in run.metrics(uid, "outer_step"):
+        if e["global_world_size"] == world_size:
+            k = seen[e["mesh_version"]] = seen.get(e["mesh_version"], -1) + 1
+            out[(e["mesh_version"], k)] = e["params_hash"]
+    return out
+
+
 def _join_late(run: Run, *args: str) -> None:
     """Two nodes train indefinitely; a third joins after outer step 2 and does 3 outer steps with
     them; then all stop (SIGTERM). Ending the run on our signal, not after a step count, makes sure
@@ -127,13 +141,13 @@ def _join_late(run: Run, *args: str) -> None:
 
 
 def _agree_with_joiner(run: Run) -> None:
-    """At every outer step the three nodes took together, they hold identical outer params."""
-    together = [{e["outer_step"] for e in run.metrics(uid, "outer_step") if e["global_world_size"] == 3}
-                for uid in ("n0", "n1", "late")]
-    shared = sorted(set.intersection(*together))
-    assert len(shared) >= 2, f"the joiner did not train with the others: {together}"
-    for k in shared[1:]:  # the first is the joining step itself
-        assert run.hashes("n0")[k] == run.hashes("n1")[k] == run.hashes("late")[k], f"outer step {k}"
+    """At every all-reduce the three nodes took together, the joining one included (a receiver
+    logs the hash of the state it received), they hold identical outer params."""
+    hashes = [_hashes_by_mesh(run, uid, 3) for uid in ("n0", "n1", "late")]
+    shared = sorted(set.intersection(*(set(h) for h in hashes)))
+    assert len(shared) >= 2, f"the joiner did not train with the others: {hashes}"
+    for k in shared:
+        assert hashes[0][k] == hashes[1][k] == hashes[2][k], f"all-reduce {k} (mesh version, index)"
 
 
 def test_joiner_mid_run_ends_identical(make_run):
@@ -221,3 +235,39 @@ def test_whole_run_restart_resumes_the_agreed_checkpoint(make_run):
 
 def make_run_dir(run: Run, uid: str) -> Path:
     return run.tmp / "ckpt" / uid
+
+
+def _wait_for(run: Run, uid: str, what, timeout: float = 150) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, f"timed out waiting on {uid}:\n{run.log(uid)}"
+        assert run.procs[uid].poll() is None, run.log(uid)
+        time.sleep(0.2)
+
+
+def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run):
+    """SIGSTOP a node past the heartbeat timeout, let the other train alone, SIGCONT it: it is
+    admitted again and must hold the run's params at every all-reduce from then on (it used to
+    average its stale params in and the two trained apart while both exited 0)."""
+    run = make_run(2)
+    for i in range(2):
+        run.start(f"n{i}", "--optim.total_steps", "100000", rank=i)
+    run.wait_outer("n1", 2)
+    os.killpg(run.procs["n1"].pid, signal.SIGSTOP)
+    alone = lambda: sum(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step")) >= 2  # noqa: E731
+    try:
+        _wait_for(run, "n0", alone)
+    finally:
+        os.killpg(run.procs["n1"].pid, signal.SIGCONT)
+    frozen_at = max(e["mesh_version"] for e in run.metrics("n0", "outer_step") if e["global_world_size"] == 1)
+    back = lambda: sum(k[0] > frozen_at for k in _hashes_by_mesh(run, "n1")) >= 3  # noqa: E731
+    _wait_for(run, "n1", back)
+    for uid in ("n0", "n1"):
+        run.procs[uid].send_signal(signal.SIGTERM)
+    for uid in ("n0", "n1"):
+        assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
+    a, b = _hashes_by_mesh(run, "n0"), _hashes_by_mesh(run, "n1")
+    shared = sorted(set(a) & set(b))
+    assert sum(k[0] > frozen_at for k in shared) >= 3, f"the thawed node did not train with the run: {a} {b}"
+    assert [k for k in shared if a[k] != b[k]] == [], "params differ at all-reduces both nodes took"
+    assert "receives the run's state" in (run.tmp / "n1.log").read_text()

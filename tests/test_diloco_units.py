@@ -40,6 +40,49 @@ def test_plan_without_contributors():
     assert survivors.contributors == [1] and survivors.receivers == [0] and survivors.donor == 1
 
 
+def test_plan_contributor_behind_the_run_receives_the_state():
+    # Frozen past the heartbeat timeout, evicted, admitted again at its own old outer step 11.
+    plan = make_plan([CONTRIBUTOR, CONTRIBUTOR], [20, 11], [200, 110])
+    assert plan.contributors == [0] and plan.receivers == [1] and plan.donor == 0
+    assert (plan.run_outer_step, plan.run_step) == (20, 200)
+    # Even when the stale node has the lowest rank, the run's position is the newest.
+    assert make_plan([CONTRIBUTOR, CONTRIBUTOR, CONTRIBUTOR], [11, 20, 20]).receivers == [0]
+
+
+def test_plan_contributor_with_other_params_receives_from_the_majority():
+    plan = make_plan([CONTRIBUTOR] * 3, [7, 7, 7], [70, 70, 70], [5, 9, 5])
+    assert plan.contributors == [0, 2] and plan.receivers == [1] and plan.donor == 0
+    tie = make_plan([CONTRIBUTOR] * 2, [7, 7], [70, 70], [9, 5])
+    assert tie.contributors == [0] and tie.receivers == [1], "a tie goes to the lowest rank's params"
+    unknown = make_plan([CONTRIBUTOR] * 2, [7, 7], [70, 70], [0, 5])
+    assert unknown.contributors == [0, 1], "a node that did not hash (drift guard off) is not judged"
+    recovered = make_plan([CONTRIBUTOR, CONTRIBUTOR, RECOVERED], [7, 7, 7], None, [5, 5, 6])
+    assert recovered.appliers == [0, 1] and recovered.receivers == [2]
+
+
+def test_check_in_carries_digests_over_a_real_group():
+    import threading
+
+    from zb.diloco.checkin import check_in, digest_value
+
+    port, plans = free_port(), {}
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=10), use_libuv=True,
+                           wait_for_workers=False)
+
+    def rank(r: int) -> None:
+        store = master if r == 0 else dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), r, 2, timedelta(seconds=10))
+        digest = digest_value(bytes([r + 1] * 32))
+        plans[r] = check_in(pg, r, 2, CONTRIBUTOR, 3, 30, 10.0, digest)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert plans[0] == plans[1] and plans[0].contributors == [0] and plans[0].receivers == [1]
+
+
 @pytest.fixture
 def store():
     return dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=10), use_libuv=True)

@@ -126,7 +126,8 @@ class DilocoConfig:
     bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).")
     min_bandwidth_mbps: float = knob(10.0, "Slowest link expected (Mbit/s); bounds each transfer's deadline.")
     blocking_join: bool = knob(True, "Joiners fetch state from a live node before the step they join (else live recovery).")
-    drift_guard: bool = knob(False, "Compare params_hash across nodes each outer step and resync a node that differs.")
+    drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
+                             "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
 
 
 @dataclass

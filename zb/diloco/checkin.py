@@ -1,12 +1,21 @@
 """The check-in at the start of every outer sync: who sends a real pseudo-gradient, who applies
 the update, who must receive the full state.
 
-Each rank of the replica group states its role and its outer-step counter in one tiny all-reduce;
-every rank then derives the same Plan from the same numbers (a pure function, tested alone).
+Each rank of the replica group states its role, its position (outer step, step) and a digest of
+its node's outer params in one tiny all-reduce; every rank then derives the same Plan from the same
+numbers (a pure function, tested alone).
+
+A node is trusted to contribute only when it stands where the run stands: at the newest outer
+step among those that trained, holding the outer params most of them hold. A node that lags (it
+was frozen past the heartbeat timeout, evicted, and came back with stale params) or whose params
+drifted (a bit flip, a missed update) would otherwise average its stale pseudo-gradient into the
+run and train apart from it for good while every node exits 0. Such a node sends zeros and
+receives the run's state instead.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,8 +25,10 @@ import torch.distributed as dist
 from zb.collectives import PeerFailure
 
 CONTRIBUTOR = 0   # trained the inner steps: sends its pseudo-gradient
-NEEDS_STATE = 1   # joined (blocking join) or drifted: sends zeros, then receives the full state
+NEEDS_STATE = 1   # joined (blocking join), rejoined after an eviction or drifted: sends zeros, receives the state
 RECOVERED = 2     # loaded the run's outer state from a live snapshot: sends zeros, applies the update
+
+UNKNOWN_DIGEST = 0  # the node did not hash its params (diloco.drift_guard off): not compared
 
 
 @dataclass(frozen=True)
@@ -33,29 +44,57 @@ class Plan:
         return "contributor" if rank in self.contributors else "applier" if rank in self.appliers else "receiver"
 
 
-def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None) -> Plan:
+def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None,
+              digests: list[int] | None = None) -> Plan:
     n = len(roles)
-    contributors = [r for r in range(n) if roles[r] == CONTRIBUTOR]
+    steps = steps or [0] * n
+    digests = digests or [UNKNOWN_DIGEST] * n
+    contributors = _current([r for r in range(n) if roles[r] == CONTRIBUTOR], outer_steps, digests)
     if not contributors:
         # Nobody trained with the run yet (every earlier node is gone): those holding recovered state
         # carry the run on; with none, this is a fresh start from identical seeded weights.
-        contributors = [r for r in range(n) if roles[r] == RECOVERED] or list(range(n))
-    run_step = outer_steps[contributors[0]]
-    appliers = sorted(set(contributors) | {r for r in range(n) if roles[r] == RECOVERED and outer_steps[r] == run_step})
+        contributors = _current([r for r in range(n) if roles[r] == RECOVERED], outer_steps, digests) or list(range(n))
+    first = contributors[0]
+    run_outer_step = outer_steps[first]
+    appliers = sorted(set(contributors) | {r for r in range(n) if roles[r] == RECOVERED and outer_steps[r] == run_outer_step
+                                           and _same(digests[r], digests[first])})
     receivers = [r for r in range(n) if r not in appliers]
-    steps = steps or [0] * n
-    return Plan(contributors, appliers, receivers, contributors[0] if receivers else None, run_step,
-                steps[contributors[0]])
+    return Plan(contributors, appliers, receivers, first if receivers else None, run_outer_step, steps[first])
+
+
+def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> list[int]:
+    """The ranks that stand where the run stands: the newest outer step among `ranks`, then the
+    params digest most of those hold (a tie goes to the lowest rank's)."""
+    if not ranks:
+        return []
+    newest = max(outer_steps[r] for r in ranks)
+    at_newest = [r for r in ranks if outer_steps[r] == newest]
+    known = [digests[r] for r in at_newest if digests[r] != UNKNOWN_DIGEST]
+    if not known:
+        return at_newest
+    counts = Counter(known)
+    majority = max(counts, key=lambda d: (counts[d], -known.index(d)))
+    return [r for r in at_newest if _same(digests[r], majority)]
+
+
+def _same(a: int, b: int) -> bool:
+    return a == UNKNOWN_DIGEST or b == UNKNOWN_DIGEST or a == b
+
+
+def digest_value(digest: bytes) -> int:
+    """A params digest as one int64 for the check-in table (never UNKNOWN_DIGEST)."""
+    return int.from_bytes(digest[:8], "little", signed=True) or 1
 
 
 def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, outer_step: int, step: int,
-             deadline_s: float) -> Plan:
-    """All-reduce every rank's (role, outer step, step) and derive the plan; PeerFailure if a peer is missing."""
-    table = torch.zeros(3 * size, dtype=torch.int64)
-    table[rank], table[size + rank], table[2 * size + rank] = role, outer_step, step
+             deadline_s: float, digest: int = UNKNOWN_DIGEST) -> Plan:
+    """All-reduce every rank's (role, outer step, step, digest) and derive the plan; PeerFailure if a
+    peer is missing. Each rank writes only its own column, so SUM assembles the table."""
+    table = torch.zeros(4, size, dtype=torch.int64)
+    table[:, rank] = torch.tensor([role, outer_step, step, digest], dtype=torch.int64)
     try:
         pg.allreduce([table]).wait(timedelta(seconds=deadline_s))
     except Exception as e:  # noqa: BLE001 - gloo names an address; the retry resolves the world anyway
         raise PeerFailure(f"outer-step check-in failed: {str(e).splitlines()[0]}", rank=None) from None
-    values = table.tolist()
-    return make_plan(values[:size], values[size:2 * size], values[2 * size:])
+    roles, outer_steps, steps, digests = table.tolist()
+    return make_plan(roles, outer_steps, steps, digests)

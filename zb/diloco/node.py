@@ -2,7 +2,8 @@
 
 Outer step, as data flows (DESIGN.md):
   1. resolve the world (elastic mesh): admit joiners, drop the dead, rebuild groups if needed;
-  2. check in (zb.diloco.checkin): who contributes, who only applies, who needs the full state;
+  2. check in (zb.diloco.checkin): who contributes, who only applies, who needs the full state
+     (a joiner, a node evicted while alive and admitted again, a node whose params lag or differ);
   3. all-reduce SUM the pseudo-gradients (non-contributors send zeros), divide by the contributors;
   4. the node's local ranks agree that every rank's sync succeeded and was finite; on a failure
      resolve again without the failed peer and recompute (the buffer is undefined afterwards);
@@ -177,12 +178,14 @@ class DilocoNode:
         """Run one outer step; `counters` = [step, outer_step, tokens, run_tokens] before it.
         Returns its report and, for a node that received the full state, the donor's counters."""
         stats, view, plan, attempts = None, None, None, 0
+        digest = checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
-            view = self.mesh.view if self._fresh_view else self.mesh.resolve()
+            view = self.mesh.view if self._fresh_view else self._resolve()
             self._fresh_view = False
             try:
                 plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                        counters[1], counters[0], _deadline(self.cfg))
+                                        counters[1], counters[0], _deadline(self.cfg), digest)
+                self._note_lagging(view, plan, counters[1])
                 stats = self._sync(view, plan)
                 ok = True
             except PeerFailure as e:
@@ -198,8 +201,8 @@ class DilocoNode:
         if was_recovered and report.applied:
             # A recovered joiner applied the run's update: it now stands where the run stands.
             received = [plan.run_step, plan.run_outer_step, 0, counters[3]]
-        if self.dcfg.drift_guard and report.applied:
-            self._check_drift(view)
+        if self.cfg.train.log_model_hash:
+            report.params_hash = self.params_hash()   # after the hand-over: a receiver logs the state it now holds
         if self.live is not None:
             self._publish_live(received or counters, view)
         self._save_position(data_state)
@@ -230,8 +233,7 @@ class DilocoNode:
                       "again at the next outer step", attempts)
         stats = stats or SyncStats()
         return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
-                           round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), applied, attempts,
-                           self.params_hash() if self.cfg.train.log_model_hash else None)
+                           round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), applied, attempts)
 
     def _skip_non_finite(self) -> None:
         """Some node sent NaN/Inf: every node skips the step; a node whose own params are non-finite
@@ -270,15 +272,22 @@ class DilocoNode:
         log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
         return received
 
-    def _check_drift(self, view) -> None:
-        ok = drift.in_majority(self.mesh.global_pg, view.global_rank, view.global_world_size, self.outer.flat,
-                               _deadline(self.cfg))
-        if ok is None:
-            self.mesh.report_failure(None)
-        elif not localsync.all_ok(self.local_group, ok):
-            log.warning("drift guard: this node's outer params differ from the majority's; "
-                        "resyncing from a live node at the next outer step")
+    def _resolve(self):
+        """Resolve the world; a node the run evicted while it was alive (frozen, partitioned) and that
+        was admitted again holds stale params: it must receive the run's state before it contributes."""
+        view = self.mesh.resolve()
+        if view.is_joiner and self.role == checkin.CONTRIBUTOR:
+            log.warning("this node was dropped from the run while it was away and is admitted again: it receives "
+                        "the run's state at this outer step instead of contributing its stale params")
             self.role = checkin.NEEDS_STATE
+        return view
+
+    def _note_lagging(self, view, plan: checkin.Plan, outer_step: int) -> None:
+        """Say why a node that thinks it trained with the run is told to receive the state instead."""
+        if self.role == checkin.CONTRIBUTOR and view.global_rank in plan.receivers:
+            log.warning("this node's outer params are not the run's (it is at outer step %d, the run at %d, or its "
+                        "params differ from the majority's): it receives the run's state instead of contributing",
+                        outer_step, plan.run_outer_step)
 
     def _reassert_claims(self, view) -> None:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
@@ -303,14 +312,14 @@ class DilocoNode:
             self.store = None
 
     # -- misc ---------------------------------------------------------------------------------
+    def _node_digest(self) -> bytes:
+        """sha256 over every local rank's outer-param digest: the same bytes on every local rank."""
+        parts = localsync.all_gather_bytes(self.local_group, drift.digest(self.outer.flat))
+        return hashlib.sha256(b"".join(parts)).digest()
+
     def params_hash(self) -> str:
         """Hash of the outer params over the node's local ranks (equal on every node when in sync)."""
-        mine = torch.tensor(list(drift.digest(self.outer.flat)), dtype=torch.uint8)
-        if self.local_group is not None and self.local.world_size > 1:
-            parts = [torch.empty_like(mine) for _ in range(self.local.world_size)]
-            dist.all_gather(parts, mine, group=self.local_group)
-            mine = torch.cat(parts)
-        return hashlib.sha256(bytes(mine.tolist())).hexdigest()[:16]
+        return self._node_digest().hex()[:16]
 
     def shutdown(self, graceful: bool = True) -> None:
         if self.live is not None:

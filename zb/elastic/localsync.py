@@ -64,3 +64,17 @@ def all_ok(group, ok: bool) -> bool:
     flag = torch.tensor([int(ok)], dtype=torch.int32, device=_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
+
+
+def all_gather_bytes(group, data: bytes) -> list[bytes]:
+    """Every local rank's `data` (of equal length on every rank), in local rank order."""
+    if group is None:
+        return [data]
+    import torch
+    import torch.distributed as dist
+
+    device = _device(group)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return [p.cpu().numpy().tobytes() for p in parts]
