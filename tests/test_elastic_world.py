@@ -155,6 +155,35 @@ def test_zb_store_help_names_env_and_private_network(run_zb):
     assert "GLOBAL_ADDR" in out and "GLOBAL_PORT" in out and "private network" in out
 
 
+def _reachable(addr: str, port: int) -> bool:
+    try:
+        socket.create_connection((addr, port), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+def test_store_listens_on_exactly_the_address_given():
+    """torch's TCPStore alone listens on every interface whatever host it gets; the store has no
+    authentication, so `zb store --host 127.0.0.1` must not answer on another address."""
+    import shutil
+
+    from zb.elastic.store import host
+
+    port = free_port()
+    store = host("127.0.0.1", port)
+    assert _reachable("127.0.0.1", port) and not _reachable("127.0.0.2", port)
+    if shutil.which("ss"):
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+        assert f"127.0.0.1:{port}" in listening and f"*:{port}" not in listening, listening
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+    del store
+    wildcard = host("0.0.0.0", port)
+    assert _reachable("127.0.0.2", port), "--host 0.0.0.0 still means every interface"
+    del wildcard
+
+
 def test_zb_store_serves_until_sigterm_and_warns_on_wildcard_bind():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "zb", "store", "--host", "0.0.0.0", "--port", str(port), "--json"],

@@ -68,30 +68,39 @@ def set_op_timeout(store, seconds: float) -> None:
 
 
 def host(addr: str, port: int):
-    """Host a store at addr:port in this process (libuv backend); one clear error when it cannot bind."""
+    """Host a store at addr:port in this process (libuv backend); one clear error when it cannot bind.
+
+    torch's TCPStore listens on every interface whatever host it is given (the host is only what
+    clients dial), and the store has no authentication: so zb binds the socket to exactly `addr`
+    itself and hands it over (`master_listen_fd`)."""
     import torch.distributed as dist
 
-    _check_bindable(addr, port)
+    sock = _listen(addr, port)
+    bound_port = sock.getsockname()[1]
     try:
-        return dist.TCPStore(addr, port, is_master=True, use_libuv=True, wait_for_workers=False,
-                             timeout=timedelta(seconds=30))
+        return dist.TCPStore(addr, bound_port, is_master=True, use_libuv=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=30), master_listen_fd=sock.detach())
     except dist.DistError as e:
         raise EnvironmentFailure(f"cannot host the store on {addr}:{port}: {str(e).splitlines()[0]}") from None
 
 
-def _check_bindable(addr: str, port: int) -> None:
-    """Bind a plain socket first: torch's error for a taken port is a C++ stack dump."""
+def _listen(addr: str, port: int) -> socket.socket:
+    """A socket listening on exactly addr:port (a plain bind first: torch's error for a taken port is
+    a C++ stack dump)."""
     try:
         infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise InvalidInput(f"--host {addr!r} is not a valid address ({e.strerror})") from None
     family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(sockaddr)
-        except OSError as e:
-            raise EnvironmentFailure(_bind_message(addr, port, e)) from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise EnvironmentFailure(_bind_message(addr, port, e)) from None
+    return sock
 
 
 def _bind_message(addr: str, port: int, e: OSError) -> str:
