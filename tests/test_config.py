@@ -106,3 +106,50 @@ def test_shipped_configs_validate(path):
 
     cfg = load_config([str(REPO / path)], {}, environ={})
     model_args(cfg.model, vocab_size=50_000, max_seq_len=cfg.data.seq_length)
+
+
+FLOAT_KEYS = sorted(k for k, spec in KEYS.items() if spec.type is float)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_refuses_nan_and_inf(key):
+    for bad in ("nan", "inf", "-inf"):
+        with pytest.raises(ConfigError, match=f"{key} = .*must be a finite number"):
+            load_config(flags={key: bad})
+    with pytest.raises(ConfigError, match="must be a finite number"):
+        load_config(environ={KEYS[key].env: "nan"})
+
+
+def test_float_options_of_every_command_refuse_nan_and_inf(run_zb):
+    import click
+
+    from zb.cli import cli
+    from zb.cli.types import FiniteFloatRange
+
+    checked, ctx = 0, click.Context(cli)
+    for name in cli.list_commands(ctx):
+        for param in cli.get_command(ctx, name).params:
+            if isinstance(param, click.Option) and isinstance(param.type, (click.FloatRange, type(click.FLOAT))):
+                assert isinstance(param.type, FiniteFloatRange), f"zb {name} {param.opts[0]} accepts nan"
+                for bad in ("nan", "inf"):
+                    result = run_zb(name, param.opts[0], bad)
+                    assert result.exit_code == 2 and "not a finite number" in result.output, (name, param.opts[0])
+                checked += 1
+    assert checked >= 7
+
+
+@pytest.mark.parametrize("uid", ["../../etc", "a/b", "..", ".hidden", "a b", "x" * 65, "-n"])
+def test_unique_id_that_is_not_a_plain_name_is_refused(uid, run_zb):
+    with pytest.raises(ConfigError, match="elastic.unique_id .*must be 1-64 letters"):
+        load_config(environ={"GLOBAL_UNIQUE_ID": uid})
+    result = run_zb("ckpt-serve", "--dir", "unused", "--node-id", uid)
+    assert result.exit_code == 2 and "must be 1-64 letters" in result.output
+
+
+def test_generated_and_usual_unique_ids_are_accepted():
+    from zb.config_checks import UNIQUE_ID
+    from zb.elastic.identity import new_unique_id
+
+    for uid in (new_unique_id(), "node-1", "gpu_box.eu-west", "A" * 64):
+        assert load_config(environ={"GLOBAL_UNIQUE_ID": uid}).elastic.unique_id == uid
+        assert UNIQUE_ID.fullmatch(uid)

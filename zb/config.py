@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import sys
 import typing
@@ -112,6 +113,9 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError
             value = float(value)
+            if not math.isfinite(value):
+                # NaN passes every `<= 0` check and inf every lower bound: refuse both here, for every key.
+                raise ConfigError(f"{spec.key} = {value!r}{where}: must be a finite number")
         elif spec.type is str:
             if not isinstance(value, str):
                 raise ValueError

@@ -6,8 +6,14 @@ knowledge lives (zb.train.setup) and use the same `fail` helper.
 
 from __future__ import annotations
 
+import re
+
 from zb.config import fail, get
 from zb.config_schema import Config
+
+# A node id names directories (checkpoints, RAM staging) and store keys: no separators, no `..`.
+UNIQUE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+UNIQUE_ID_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 POSITIVE = ["optim.lr", "optim.batch_size", "optim.total_steps", "train.micro_bs", "data.seq_length",
             "train.log_interval", "eval.batches", "elastic.heartbeat_interval", "elastic.heartbeat_timeout",
@@ -31,11 +37,11 @@ def validate(cfg: Config) -> None:
 def _ranges(cfg: Config) -> None:
     for key in POSITIVE:
         value = get(cfg, key)
-        if value is not None and value <= 0:
+        if value is not None and not value > 0:   # `not >` so that a NaN can never pass
             fail(cfg, key, "must be positive")
     for key in NON_NEGATIVE:
         value = get(cfg, key)
-        if value is not None and value < 0:
+        if value is not None and not value >= 0:
             fail(cfg, key, "must not be negative")
     for key in FRACTIONS:
         value = get(cfg, key)
@@ -43,6 +49,8 @@ def _ranges(cfg: Config) -> None:
             fail(cfg, key, "must be in [0, 1)")
     if not 0 < cfg.elastic.port < 65536:
         fail(cfg, "elastic.port", "must be a TCP port (1-65535)")
+    if cfg.elastic.unique_id is not None and not UNIQUE_ID.fullmatch(cfg.elastic.unique_id):
+        fail(cfg, "elastic.unique_id", f"{UNIQUE_ID_RULE} (it names directories and store keys)")
     if cfg.eval.interval < -1:
         fail(cfg, "eval.interval", "must be a step count, 0 (only at the end) or -1 (never)")
 

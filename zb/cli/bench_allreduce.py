@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from zb.cli.types import FiniteFloatRange
+
 EPILOG = """Local: zb bench-allreduce --world-size 3 (spawns 3 processes on this machine).
 Multi-host, one process per host: zb bench-allreduce --store HOST:PORT --rank R --world-size W
 (rank 0 hosts the store at HOST:PORT; set GLOO_SOCKET_IFNAME to the interface peers reach).
@@ -16,7 +18,7 @@ Kernels only: zb bench-allreduce --kernels. Machine-readable: --json (one docume
 @click.option("--store", default=None, metavar="HOST:PORT",
               help="Join a multi-host run through this TCPStore (rank 0 hosts it); needs --rank.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="This process's rank (with --store).")
-@click.option("--size-mb", type=click.FloatRange(min=1e-6), default=64.0, show_default=True,
+@click.option("--size-mb", type=FiniteFloatRange(min=1e-6), default=64.0, show_default=True,
               help="fp32 tensor size per rank (or per kernel call with --kernels), in MB (1e6 bytes).")
 @click.option("--compressions", default="none,int8", show_default=True,
               help="Comma-separated compressions to compare: none (fp32), int8.")
@@ -28,7 +30,7 @@ Kernels only: zb bench-allreduce --kernels. Machine-readable: --json (one docume
               help="Torch threads per rank (0: cores / local ranks when spawning, else torch's default).")
 @click.option("--data", type=click.Choice(["student_t", "gaussian"]), default="student_t", show_default=True,
               help="Input values: heavy-tailed Student-t (df=3, like pseudo-gradients) or Gaussian.")
-@click.option("--min-bandwidth-mbps", type=click.FloatRange(min=1e-3), default=10.0, show_default=True,
+@click.option("--min-bandwidth-mbps", type=FiniteFloatRange(min=1e-3), default=10.0, show_default=True,
               help="Slowest link expected; bounds each transfer's deadline. Config twin: ZB_DILOCO_MIN_BANDWIDTH_MBPS.")
 @click.option("--kernels", "kernels_only", is_flag=True,
               help="Measure the int8 kernels (vs memcpy and the PyTorch twins) instead of the all-reduce.")

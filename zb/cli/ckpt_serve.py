@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from zb.cli.types import FiniteFloatRange, NodeId
+
 EPILOG = """Endpoints: GET /manifest, GET /manifest?step=N, GET|HEAD /files/<snapshot>/<file> (Range supported).
 Every request needs 'Authorization: Bearer <token>'. Token: --token-file F or env ZB_CKPT_TOKEN
 (never the store). Make one: python -c 'import secrets; print(secrets.token_hex(32))'.
@@ -21,14 +23,14 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir or token; exit 1: port in use, s
               help="File holding the shared secret (else env ZB_CKPT_TOKEN).")
 @click.option("--publish", "store_addr", metavar="HOST:PORT", default=None,
               help="Global store (`zb store`) to write this sidecar's address into, under ckpt_serve/<node id>.")
-@click.option("--node-id", envvar="GLOBAL_UNIQUE_ID", default=None,
+@click.option("--node-id", envvar="GLOBAL_UNIQUE_ID", default=None, type=NodeId(),
               help="Node id for --publish. [env: GLOBAL_UNIQUE_ID]")
 @click.option("--advertise", envvar="ZERO_BAND_LIVE_RECO_ADDR", default=None,
               help="Address peers should use (default: --host, or the interface toward the store). "
                    "[env: ZERO_BAND_LIVE_RECO_ADDR]")
-@click.option("--client-timeout", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+@click.option("--client-timeout", type=FiniteFloatRange(min=0.1), default=30.0, show_default=True,
               help="Seconds a client may stall before its connection is dropped.")
-@click.option("--connect-timeout", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--connect-timeout", type=FiniteFloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to keep trying to reach the store of --publish.")
 @click.option("--json", "as_json", is_flag=True, help="Print {address, dir} as one JSON line on stdout once listening.")
 def ckpt_serve(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,

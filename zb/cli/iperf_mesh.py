@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from zb.cli.types import FiniteFloatRange
+
 EPILOG = """Local: zb iperf-mesh --world-size 3 (3 processes on this machine, over loopback).
 Multi-host, one process per host: zb iperf-mesh --store HOST:PORT --rank R --world-size W
 (rank 0 hosts the store at HOST:PORT; every host must accept TCP on its --port from the others).
@@ -17,7 +19,7 @@ port in use; 2 invalid options. Machine-readable: --json (one document on stdout
 @click.option("--store", default=None, metavar="HOST:PORT",
               help="Join a multi-host run through this TCPStore (rank 0 hosts it); needs --rank.")
 @click.option("--rank", type=click.IntRange(min=0), default=None, help="This process's rank (with --store).")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=3.0, show_default=True,
+@click.option("--duration", type=FiniteFloatRange(min=0, min_open=True), default=3.0, show_default=True,
               help="Seconds each sender streams per measurement.")
 @click.option("--parallel", "-P", type=click.IntRange(min=1), default=1, show_default=True,
               help="TCP connections per measurement (like iperf -P); DiLoCo uses one per stream and local rank.")
@@ -30,9 +32,9 @@ port in use; 2 invalid options. Machine-readable: --json (one document on stdout
 @click.option("--advertise", default=None, metavar="ADDR[:PORT]",
               help="Address (and port, e.g. a NAT port forward) peers should dial "
                    "[default: --bind if one address, else this host's address on the route to the store].")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds to wait for the store, for a rank at a barrier, or for a silent socket.")
-@click.option("--connect-timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
+@click.option("--connect-timeout", type=FiniteFloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds a sender waits for a TCP connection before calling the link unreachable.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def iperf_mesh(world_size: int, store: str | None, rank: int | None, duration: float, parallel: int, serial: bool,

@@ -1,0 +1,31 @@
+"""Click parameter types shared by the commands."""
+
+from __future__ import annotations
+
+import math
+
+import click
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf: NaN passes every range comparison and inf
+    every lower bound, so `--client-timeout nan` would otherwise reach the code (a hang or a crash)."""
+
+    def convert(self, value, param, ctx):
+        result = super().convert(value, param, ctx)
+        if not math.isfinite(result):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return result
+
+
+class NodeId(click.ParamType):
+    """A node's unique id (GLOBAL_UNIQUE_ID): it names directories and store keys, so no `/` or `..`."""
+
+    name = "id"
+
+    def convert(self, value, param, ctx):
+        from zb.config_checks import UNIQUE_ID, UNIQUE_ID_RULE
+
+        if not UNIQUE_ID.fullmatch(str(value)):
+            self.fail(f"{value!r} {UNIQUE_ID_RULE}.", param, ctx)
+        return str(value)
