@@ -72,7 +72,7 @@ def sync_save(root: Path, state, step: int) -> float:
 
 def measure(args) -> dict:
     from zb.ckpt.manager import CheckpointManager, TrainState
-    from zb.diloco.fingerprint import fingerprint
+    from zb.fingerprint import fingerprint
 
     tmp = Path(tempfile.mkdtemp(prefix="zb-bench-ckpt-", dir=args.dir))
     cfg, cfg_dict, model, opt, sched, trainer, loader, outer = build(args.model, args.dim, tmp)

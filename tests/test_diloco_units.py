@@ -11,7 +11,7 @@ from conftest import free_port
 from zb.config import load_config
 from zb.diloco import slots
 from zb.diloco.checkin import CONTRIBUTOR, NEEDS_STATE, RECOVERED, make_plan
-from zb.diloco.fingerprint import check_against, encode, fingerprint
+from zb.fingerprint import check_against, encode, fingerprint
 from zb.errors import EnvironmentFailure, InvalidInput
 
 

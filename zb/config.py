@@ -13,12 +13,14 @@ import difflib
 import logging
 import math
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
+from zb.config_checks import problems
 from zb.config_schema import Config
 from zb.errors import InvalidInput
 
@@ -33,6 +35,21 @@ log = logging.getLogger("zb.config")
 KNOWN_ENV = {"ZB_USE_CPP", "ZB_LOG_ALL_RANKS", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE"}
 
 DEFAULT = "default"
+
+# A node id names directories (checkpoints, RAM staging) and store keys: no separators, no `..`.
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NODE_ID_RULE = "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+# The value ranges a knob can declare (`knob(check=...)`): a test and the message that says why.
+# Written as `not (...)`-safe comparisons: non-finite floats never reach them (see _convert).
+CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "positive": (lambda v: v > 0, "must be positive"),
+    "non_negative": (lambda v: v >= 0, "must not be negative"),
+    "fraction": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
+    "port": (lambda v: 0 < v < 65536, "must be a TCP port (1-65535)"),
+    "interval": (lambda v: v >= -1, "must be a step count, 0 (only at the end) or -1 (never)"),
+    "node_id": (lambda v: bool(NODE_ID.fullmatch(v)), NODE_ID_RULE + " (it names directories and store keys)"),
+}
 
 
 class ConfigError(InvalidInput):
@@ -49,7 +66,8 @@ class KeySpec:
     choices: tuple
     aliases: dict
     env: str            # env twin name
-    per_node: bool
+    check: str | None   # a name in CHECKS
+    run_defining: bool  # every node of a run must share it (the run fingerprint)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -80,8 +98,11 @@ def _collect(cls: type, prefix: str = "") -> dict[str, KeySpec]:
             continue
         tp, optional = _unwrap_optional(hints[f.name])
         env = f.metadata.get("env") or "ZB_" + key.replace(".", "_").upper()
+        check = f.metadata.get("check")
+        if check is not None and check not in CHECKS:
+            raise AssertionError(f"{key}: unknown check {check!r}")
         specs[key] = KeySpec(key, tp, optional, f.default, f.metadata.get("doc", ""), f.metadata.get("choices", ()),
-                             f.metadata.get("aliases", {}), env, f.metadata.get("per_node", False))
+                             f.metadata.get("aliases", {}), env, check, f.metadata.get("run_defining", False))
     return specs
 
 
@@ -125,6 +146,10 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
         value = spec.aliases.get(value, value)
         if spec.choices and value not in spec.choices:
             raise ConfigError(f"{spec.key} = {value!r}{where}: must be one of {', '.join(spec.choices)}")
+    if spec.check is not None and value is not None:
+        test, rule = CHECKS[spec.check]
+        if not test(value):
+            raise ConfigError(f"{spec.key} = {value!r}{where}: {rule}")
     return value
 
 
@@ -230,9 +255,8 @@ def build(values: Mapping[str, tuple[Any, str]], present: set[str] = frozenset()
         setattr(owner, key.rsplit(".", 1)[1], _convert(spec, value, source))
         sources[key] = source
     object.__setattr__(cfg, "_sources", sources)
-    from zb.config_checks import validate
-
-    validate(cfg)
+    for key, message in problems(cfg):
+        fail(cfg, key, message)
     return cfg
 
 

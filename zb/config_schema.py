@@ -13,10 +13,13 @@ from typing import Any, Optional
 
 
 def knob(default: Any, doc: str, *, choices: tuple = (), aliases: dict | None = None, env: str | None = None,
-         per_node: bool = False) -> Any:
+         check: str | None = None, run_defining: bool = False) -> Any:
     """A config field. `aliases` maps accepted spellings to canonical values (Prime's "uint8" -> "int8");
-    `env` overrides the ZB_<SECTION>_<KEY> twin; `per_node` marks keys that may differ between nodes."""
-    meta = {"doc": doc, "choices": choices, "aliases": aliases or {}, "env": env, "per_node": per_node}
+    `env` overrides the ZB_<SECTION>_<KEY> twin; `check` names the value's range (zb.config.CHECKS),
+    applied wherever the value comes from; `run_defining` marks the keys every node of a run must
+    share (the run fingerprint): all others may differ per node."""
+    meta = {"doc": doc, "choices": choices, "aliases": aliases or {}, "env": env, "check": check,
+            "run_defining": run_defining}
     return field(default=default, metadata=meta)
 
 
@@ -30,23 +33,23 @@ def section(cls: type, doc: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = knob("debug", "Model size from the size table (debug, tiny, 150M, 1B, 7B, 10B, 13B, 70B).")
+    name: str = knob("debug", "Model size from the size table (debug, tiny, 150M, 1B, 7B, 10B, 13B, 70B).", run_defining=True)
     type: str = knob("llama2", "Model family: llama2 (MHA-style defaults) or llama3 (GQA, larger RoPE theta).",
-                     choices=("llama2", "llama3"))
-    dim: Optional[int] = knob(None, "Override the hidden size of the named size.")
-    n_layers: Optional[int] = knob(None, "Override the number of transformer blocks.")
-    n_heads: Optional[int] = knob(None, "Override the number of attention heads.")
-    n_kv_heads: Optional[int] = knob(None, "Override the number of key/value heads (grouped-query attention).")
-    vocab_size: Optional[int] = knob(None, "Override the vocabulary size (default: the tokenizer's, rounded up).")
-    rope_theta: Optional[float] = knob(None, "Override the RoPE base frequency.")
+                     choices=("llama2", "llama3"), run_defining=True)
+    dim: Optional[int] = knob(None, "Override the hidden size of the named size.", check="positive", run_defining=True)
+    n_layers: Optional[int] = knob(None, "Override the number of transformer blocks.", check="positive", run_defining=True)
+    n_heads: Optional[int] = knob(None, "Override the number of attention heads.", check="positive", run_defining=True)
+    n_kv_heads: Optional[int] = knob(None, "Override the number of key/value heads (grouped-query attention).", check="positive", run_defining=True)
+    vocab_size: Optional[int] = knob(None, "Override the vocabulary size (default: the tokenizer's, rounded up).", check="positive", run_defining=True)
+    rope_theta: Optional[float] = knob(None, "Override the RoPE base frequency.", check="positive", run_defining=True)
     attn_impl: str = knob("auto", "Attention kernel: auto (flash-attn on CUDA when installed, else SDPA), sdpa, flash.",
                           choices=("auto", "sdpa", "flash"))
 
 
 @dataclass
 class TrainConfig:
-    micro_bs: int = knob(8, "Micro batch size per local rank (sequences per forward pass).")
-    seed: int = knob(1337, "Seed for model init and data order; every node must use the same one.")
+    micro_bs: int = knob(8, "Micro batch size per local rank (sequences per forward pass).", check="positive")
+    seed: int = knob(1337, "Seed for model init and data order; every node must use the same one.", check="non_negative", run_defining=True)
     device: str = knob("auto", "auto (CUDA + NCCL when available, else CPU + gloo), cpu or cuda.",
                        choices=("auto", "cpu", "cuda"))
     param_dtype: str = knob("auto", "FSDP2 compute dtype of params: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16.",
@@ -56,32 +59,32 @@ class TrainConfig:
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered params after forward (less memory).")
     torch_compile: bool = knob(False, "torch.compile each block (GPU runs; slow to start on CPU).")
     log_model_hash: bool = knob(False, "Log a hash of the (outer) params, so agreement between nodes can be checked.")
-    log_interval: int = knob(10, "Log a step line and a `step` metrics event every N steps.", per_node=True)
-    max_steps: Optional[int] = knob(None, "Stop after this many steps (default: optim.total_steps).", per_node=True)
+    log_interval: int = knob(10, "Log a step line and a `step` metrics event every N steps.", check="positive")
+    max_steps: Optional[int] = knob(None, "Stop after this many steps (default: optim.total_steps).", check="positive")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = knob(3e-3, "Peak learning rate of the inner AdamW.")
-    weight_decay: float = knob(0.1, "AdamW weight decay.")
-    adam_betas1: float = knob(0.9, "AdamW beta1.")
-    adam_betas2: float = knob(0.95, "AdamW beta2.")
-    eps: float = knob(1e-8, "AdamW epsilon.")
-    warmup_steps: int = knob(20, "Linear warmup steps.")
-    total_steps: int = knob(200, "Length of the LR schedule in steps; also the default run length.", per_node=True)
+    lr: float = knob(3e-3, "Peak learning rate of the inner AdamW.", check="positive")
+    weight_decay: float = knob(0.1, "AdamW weight decay.", check="non_negative")
+    adam_betas1: float = knob(0.9, "AdamW beta1.", check="fraction")
+    adam_betas2: float = knob(0.95, "AdamW beta2.", check="fraction")
+    eps: float = knob(1e-8, "AdamW epsilon.", check="non_negative")
+    warmup_steps: int = knob(20, "Linear warmup steps.", check="non_negative")
+    total_steps: int = knob(200, "Length of the LR schedule in steps; also the default run length.", check="positive")
     sched_type: str = knob("cosine", "LR schedule after warmup: cosine, linear or wsd (warmup-stable-decay).",
                            choices=("cosine", "linear", "wsd"))
-    min_lr_ratio: float = knob(0.1, "Final LR as a fraction of optim.lr.")
-    decay_ratio: float = knob(0.2, "wsd only: fraction of total_steps spent decaying at the end.")
-    batch_size: int = knob(16, "Sequences per optimizer step per node (per DiLoCo worker), over all local ranks.")
-    grad_clip: float = knob(1.0, "Clip the global grad norm to this value (0 disables).")
+    min_lr_ratio: float = knob(0.1, "Final LR as a fraction of optim.lr.", check="fraction")
+    decay_ratio: float = knob(0.2, "wsd only: fraction of total_steps spent decaying at the end.", check="fraction")
+    batch_size: int = knob(16, "Sequences per optimizer step per node (per DiLoCo worker), over all local ranks.", check="positive")
+    grad_clip: float = knob(1.0, "Clip the global grad norm to this value (0 disables).", check="non_negative")
     z_loss: bool = knob(False, "Add max-z-loss (weight z_loss_weight) to keep logits bounded.")
-    z_loss_weight: float = knob(2e-4, "Weight of the max-z-loss.")
+    z_loss_weight: float = knob(2e-4, "Weight of the max-z-loss.", check="non_negative")
 
 
 @dataclass
 class DataConfig:
-    seq_length: int = knob(128, "Tokens per training sequence.")
+    seq_length: int = knob(128, "Tokens per training sequence.", check="positive", run_defining=True)
     fake: bool = knob(False, "Random tokens, for throughput measurements (nothing to learn).")
     dataset_name_or_paths: str = knob("builtin", "Where text comes from: builtin (offline generated text), "
                                       "local files or globs (.txt, .jsonl, .parquet; comma separated), "
@@ -89,42 +92,42 @@ class DataConfig:
     dataset_config: Optional[str] = knob(None, "Hugging Face dataset config (subset) name.")
     split: str = knob("train", "Dataset split to read.")
     text_column: str = knob("text", "Column holding the text in jsonl/parquet/HF sources.")
-    tokenizer: str = knob("bytes", "Tokenizer: bytes (built in, 256 + specials) or a Hugging Face tokenizer name or path.")
-    data_rank: Optional[int] = knob(None, "This node's data shard (default: its global rank).")
-    data_world_size: Optional[int] = knob(None, "Number of data shards (default: the global world size).")
+    tokenizer: str = knob("bytes", "Tokenizer: bytes (built in, 256 + specials) or a Hugging Face tokenizer name or path.", run_defining=True)
+    data_rank: Optional[int] = knob(None, "This node's data shard (default: its global rank).", check="non_negative")
+    data_world_size: Optional[int] = knob(None, "Number of data shards (default: the global world size).", check="positive")
     streaming: bool = knob(True, "Stream Hugging Face datasets instead of downloading them whole.")
-    shuffle_buffer: int = knob(0, "Streaming shuffle buffer in documents (0: keep file order, exact resume).")
-    eval_fraction: float = knob(0.01, "Fraction of documents held out for evaluation (disjoint from training).")
-    retries: int = knob(5, "Retries, with exponential backoff, on transient HTTP errors from the hub.")
+    shuffle_buffer: int = knob(0, "Streaming shuffle buffer in documents (0: keep file order, exact resume).", check="non_negative")
+    eval_fraction: float = knob(0.01, "Fraction of documents held out for evaluation (disjoint from training).", check="fraction")
+    retries: int = knob(5, "Retries, with exponential backoff, on transient HTTP errors from the hub.", check="non_negative")
 
 
 @dataclass
 class EvalConfig:
-    interval: int = knob(50, "Evaluate the held-out split every N steps (0: only at the end; -1: never).", per_node=True)
-    batches: int = knob(8, "Micro batches per evaluation.", per_node=True)
+    interval: int = knob(50, "Evaluate the held-out split every N steps (0: only at the end; -1: never).", check="interval")
+    batches: int = knob(8, "Micro batches per evaluation.", check="positive")
 
 
 @dataclass
 class LogConfig:
-    dir: str = knob("logs", "Directory for metrics.jsonl (one per node: give each node its own).", per_node=True)
+    dir: str = knob("logs", "Directory for metrics.jsonl (one per node: give each node its own).")
     progress: str = knob("auto", "Progress display: auto (rich on a terminal, log lines otherwise), rich, plain.",
-                         choices=("auto", "rich", "plain"), per_node=True)
+                         choices=("auto", "rich", "plain"))
 
 
 @dataclass
 class DilocoConfig:
-    inner_steps: int = knob(100, "H: inner steps between two outer syncs.")
-    outer_lr: float = knob(0.7, "Outer learning rate.")
-    outer_momentum: float = knob(0.9, "Outer optimizer momentum.")
-    nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.")
+    inner_steps: int = knob(100, "H: inner steps between two outer syncs.", check="positive", run_defining=True)
+    outer_lr: float = knob(0.7, "Outer learning rate.", check="positive", run_defining=True)
+    outer_momentum: float = knob(0.9, "Outer optimizer momentum.", check="non_negative", run_defining=True)
+    nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.", run_defining=True)
     outer_optimizer: str = knob("sgd", "Outer optimizer: sgd (with momentum/nesterov) or avg (plain averaging).",
-                                choices=("sgd", "avg"))
+                                choices=("sgd", "avg"), run_defining=True)
     compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32) or int8 (4x fewer bytes on the wire).",
-                            choices=("none", "int8"), aliases={"no": "none", "uint8": "int8"})
-    streams: int = knob(1, "Parallel process groups (TCP connections) per replica group for the all-reduce.")
-    retry_all_reduce: int = knob(3, "Retries of a failed pseudo-gradient sync, each without the failed peers.")
-    bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).")
-    min_bandwidth_mbps: float = knob(10.0, "Slowest link expected (Mbit/s); bounds each transfer's deadline.")
+                            choices=("none", "int8"), aliases={"no": "none", "uint8": "int8"}, run_defining=True)
+    streams: int = knob(1, "Parallel process groups (TCP connections) per replica group for the all-reduce.", check="positive")
+    retry_all_reduce: int = knob(3, "Retries of a failed pseudo-gradient sync, each without the failed peers.", check="non_negative")
+    bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).", check="positive")
+    min_bandwidth_mbps: float = knob(10.0, "Slowest link expected (Mbit/s); bounds each transfer's deadline.", check="positive")
     blocking_join: bool = knob(True, "Joiners fetch state from a live node before the step they join (else live recovery).")
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
                              "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
@@ -133,50 +136,48 @@ class DilocoConfig:
 @dataclass
 class RemoteConfig:
     path: Optional[str] = knob(None, "Remote checkpoint location (fsspec URL: s3://, gs://, or a local directory).")
-    interval: Optional[int] = knob(None, "Upload every N steps (default: every checkpoint).")
+    interval: Optional[int] = knob(None, "Upload every N steps (default: every checkpoint).", check="positive")
 
 
 @dataclass
 class CkptConfig:
-    interval: Optional[int] = knob(None, "Checkpoint every N steps (a multiple of diloco.inner_steps under DiLoCo).")
+    interval: Optional[int] = knob(None, "Checkpoint every N steps (a multiple of diloco.inner_steps under DiLoCo).", check="positive")
     path: Optional[str] = knob(None, "Directory for durable checkpoints on this node's disk.")
     remote: RemoteConfig = section(RemoteConfig, "Remote copies of checkpoints.")
-    topk: Optional[int] = knob(None, "Keep only the newest K committed checkpoints.")
+    topk: Optional[int] = knob(None, "Keep only the newest K committed checkpoints.", check="positive")
     resume: Optional[str] = knob(None, "Resume from `latest` (newest complete step on disk or on the remote copy), "
                                        "a step directory, or a remote URL of one.")
-    ram_dir: str = knob("/dev/shm/zb", "RAM-backed staging directory for snapshots.", per_node=True)
+    ram_dir: str = knob("/dev/shm/zb", "RAM-backed staging directory for snapshots.")
     live_recovery: bool = knob(False, "Keep a RAM snapshot after every outer step and serve it to joiners.")
-    grace_period: float = knob(30.0, "Seconds allowed for the final checkpoint after SIGTERM.", per_node=True)
+    grace_period: float = knob(30.0, "Seconds allowed for the final checkpoint after SIGTERM.", check="non_negative")
 
 
 @dataclass
 class ElasticConfig:
     addr: Optional[str] = knob(None, "Address of the global store (`zb store`).", env="GLOBAL_ADDR")
-    port: int = knob(29600, "Port of the global store.", env="GLOBAL_PORT")
-    unique_id: Optional[str] = knob(None, "This node's unique id (generated if absent).", env="GLOBAL_UNIQUE_ID",
-                                    per_node=True)
+    port: int = knob(29600, "Port of the global store.", env="GLOBAL_PORT", check="port")
+    unique_id: Optional[str] = knob(None, "This node's unique id (generated if absent).", env="GLOBAL_UNIQUE_ID", check="node_id")
     world_size: int = knob(1, "Initial quorum: nodes the first outer step waits for (up to start_timeout).",
-                           env="GLOBAL_WORLD_SIZE", per_node=True)
-    rank: int = knob(0, "Preferred starting global rank.", env="GLOBAL_RANK", per_node=True)
-    host_store: bool = knob(False, "This node hosts the store itself (Prime style; a single point of failure).",
-                            per_node=True)
+                           env="GLOBAL_WORLD_SIZE", check="positive")
+    rank: int = knob(0, "Preferred starting global rank.", env="GLOBAL_RANK", check="non_negative")
+    host_store: bool = knob(False, "This node hosts the store itself (Prime style; a single point of failure).")
     store_timeout: float = knob(300.0, "Seconds before a global store operation times out; also the most a joiner waits for admission.",
-                                env="ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS", per_node=True)
+                                env="ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS", check="positive")
     polling_interval: float = knob(0.1, "Seconds between polls of the store while waiting.",
-                                   env="ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS", per_node=True)
+                                   env="ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS", check="positive")
     heartbeat_interval: float = knob(2.0, "Seconds between heartbeats; also the grace a peer blamed for a failed collective has to check in.",
-                                     env="ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS")
+                                     env="ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS", check="positive")
     heartbeat_timeout: float = knob(10.0, "Seconds without a heartbeat change (on the observer's own clock) after which a node is dead.",
-                                    env="ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS")
+                                    env="ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS", check="positive")
     pg_timeout: float = knob(60.0, "Timeout of the global gloo groups: building them, and collectives without a tighter deadline of their own.",
-                             env="ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS")
-    connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", per_node=True)
-    start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", per_node=True)
-    sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).")
+                             env="ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS", check="positive")
+    connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", check="positive")
+    start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", check="positive")
+    sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).", check="positive")
     live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
-                                         env="ZERO_BAND_LIVE_RECO_ADDR", per_node=True)
+                                         env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",
-                                         env="ZERO_BAND_LIVE_RECO_PORT", per_node=True)
+                                         env="ZERO_BAND_LIVE_RECO_PORT")
 
 
 @dataclass

@@ -26,7 +26,7 @@ from zb.ckpt.manager import CheckpointManager, TrainState
 from zb.config import load_config, to_dict
 from zb.config_schema import DilocoConfig
 from zb.data import build_dataloader, build_tokenizer
-from zb.diloco.fingerprint import fingerprint
+from zb.fingerprint import fingerprint
 from zb.diloco.outer import OuterState
 from zb.metrics import MetricsSink
 from zb.train.device import close_local_group, init_local_group, pick_placement

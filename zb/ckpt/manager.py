@@ -42,7 +42,7 @@ from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, json_m
                            load_optimizer, load_rng, load_scheduler)
 from zb.ckpt.worker import Job, Targets, Worker
 from zb.config_schema import CkptConfig
-from zb.diloco.fingerprint import differences, encode
+from zb.fingerprint import differences, encode
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt")

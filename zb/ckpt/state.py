@@ -35,7 +35,7 @@ class TrainState:
     data_state: dict                               # this local rank's loader.state_dict() (JSON-able)
     outer: dict[str, torch.Tensor] | None          # OuterState.state_tensors(), None without DiLoCo
     config: dict                                   # zb.config.to_dict(cfg)
-    fingerprint: dict                              # zb.diloco.fingerprint.fingerprint(...)
+    fingerprint: dict                              # zb.fingerprint.fingerprint(...)
     data_exact: bool = True                        # loader.exact_resume
     extra: dict = field(default_factory=dict)      # any other JSON the caller wants back
 

@@ -24,8 +24,8 @@ class NodeId(click.ParamType):
     name = "id"
 
     def convert(self, value, param, ctx):
-        from zb.config_checks import UNIQUE_ID, UNIQUE_ID_RULE
+        from zb.config import NODE_ID, NODE_ID_RULE
 
-        if not UNIQUE_ID.fullmatch(str(value)):
-            self.fail(f"{value!r} {UNIQUE_ID_RULE}.", param, ctx)
+        if not NODE_ID.fullmatch(str(value)):
+            self.fail(f"{value!r} {NODE_ID_RULE}.", param, ctx)
         return str(value)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
 from zb.diloco import checkin, drift, slots
-from zb.diloco.fingerprint import check_against, encode
+from zb.fingerprint import check_against, encode
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient

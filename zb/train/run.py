@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from zb.config_schema import Config
-from zb.diloco.fingerprint import fingerprint
+from zb.fingerprint import fingerprint
 from zb.errors import LeavingRun
 from zb.metrics import MetricsSink
 from zb.train.checkpointing import RunCheckpoints

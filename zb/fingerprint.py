@@ -1,9 +1,13 @@
 """The run fingerprint: the settings every node of a run must share.
 
 The first node publishes it in the store; a joiner (or a resumed node) whose settings differ is
-refused with exit 2, naming the keys, before it touches the run. Settings not listed here may
-differ per node: LR schedule and its position (optim.*), batch and micro batch sizes, log, eval,
-checkpoint and timing settings, total_steps and max_steps.
+refused with exit 2, naming the keys, before it touches the run. Checkpoints carry it too, so a
+resume with other settings is refused the same way. Which keys count is declared on the knobs
+(`knob(run_defining=True)`): the model, the sequence length and tokenizer, the seed and the outer
+optimizer. Everything else may differ per node: LR schedule and its position, batch and micro
+batch sizes, log, eval, checkpoint and timing settings, total_steps and max_steps.
+
+It lives below both of its users (zb.diloco checks it at join, zb.ckpt at resume).
 """
 
 from __future__ import annotations
@@ -12,16 +16,11 @@ import json
 from typing import Any
 
 from zb import __version__
-from zb.config import get
+from zb.config import KEYS, get
 from zb.config_schema import Config
 from zb.errors import InvalidInput
 
-RUN_DEFINING = [
-    "model.name", "model.type", "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads",
-    "model.vocab_size", "model.rope_theta", "data.seq_length", "data.tokenizer", "train.seed",
-    "diloco.inner_steps", "diloco.compression", "diloco.outer_optimizer", "diloco.outer_lr",
-    "diloco.outer_momentum", "diloco.nesterov",
-]
+RUN_DEFINING = [key for key, spec in KEYS.items() if spec.run_defining]
 
 
 def fingerprint(cfg: Config, local_world_size: int, vocab_size: int) -> dict[str, Any]:
