@@ -206,6 +206,7 @@ def test_builtin_is_learnable_by_a_debug_model():
     assert loss.item() < 0.6 * math.log(BYTES.vocab_size)
 
 
+@pytest.mark.perf
 def test_builtin_loader_is_fast():
     import time
 

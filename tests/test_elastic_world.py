@@ -269,7 +269,7 @@ def test_a_node_that_said_goodbye_leaves_instead_of_hanging_in_the_next_resoluti
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
                           timeout=timedelta(seconds=5))
     client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
-    cfg = ElasticConfig(store_timeout=20, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.5,
+    cfg = ElasticConfig(store_timeout=120, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.5,
                         heartbeat_timeout=60)
 
     def member(uid: str) -> Membership:
@@ -291,4 +291,5 @@ def test_a_node_that_said_goodbye_leaves_instead_of_hanging_in_the_next_resoluti
     store.append(keys.GONE, "b tok-b\n")          # now the last member says goodbye too
     with pytest.raises(LeavingRun):
         b.resolve()
-    assert time.monotonic() - started < 5
+    # A regression waits for an admission until store_timeout (120 s): half of it is no busy-machine bound.
+    assert time.monotonic() - started < cfg.store_timeout / 2
