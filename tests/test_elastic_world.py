@@ -11,14 +11,14 @@ import pytest
 
 from conftest import free_port, subprocess_env
 from zb.elastic.heartbeat import Liveness
-from zb.elastic.judge import Deadlines, judge
+from zb.elastic.judge import RoundDeadlines, judge
 from zb.elastic.probe import ProbeListener, check_peers
 from zb.elastic.snapshot import CheckIn, Snapshot
 from zb.elastic.world import JoinRequest, Observation, World, next_world
 from zb.errors import EnvironmentFailure
 
 W = World(version=3, round=7, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"}, join_cursor=2)
-DL = Deadlines(suspect_grace=1.0, sync_deadline=10.0, stuck_after=25.0)
+DL = RoundDeadlines(suspect_grace=1.0, sync_deadline=10.0, stuck_after=25.0)
 
 
 def obs(checked=("a", "b", "c"), gone=(), excluded=(), joiners=(), failure=False) -> Observation:

@@ -13,7 +13,7 @@
   owner's bytes, so every rank ends with bit-identical values.
 - streams: extra groups with the same members; the tensor is striped over them so a node pair
   uses several TCP connections at once.
-- Deadlines: each transfer must finish within timeout_floor_s + bytes / min_bandwidth_mbps; the
+- TransferDeadlines: each transfer must finish within timeout_floor_s + bytes / min_bandwidth_mbps; the
   first message may wait start_timeout_s (peers arrive at the all-reduce at different times).
 - Failure: PeerFailure (an EnvironmentFailure) with .rank = the suspect group rank (or None);
   the tensor is then undefined and the caller rebuilds the group.

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zb.collectives.errors import PeerFailure
-from zb.collectives.ring import Deadlines, run_ring
+from zb.collectives.ring import TransferDeadlines, run_ring
 from zb.collectives.kernels import BLOCK, num_blocks
 from zb.collectives.pieces import split_blocks
 from zb.errors import InvalidInput
@@ -48,7 +48,7 @@ def _slices(n: int, parts: int) -> list[tuple[int, int]]:
     return [(min(a * BLOCK, n), min(b * BLOCK, n)) for a, b in zip(bounds, bounds[1:])]
 
 
-def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: Deadlines) -> int:
+def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: TransferDeadlines) -> int:
     """Backend all-reduce (gloo or NCCL), one slice per stream in flight at once."""
     world = groups[0].size()
     works = []
@@ -83,7 +83,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp =
         return AllReduceStats(compression, tensor.numel(), world, 0, 0.0)
     if compression == "int8" and tensor.is_cuda:
         raise InvalidInput("the int8 ring runs on CPU tensors over a gloo group; use compression='none' for GPU tensors")
-    deadlines = Deadlines(min_bandwidth_mbps, timeout_floor_s, start_timeout_s)
+    deadlines = TransferDeadlines(min_bandwidth_mbps, timeout_floor_s, start_timeout_s)
     flat = tensor.view(-1) if tensor.dtype == torch.float32 and tensor.is_contiguous() else tensor.reshape(-1).float()
     avg = op == ReduceOp.AVG
     if compression == "none":

@@ -35,7 +35,7 @@ from zb.collectives.watchdog import Watchdog
 
 
 @dataclass
-class Deadlines:
+class TransferDeadlines:
     """How long a transfer may take: floor + size / minimum bandwidth, plus per-step slack.
 
     The slack grows with the message's ring step so that, when a peer hangs, the rank right after
@@ -74,7 +74,7 @@ def failure_names(peer: int, what: str, observer: int) -> Iterator[None]:
 class RingPart:
     """One ring over one process group for one contiguous fp32 slice; driven by advance(k)."""
 
-    def __init__(self, flat: torch.Tensor, pg: dist.ProcessGroup, avg: bool, deadlines: Deadlines,
+    def __init__(self, flat: torch.Tensor, pg: dist.ProcessGroup, avg: bool, deadlines: TransferDeadlines,
                  piece_values: int, window: int, watchdog: Watchdog) -> None:
         self.flat, self.pg, self.avg, self.deadlines, self.watchdog = flat, pg, avg, deadlines, watchdog
         self.rank, self.world = pg.rank(), pg.size()
@@ -203,7 +203,7 @@ class RingPart:
             pass  # the right neighbour may be the one that is gone
 
 
-def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup]], avg: bool, deadlines: Deadlines,
+def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup]], avg: bool, deadlines: TransferDeadlines,
              piece_values: int, window: int) -> int:
     """All-reduce each (slice, group) pair as its own ring, driven round-robin in this thread.
 

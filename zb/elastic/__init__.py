@@ -12,7 +12,7 @@ Knows nothing of training. The DiLoCo layer drives it at outer-step boundaries:
         ...
     while training:
         ...H inner steps (no global traffic; heartbeats go on in a thread)...
-        view = mesh.resolve()    # a.k.a. maybe_reinit(): admit joiners, drop leavers/dead/late
+        view = mesh.resolve()    # Prime's maybe_reinit(): admit joiners, drop leavers/dead/late
         try:
             all_reduce(pseudo_grad, group=mesh.global_pg)   # this local rank's replica group
         except PeerFailure as e:

@@ -24,14 +24,14 @@ from zb.elastic.world import JoinRequest, Observation, World
 
 
 @dataclass
-class Deadlines:
+class RoundDeadlines:
     suspect_grace: float
     sync_deadline: float
     stuck_after: float
 
     @staticmethod
-    def from_config(cfg) -> "Deadlines":
-        return Deadlines(suspect_grace=cfg.heartbeat_interval, sync_deadline=cfg.sync_deadline,
+    def from_config(cfg) -> "RoundDeadlines":
+        return RoundDeadlines(suspect_grace=cfg.heartbeat_interval, sync_deadline=cfg.sync_deadline,
                          stuck_after=2 * cfg.sync_deadline + cfg.heartbeat_timeout)
 
 
@@ -42,7 +42,7 @@ class Verdict:
     observation: Observation
 
 
-def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: float, dl: Deadlines) -> Verdict:
+def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: float, dl: RoundDeadlines) -> Verdict:
     """The verdict of round `world.round`, `since` seconds after this node checked in."""
     lines = [c for c in snap.checkins if world.tokens.get(c.uid) == c.token]
     checked = {c.uid for c in lines}

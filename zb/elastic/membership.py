@@ -24,17 +24,13 @@ from typing import Callable
 from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Liveness, observe_counters
-from zb.elastic.judge import Deadlines, admissible_joiners, judge, members_all_out
+from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.snapshot import Snapshot, encode_line, read_snapshot
-from zb.elastic.store import store_errors
+from zb.elastic.store import StoreUnreachable, store_errors
 from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, LeavingRun
 
 log = logging.getLogger("zb.elastic")
-
-
-class StoreDown(Exception):
-    """The store could not be reached during a resolution; the caller keeps its current world."""
 
 
 class Membership:
@@ -42,7 +38,7 @@ class Membership:
                  connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None) -> None:
         self.cfg, self.uid, self.token, self.lws = cfg, uid, token, local_world_size
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
-        self.deadlines = Deadlines.from_config(cfg)
+        self.deadlines = RoundDeadlines.from_config(cfg)
         self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
         self.store = None
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
@@ -57,11 +53,11 @@ class Membership:
             self.liveness.forget_all()
         return self.store
 
-    def _drop_store(self, e: BaseException) -> StoreDown:
+    def _drop_store(self, e: BaseException) -> StoreUnreachable:
         self.store = None
         log.error("STORE UNREACHABLE during resolution (%s): keeping mesh version %s, training goes on, "
                   "retrying at the next outer step", str(e).splitlines()[0][:160], self.world and self.world.version)
-        return StoreDown(str(e))
+        return StoreUnreachable(str(e))
 
     # -- joining -----------------------------------------------------------------------------
     def join(self, quorum: int, quorum_timeout: float) -> World:
@@ -126,14 +122,14 @@ class Membership:
 
     # -- resolving -----------------------------------------------------------------------------
     def resolve(self) -> World:
-        """The next world (this node in it); raises StoreDown if the store cannot be reached.
+        """The next world (this node in it); raises StoreUnreachable if the store cannot be reached.
 
         A client that fails is re-created once at once: a store restarted at the same address is
         then used in the same call instead of one outer step later.
         """
         try:
             return self._resolve()
-        except StoreDown:
+        except StoreUnreachable:
             return self._resolve()
 
     def _resolve(self) -> World:

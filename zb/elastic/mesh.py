@@ -17,10 +17,10 @@ from zb.elastic import keys, localsync
 from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_unique_id
-from zb.elastic.membership import Membership, StoreDown
+from zb.elastic.membership import Membership
 from zb.elastic.probe import ProbeListener, check_peers
 from zb.elastic.snapshot import Snapshot
-from zb.elastic.store import connect, read_many, store_errors
+from zb.elastic.store import StoreUnreachable, connect, read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
 
@@ -80,7 +80,6 @@ class ElasticDeviceMesh:
         raise EnvironmentFailure(f"could not build the global groups in {REBUILD_ATTEMPTS} attempts; "
                                  "see the log for the peers that failed to arrive")
 
-    maybe_reinit = resolve
 
     def report_failure(self, suspect: int | None = None) -> None:
         """A collective on global_pg failed; `suspect` is the group rank blamed (None: unknown)."""
@@ -124,7 +123,7 @@ class ElasticDeviceMesh:
         self._start_threads(uid, token, liveness, store)
         try:
             world = self._membership.join(quorum=cfg.world_size, quorum_timeout=cfg.start_timeout)
-        except StoreDown as e:
+        except StoreUnreachable as e:
             raise EnvironmentFailure(f"the store went away while this node was joining: {e}") from None
         return self._payload(world, store_ok=True)
 
@@ -147,7 +146,7 @@ class ElasticDeviceMesh:
             m.suspects |= {before.nodes[r] for r in self._suspects if r < len(before.nodes)}
         try:
             world = m.resolve()
-        except StoreDown:
+        except StoreUnreachable:
             return self._payload(before, store_ok=False)
         return self._payload(world, store_ok=True)
 
