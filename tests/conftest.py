@@ -1,11 +1,16 @@
-"""Shared fixtures: the CLI through its real command tree, free ports, a clean environment."""
+"""Shared test helpers: the CLI in-process (run_zb) and as a real process (zb_process), free ports,
+a clean environment, one bounded wait (wait_until), the tiny-model arguments, and the loader of
+benchmark scripts."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable, Iterable
 
 import pytest
 from click.testing import CliRunner
@@ -43,18 +48,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, *, alive: Iterable[subprocess.Popen] = (),
+               details: Callable[[], str] = lambda: "", poll: float = 0.2) -> Any:
+    """Poll `condition` until it returns something truthy (returned); fail naming `what` after
+    `timeout` s, or at once when one of the `alive` processes exited. `details` adds to the message."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = condition()
+        if result:
+            return result
+        for proc in alive:
+            assert proc.poll() is None, f"a process exited (code {proc.returncode}) while waiting for {what}\n{details()}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what}: not within {timeout:g} s\n{details()}")
+        time.sleep(poll)
+
+
+def _accepts(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
 def wait_listening(port: int, timeout: float = 60.0, what: str = "zb store") -> None:
     """Until something accepts connections on 127.0.0.1:port (importing torch is slow on a busy box)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise AssertionError(f"{what} did not start listening on port {port} within {timeout:g} s")
+    wait_until(lambda: _accepts(port), timeout, f"{what} listening on port {port}", poll=0.1)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -66,3 +86,26 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 PYTHON = sys.executable
+
+# A model and batch small enough for a whole `zb train` process in a few seconds on 2 busy cores.
+TINY = ["--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2", "--optim.warmup_steps", "2",
+        "--train.log_interval", "1", "--eval.interval", "-1", "--log.progress", "plain", "--train.device", "cpu"]
+
+
+def zb_process(*args: str, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
+    """`python -m zb ARGS` as a real process (exit codes, stderr), with output captured."""
+    return subprocess.run([PYTHON, "-m", "zb", *args], capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(**env), cwd=REPO)
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module: benchmarks are importable functions with a main(argv) (scripts/
+    goes on sys.path too: some scripts import their siblings)."""
+    import importlib.util
+
+    if str(REPO / "scripts") not in sys.path:
+        sys.path.insert(0, str(REPO / "scripts"))
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

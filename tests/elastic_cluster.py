@@ -1,20 +1,23 @@
-"""Harness for elastic tests: a real `zb store` and real node processes (tests/elastic_node.py).
+"""Harness for multi-node tests: a real `zb store` and real node processes, either the membership
+driver (tests/elastic_node.py, Cluster) or whole `zb train` nodes (TrainCluster).
 
-Every node prints JSON lines to its own file; the harness reads them to decide what the survivors
+Every node writes JSON lines to its own file; the harness reads them to decide what the survivors
 agree on. Every wait is bounded; `close()` kills whatever is left (tests call it in a finally).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, free_port, subprocess_env, wait_listening
+from conftest import REPO, TINY, free_port, subprocess_env, wait_listening, wait_until
 from zb.elastic.profiles import SHORT_TIMEOUTS
+from zb.metrics import read_metrics
 
 # The short-timeout test profile (README, "Elastic runs and zb store"): safe on 2 busy cores.
 PROFILE = SHORT_TIMEOUTS
@@ -62,7 +65,7 @@ class Cluster:
 
     def start_store(self) -> None:
         self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
-                                      stdout=subprocess.DEVNULL, stderr=open(self.tmp / "store.err", "a"))
+                                      stdout=subprocess.DEVNULL, stderr=open(self.tmp / "store.err", "a"), cwd=REPO)
         wait_listening(self.port, 60)
 
     def kill_store(self) -> None:
@@ -98,17 +101,67 @@ class Cluster:
                   store_ok: bool = False) -> dict:
         """Wait until every node in `nodes` summed correctly over one world of `size` with the same
         mesh version, node list and distinct ranks; returns that view plus when it first happened."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = _common_view(nodes, size, after, store_ok)
-            if found is not None:
-                return found
-            for node in nodes:
-                assert node.proc.poll() is None, f"node {node.uid} exited early:\n{node.log_tail()}"
-            time.sleep(0.2)
-        views = {n.uid: [(s["version"], s["size"], s["ok"]) for s in n.events("step")][-3:] for n in nodes}
-        tails = "\n".join(f"--- {n.uid}\n{n.log_tail()}" for n in nodes)
-        raise AssertionError(f"no agreement on a world of {size} within {timeout} s; last steps {views}\n{tails}")
+        def details() -> str:
+            views = {n.uid: [(s["version"], s["size"], s["ok"]) for s in n.events("step")][-3:] for n in nodes}
+            return f"last steps {views}\n" + "\n".join(f"--- {n.uid}\n{n.log_tail()}" for n in nodes)
+
+        return wait_until(lambda: _common_view(nodes, size, after, store_ok), timeout,
+                          f"agreement on a world of {size}", alive=[n.proc for n in nodes], details=details)
+
+
+class TrainCluster(Cluster):
+    """A `zb store` plus whole `zb train` nodes (torch's launcher for several local ranks), each
+    with metrics in <tmp>/<uid>/metrics.jsonl and its log in <tmp>/<uid>.log. Node arguments are
+    TINY plus DiLoCo every 5 steps with params hashes logged."""
+
+    ARGS = [*TINY, "--model.name", "debug", "--diloco.inner_steps", "5", "--train.log_model_hash"]
+
+    def __init__(self, tmp: Path, world_size: int, **env: str) -> None:
+        super().__init__(tmp, GLOBAL_WORLD_SIZE=str(world_size), **env)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.start_store()
+
+    def start_train(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0) -> subprocess.Popen:
+        env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
+        launcher = [sys.executable, "-m", "zb", "train"]
+        if local_ranks > 1:
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(local_ranks), "-m", "zb", "train"]
+        proc = subprocess.Popen([*launcher, *self.ARGS, *args, "--log.dir", str(self.tmp / uid)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{uid}.log", "w"), cwd=REPO,
+                                start_new_session=True)
+        self.procs[uid] = proc
+        return proc
+
+    def metrics(self, uid: str, event: str) -> list[dict]:
+        path = self.tmp / uid / "metrics.jsonl"
+        return read_metrics(path, event) if path.exists() else []
+
+    def wait_for(self, uid: str, condition, what: str, timeout: float = 150) -> None:
+        wait_until(condition, timeout, f"{uid}: {what}", alive=[self.procs[uid]], details=lambda: self.log(uid))
+
+    def wait_outer(self, uid: str, n: int, timeout: float = 150) -> None:
+        self.wait_for(uid, lambda: len(self.metrics(uid, "outer_step")) >= n, f"outer step {n}", timeout)
+
+    def finish(self, uid: str, timeout: float = 200) -> int:
+        try:
+            return self.procs[uid].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{uid} did not finish:\n{self.log(uid)}") from None
+
+    def log(self, uid: str) -> str:
+        return "\n".join((self.tmp / f"{uid}.log").read_text().splitlines()[-25:])
+
+    def hashes(self, uid: str) -> dict[int, str]:
+        return {e["outer_step"]: e["params_hash"] for e in self.metrics(uid, "outer_step") if e["applied"]}
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        super().close()
 
 
 def _common_view(nodes: list[Node], size: int, after: float, store_ok: bool = False) -> dict | None:

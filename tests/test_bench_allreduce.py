@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
-from conftest import PYTHON, subprocess_env
+from conftest import zb_process
 
-
-def _zb(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "zb", *args], capture_output=True, text=True, timeout=timeout,
-                          env=subprocess_env())
 
 
 def test_bench_two_local_ranks_json() -> None:
-    proc = _zb("bench-allreduce", "--world-size", "2", "--size-mb", "0.4", "--iterations", "2", "--warmup", "0",
+    proc = zb_process("bench-allreduce", "--world-size", "2", "--size-mb", "0.4", "--iterations", "2", "--warmup", "0",
                "--streams", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -27,7 +22,7 @@ def test_bench_two_local_ranks_json() -> None:
 
 
 def test_bench_kernels_json() -> None:
-    proc = _zb("bench-allreduce", "--kernels", "--size-mb", "1", "--threads", "1", "--json")
+    proc = zb_process("bench-allreduce", "--kernels", "--size-mb", "1", "--threads", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert set(report["kernels"]) == {"quantize", "dequantize", "dequantize_add", "reduce_quantize"}
@@ -37,7 +32,7 @@ def test_bench_kernels_json() -> None:
 def test_bench_table_and_bad_input(run_zb) -> None:
     result = run_zb("bench-allreduce", "--help")
     assert result.exit_code == 0 and "--store" in result.output and "ZB_DILOCO_STREAMS" in result.output
-    proc = _zb("bench-allreduce", "--compressions", "int4")
+    proc = zb_process("bench-allreduce", "--compressions", "int4")
     assert proc.returncode == 2 and "int4" in proc.stderr
-    proc = _zb("bench-allreduce", "--rank", "1")
+    proc = zb_process("bench-allreduce", "--rank", "1")
     assert proc.returncode == 2 and "--store" in proc.stderr

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
-from conftest import REPO
+from conftest import load_script
 
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_convergence", REPO / "scripts" / "bench_convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_convergence_quick_diloco_row(capsys):
-    doc = _bench().main(["--quick", "--rows", "diloco-h5-int8", "--seeds", "1", "--json"])
+    doc = load_script("bench_convergence").main(["--quick", "--rows", "diloco-h5-int8", "--seeds", "1", "--json"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == doc
     assert set(doc) == {"bench", "entropy_floor", "params", "config", "rows", "targets", "runs"}
     assert 0.4 < doc["entropy_floor"] < 0.6 and doc["params"] > 0

@@ -6,7 +6,6 @@ Uses the temporary topology helper of scripts/ (to be replaced by zb.net.netns).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,22 +17,15 @@ import time
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, load_script
 
 pytestmark = pytest.mark.netns
 
 
-def _load(name: str):
-    sys.path.insert(0, str(REPO / "scripts"))
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture
 def topology():
-    netns = _load("_bench_netns")
+    netns = load_script("_bench_netns")
     reason = netns.available()
     if reason:
         pytest.skip(f"network namespaces unavailable: {reason}")
@@ -46,7 +38,7 @@ def topology():
 def test_peer_killed_mid_download_on_shaped_links(topology, tmp_path):
     from zb.ckpt.snapshot import load_snapshot, write_snapshot
 
-    bench = _load("bench_recovery")
+    bench = load_script("bench_recovery")
     tensors = {"model.safetensors": {"w": torch.randn(6 << 20)}}  # 24 MB: ~5 s from one 40 Mbit peer alone
     root = tmp_path / "p0"
     write_snapshot(root, tensors, {}, 7)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import subprocess_env, zb_process
 
 
 def test_help_lists_registered_commands(run_zb):
@@ -44,10 +44,6 @@ def test_bare_bool_flag_before_a_config_file(run_zb, tmp_path):
     assert "log_model_hash = true" in result.output and "lr = 0.02" in result.output
 
 
-def _zb(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zb", *args], capture_output=True, text=True,
-                          env=subprocess_env(), timeout=120, cwd=REPO)
-
 
 @pytest.mark.parametrize("args, message", [
     (["train", "--optim.lr", "-1"], "optim.lr = -1.0 (from flag --optim.lr): must be positive"),
@@ -58,7 +54,7 @@ def _zb(*args: str) -> subprocess.CompletedProcess:
     (["train", "--optim.batch_size", "12", "--train.micro_bs", "8"], "multiple of train.micro_bs"),
 ])
 def test_bad_inputs_exit_2_with_one_line(args, message):
-    proc = _zb(*args)
+    proc = zb_process(*args)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr

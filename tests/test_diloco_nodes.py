@@ -10,88 +10,19 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, subprocess_env, wait_listening
-from elastic_cluster import PROFILE
-from zb.metrics import read_metrics
-
-TINY = ["--model.name", "debug", "--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2",
-        "--optim.warmup_steps", "2", "--diloco.inner_steps", "5", "--train.log_model_hash", "--eval.interval", "-1",
-        "--log.progress", "plain", "--train.log_interval", "1", "--train.device", "cpu"]
-
-
-class Run:
-    """A store plus nodes; every process is killed in close()."""
-
-    def __init__(self, tmp: Path, world_size: int):
-        self.tmp, self.port = tmp, free_port()
-        self.env = subprocess_env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(self.port),
-                                  GLOBAL_WORLD_SIZE=str(world_size), **PROFILE)
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-        wait_listening(self.port)
-
-    def start(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0) -> subprocess.Popen:
-        env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
-        launcher = [sys.executable, "-m", "zb", "train"]
-        if local_ranks > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(local_ranks), "-m", "zb", "train"]
-        err = open(self.tmp / f"{uid}.log", "w")
-        proc = subprocess.Popen([*launcher, *TINY, *args, "--log.dir", str(self.tmp / uid)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, cwd=REPO, start_new_session=True)
-        self.procs[uid] = proc
-        return proc
-
-    def metrics(self, uid: str, event: str) -> list[dict]:
-        path = self.tmp / uid / "metrics.jsonl"
-        return read_metrics(path, event) if path.exists() else []
-
-    def wait_outer(self, uid: str, n: int, timeout: float = 150) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(self.metrics(uid, "outer_step")) >= n:
-                return
-            assert self.procs[uid].poll() is None, self.log(uid)
-            time.sleep(0.2)
-        raise AssertionError(f"{uid} did not reach outer step {n}:\n{self.log(uid)}")
-
-    def finish(self, uid: str, timeout: float = 200) -> int:
-        try:
-            return self.procs[uid].wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{uid} did not finish:\n{self.log(uid)}") from None
-
-    def log(self, uid: str) -> str:
-        return "\n".join((self.tmp / f"{uid}.log").read_text().splitlines()[-25:])
-
-    def hashes(self, uid: str) -> dict[int, str]:
-        return {e["outer_step"]: e["params_hash"] for e in self.metrics(uid, "outer_step") if e["applied"]}
-
-    def close(self) -> None:
-        import os
-
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        self.store.kill()
-        self.store.wait(10)
+from elastic_cluster import TrainCluster
 
 
 @pytest.fixture
 def make_run(tmp_path):
     runs = []
 
-    def make(world_size: int) -> Run:
-        runs.append(Run(tmp_path, world_size))
+    def make(world_size: int) -> TrainCluster:
+        runs.append(TrainCluster(tmp_path, world_size))
         return runs[-1]
 
     yield make
@@ -103,7 +34,7 @@ def make_run(tmp_path):
 def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, streams):
     run = make_run(2)
     for i in range(2):
-        run.start(f"n{i}", "--optim.total_steps", "15", "--diloco.compression", compression, "--diloco.streams",
+        run.start_train(f"n{i}", "--optim.total_steps", "15", "--diloco.compression", compression, "--diloco.streams",
                   streams, "--diloco.drift_guard", local_ranks=2, rank=i)
     for i in range(2):
         assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
@@ -113,7 +44,7 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
     assert all(e["wire_bytes"] > 0 for e in run.metrics("n0", "outer_step"))
 
 
-def _hashes_by_mesh(run: Run, uid: str, world_size: int = 2) -> dict[tuple[int, int], str]:
+def _hashes_by_mesh(run: TrainCluster, uid: str, world_size: int = 2) -> dict[tuple[int, int], str]:
     """params_hash of every all-reduce the node took in a world of `world_size` nodes, keyed by
     (mesh version, index within that version): the key the nodes share for one all-reduce,
     whatever their own counters say."""
@@ -125,14 +56,14 @@ def _hashes_by_mesh(run: Run, uid: str, world_size: int = 2) -> dict[tuple[int, 
     return out
 
 
-def _join_late(run: Run, *args: str) -> None:
+def _join_late(run: TrainCluster, *args: str) -> None:
     """Two nodes train indefinitely; a third joins after outer step 2 and does 3 outer steps with
     them; then all stop (SIGTERM). Ending the run on our signal, not after a step count, makes sure
     the joiner meets the others however fast or slow the machine is."""
     for i in range(2):
-        run.start(f"n{i}", "--optim.total_steps", "100000", *args, rank=i)
+        run.start_train(f"n{i}", "--optim.total_steps", "100000", *args, rank=i)
     run.wait_outer("n0", 2)
-    run.start("late", "--optim.total_steps", "100000", *args, rank=2)
+    run.start_train("late", "--optim.total_steps", "100000", *args, rank=2)
     run.wait_outer("late", 3)
     for uid in ("n0", "n1", "late"):
         run.procs[uid].send_signal(signal.SIGTERM)
@@ -140,7 +71,7 @@ def _join_late(run: Run, *args: str) -> None:
         assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
 
 
-def _agree_with_joiner(run: Run) -> None:
+def _agree_with_joiner(run: TrainCluster) -> None:
     """At every all-reduce the three nodes took together, the joining one included (a receiver
     logs the hash of the state it received), they hold identical outer params."""
     hashes = [_hashes_by_mesh(run, uid, 3) for uid in ("n0", "n1", "late")]
@@ -178,7 +109,7 @@ def test_live_recovery_joiner_downloads_the_outer_state(make_run):
 def test_killed_node_does_not_stop_the_others(make_run):
     run = make_run(3)
     for i in range(3):
-        run.start(f"n{i}", "--optim.total_steps", "25", rank=i)
+        run.start_train(f"n{i}", "--optim.total_steps", "25", rank=i)
     run.wait_outer("n2", 1)
     run.procs["n2"].kill()
     for uid in ("n0", "n1"):
@@ -190,9 +121,9 @@ def test_killed_node_does_not_stop_the_others(make_run):
 
 def test_joiner_with_another_model_is_refused(make_run):
     run = make_run(1)
-    run.start("n0", "--optim.total_steps", "30")
+    run.start_train("n0", "--optim.total_steps", "30")
     run.wait_outer("n0", 1)
-    bad = run.start("odd", "--optim.total_steps", "30", "--model.n_layers", "3", rank=1)
+    bad = run.start_train("odd", "--optim.total_steps", "30", "--model.n_layers", "3", rank=1)
     assert bad.wait(120) == 2
     log = (run.tmp / "odd.log").read_text()
     assert "model.n_layers" in log and "Traceback" not in log
@@ -202,8 +133,8 @@ def test_joiner_with_another_model_is_refused(make_run):
 
 def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run):
     run = make_run(2)
-    run.start("n0", "--optim.total_steps", "10", rank=0)
-    run.start("bad", "--optim.total_steps", "10", "--optim.lr", "1e30", rank=1)  # diverges to NaN
+    run.start_train("n0", "--optim.total_steps", "10", rank=0)
+    run.start_train("bad", "--optim.total_steps", "10", "--optim.lr", "1e30", rank=1)  # diverges to NaN
     for uid in ("n0", "bad"):
         assert run.finish(uid) == 0, run.log(uid)
     outer = run.metrics("n0", "outer_step")
@@ -217,13 +148,13 @@ def test_whole_run_restart_resumes_the_agreed_checkpoint(make_run):
                       "--ckpt.ram_dir", str(run.tmp / "shm")]
     run = make_run(2)
     for i in range(2):
-        run.start(f"n{i}", "--optim.total_steps", "20", "--train.max_steps", "10", *ck(f"n{i}"), rank=i)
+        run.start_train(f"n{i}", "--optim.total_steps", "20", "--train.max_steps", "10", *ck(f"n{i}"), rank=i)
     for i in range(2):
         assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
     restart = make_run(2)
     restart.tmp = run.tmp
     for i in range(2):
-        restart.start(f"n{i}", "--optim.total_steps", "20", "--ckpt.resume", "latest", *ck(f"n{i}"), rank=i)
+        restart.start_train(f"n{i}", "--optim.total_steps", "20", "--ckpt.resume", "latest", *ck(f"n{i}"), rank=i)
     for i in range(2):
         assert restart.finish(f"n{i}") == 0, restart.log(f"n{i}")
         assert "resumed from" in (restart.tmp / f"n{i}.log").read_text()
@@ -233,16 +164,9 @@ def test_whole_run_restart_resumes_the_agreed_checkpoint(make_run):
     assert restart.hashes("n0")[4] == restart.hashes("n1")[4]
 
 
-def make_run_dir(run: Run, uid: str) -> Path:
+def make_run_dir(run: TrainCluster, uid: str) -> Path:
     return run.tmp / "ckpt" / uid
 
-
-def _wait_for(run: Run, uid: str, what, timeout: float = 150) -> None:
-    deadline = time.monotonic() + timeout
-    while not what():
-        assert time.monotonic() < deadline, f"timed out waiting on {uid}:\n{run.log(uid)}"
-        assert run.procs[uid].poll() is None, run.log(uid)
-        time.sleep(0.2)
 
 
 def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run):
@@ -251,17 +175,17 @@ def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run
     average its stale params in and the two trained apart while both exited 0)."""
     run = make_run(2)
     for i in range(2):
-        run.start(f"n{i}", "--optim.total_steps", "100000", rank=i)
+        run.start_train(f"n{i}", "--optim.total_steps", "100000", rank=i)
     run.wait_outer("n1", 2)
     os.killpg(run.procs["n1"].pid, signal.SIGSTOP)
     alone = lambda: sum(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step")) >= 2  # noqa: E731
     try:
-        _wait_for(run, "n0", alone)
+        run.wait_for("n0", alone, "two outer steps alone")
     finally:
         os.killpg(run.procs["n1"].pid, signal.SIGCONT)
     frozen_at = max(e["mesh_version"] for e in run.metrics("n0", "outer_step") if e["global_world_size"] == 1)
     back = lambda: sum(k[0] > frozen_at for k in _hashes_by_mesh(run, "n1")) >= 3  # noqa: E731
-    _wait_for(run, "n1", back)
+    run.wait_for("n1", back, "three all-reduces with the run after the thaw")
     for uid in ("n0", "n1"):
         run.procs[uid].send_signal(signal.SIGTERM)
     for uid in ("n0", "n1"):

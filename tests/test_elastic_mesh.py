@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import wait_until
 from elastic_cluster import Cluster
 
 
@@ -129,12 +130,8 @@ def _wait_join_request(cluster, uid: str, timeout: float = 30) -> None:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", cluster.port, is_master=False, use_libuv=True, timeout=timedelta(seconds=10))
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if store.check(["zb/joins"]) and f'"uid":"{uid}"' in store.get("zb/joins").decode():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{uid} never asked to join")
+    wait_until(lambda: store.check(["zb/joins"]) and f'"uid":"{uid}"' in store.get("zb/joins").decode(), timeout,
+               f"{uid} asking to join", poll=0.05)
 
 
 def test_duplicate_unique_id_refused(cluster):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import free_port, subprocess_env
+from conftest import free_port, subprocess_env, wait_until, zb_process
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.judge import RoundDeadlines, judge
 from zb.elastic.probe import ProbeListener, check_peers
@@ -131,22 +131,18 @@ def test_probe_names_the_unreachable_live_peer():
         listener.stop()
 
 
-def _zb_store(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zb", "store", *args], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=60)
-
 
 def test_zb_store_port_in_use_is_one_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        result = _zb_store("--port", str(s.getsockname()[1]))
+        result = zb_process("store", "--port", str(s.getsockname()[1]))
     assert result.returncode == 1
     assert "already in use" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_zb_store_bad_address_is_invalid_input():
-    result = _zb_store("--host", "no.such.host.invalid", "--port", str(free_port()))
+    result = zb_process("store", "--host", "no.such.host.invalid", "--port", str(free_port()))
     assert result.returncode == 2 and "not a valid address" in result.stderr
 
 
@@ -216,11 +212,9 @@ def test_stopping_heartbeat_sends_no_deathrattle_but_rattle_does():
     live = Liveness(timeout=1.0)
     beat = Heartbeat("n1", 0.05, live, client, lambda: ["n1"])
     beat.start()
-    deadline = time.monotonic() + 10
-    while beat.beats < 3 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_until(lambda: beat.beats >= 3, 10, "three heartbeats", poll=0.02)
     beat.stop(5)
-    assert beat.beats >= 3 and int(store.get(keys.heartbeat("n1"))) >= 3
+    assert int(store.get(keys.heartbeat("n1"))) >= 3
     assert not store.check([keys.GONE])
     Deathrattle("n1", "tok", client).rattle("leave")
     assert store.get(keys.GONE) == b"n1 tok\n"

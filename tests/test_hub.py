@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import free_port, subprocess_env
+from conftest import free_port, wait_until, zb_process
 from hub_server import SHA, FakeHub
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer
@@ -108,9 +105,7 @@ def test_streaming_fetches_lazily_and_split_selects_files(hub):
     loader = _loader(data_rank=0, data_world_size=1)
     assert hub.downloads() == []  # nothing fetched before the first batch
     next(loader)
-    deadline = time.monotonic() + 10
-    while len(hub.downloads()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)  # the next file is prefetched in the background
+    wait_until(lambda: len(hub.downloads()) >= 2, 10, "the next file prefetched in the background", poll=0.05)
     assert [p.rsplit("-of", 1)[0][-5:] for p in hub.downloads()] == ["00000", "00001"]
     _loader(data_rank=0, data_world_size=1, streaming=False)
     assert len(hub.downloads()) == 4  # not streaming: everything up front
@@ -169,18 +164,14 @@ def test_subset_data_cli_fetches_rank_files_resumably_then_trains_offline(hub, r
     assert docs == [d for d in hub.docs if d.startswith(("story 1-", "story 3-"))]
 
 
-def _zb(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zb", *args], env=subprocess_env(**env), capture_output=True,
-                          text=True, timeout=60)
-
 
 def test_subset_data_exit_codes(hub, tmp_path):
-    bad = _zb("subset-data", "--dataset", "acme/nothing", "--out", str(tmp_path), HF_ENDPOINT=hub.url)
+    bad = zb_process("subset-data", "--dataset", "acme/nothing", "--out", str(tmp_path), HF_ENDPOINT=hub.url)
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.strip().splitlines() == [
         f"error: --dataset = 'acme/nothing': no such dataset on {hub.url} (HTTP 404); check the name (owner/name), "
         "or set HF_TOKEN for a private or gated dataset"]
-    down = _zb("subset-data", "--dataset", REPO, "--out", str(tmp_path), "--retries", "1",
+    down = zb_process("subset-data", "--dataset", REPO, "--out", str(tmp_path), "--retries", "1",
                HF_ENDPOINT=f"http://127.0.0.1:{free_port()}")
     assert down.returncode == 1
     assert down.stderr.strip().splitlines()[-1].startswith("error: looking up dataset acme/stories")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PYTHON, REPO, free_port, subprocess_env
+from conftest import PYTHON, REPO, free_port, subprocess_env, zb_process
 from zb.net.netns import netns_unavailable
 from zb.net.schedule import mesh_phases, round_robin
 
@@ -22,8 +22,7 @@ FAST = ["--duration", "0.2", "--json"]
 
 
 def _zb(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([PYTHON, "-m", "zb", "iperf-mesh", *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env())
+    return zb_process("iperf-mesh", *args, timeout=timeout)
 
 
 def _ranks(world: int, *extra_per_rank: list[str], common: list[str] = FAST, ranks=None,

@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, subprocess_env, wait_until
 from elastic_cluster import PROFILE
 from zb.metrics import read_metrics
 
@@ -38,11 +37,9 @@ def test_ctrl_c_stops_everything(tmp_path):
                              "--optim.total_steps", "100000"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=_env(tmp_path), cwd=REPO, start_new_session=True)
     try:
-        deadline = time.monotonic() + 150
         metrics = tmp_path / "node1" / "metrics.jsonl"
-        while not (metrics.exists() and read_metrics(metrics, "outer_step")):
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "slow"
-            time.sleep(0.5)
+        wait_until(lambda: metrics.exists() and read_metrics(metrics, "outer_step"), 150, "node1's first outer step",
+                   alive=[proc], details=lambda: proc.stderr.read() if proc.poll() is not None else "", poll=0.5)
         family = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
         proc.wait(90)
