@@ -20,11 +20,13 @@ from typing import Any, Callable
 
 import torch
 
+from zb.ckpt.catalog import check_quick
 from zb.ckpt.durable import copy_part, retry
 from zb.ckpt.remote import prune_remote, upload_part
 from zb.ckpt.layout import part_name, prune_own_parts, step_dir_name
 from zb.ckpt.snapshot import write_snapshot
 from zb.ckpt.state import OUTER, Staging
+from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.ckpt")
 
@@ -63,6 +65,10 @@ class Worker:
         self._cond = threading.Condition()
         self._outer_staging = Staging()
         self._uploaded: list[int] = []  # steps uploaded by this worker, oldest first
+        self.durable: dict[int, Path] = {}  # step -> part committed on ckpt.path by this worker
+        self.last_durable: int | None = None
+        self.not_durable: list[tuple[int, str]] = []  # (step, why) of checkpoints since last_durable
+        self.ever_failed: list[int] = []  # steps that never reached ckpt.path
         self._thread = threading.Thread(target=self._run, name="zb-ckpt", daemon=True)
         self._thread.start()
 
@@ -70,6 +76,10 @@ class Worker:
     def idle(self) -> bool:
         with self._cond:
             return self._pending == 0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -98,12 +108,15 @@ class Worker:
 
     # -- stages ------------------------------------------------------------------------------
     def _process(self, job: Job) -> None:
+        if job.final and self._already_durable(job):
+            return
         tensors = dict(job.tensors)
         if job.outer is not None:
             tensors[OUTER] = self._outer_staging.fill({OUTER: job.outer})[OUTER]
-        first = self._write_first(job, tensors)
+        first, error = self._write_first(job, tensors)
         job.release.set()
         if first is None:
+            self._record(job.step, None, error)
             self._report_checkpoint(job, None, 0)
             return
         durable = first
@@ -113,6 +126,7 @@ class Worker:
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
                 log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
+        self._record(job.step, durable, error)
         if durable is not None and self.t.disk_root is not None and _is_under(durable, self.t.disk_root):
             self._prune(self.t.disk_root, self.t.topk)  # only now that a newer checkpoint is committed
         nbytes = sum(p.stat().st_size for p in first.iterdir() if p.is_file())
@@ -123,9 +137,38 @@ class Worker:
         if self.t.ram_root is not None and _is_under(first, self.t.ram_root):
             self._prune(self.t.ram_root, 1)
 
-    def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]) -> Path | None:
+    def _already_durable(self, job: Job) -> bool:
+        """A final checkpoint of a step the interval already saved is not written again (rewriting
+        the same step only risks the good copy); only a missing upload is made up for."""
+        path = self.durable.get(job.step)
+        if path is None or self.last_durable != job.step:
+            return False
+        try:
+            check_quick(path)
+        except (InvalidInput, OSError):
+            return False
+        job.release.set()
+        log.info("final checkpoint: step %d is already committed at %s; not writing it again", job.step, path)
+        if self.t.remote is not None and job.step not in self._uploaded:
+            self._upload(job, path, sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
+        return True
+
+    def _record(self, step: int, path: Path | None, error: Exception | None) -> None:
+        """Durability bookkeeping for the end of the run: the newest step committed on ckpt.path,
+        and the checkpoints since then that did not get there."""
+        if self.t.disk_root is None:
+            return
+        if path is not None and _is_under(path, self.t.disk_root):
+            self.durable[step], self.last_durable, self.not_durable = path, step, []
+        else:
+            self.not_durable.append((step, f"{type(error).__name__}: {error}" if error else "not written"))
+            self.ever_failed.append(step)
+
+    def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]
+                     ) -> tuple[Path | None, Exception | None]:
         roots = [r for r in ([self.t.disk_root] if job.final else []) + [self.t.ram_root, self.t.disk_root]
                  if r is not None]
+        disk_error = None
         for root in dict.fromkeys(roots):  # a final checkpoint goes straight to disk: one copy, not two
             write: Callable[[], Path] = lambda root=root: write_snapshot(
                 root / step_dir_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
@@ -133,9 +176,11 @@ class Worker:
             path, error = retry(f"checkpoint step {job.step}: write to {root}", write, self.t.attempts,
                                 self.t.retry_delay)
             if path is not None:
-                return path
+                return path, disk_error
+            if root == self.t.disk_root:
+                disk_error = error
             log.error("checkpoint of step %d could not be written to %s: %s", job.step, root, error)
-        return None
+        return None, disk_error or error
 
     def _prune(self, root: Path | None, keep: int | None) -> None:
         if root is None or not keep:
