@@ -36,10 +36,10 @@ import torch.distributed as dist
 
 from zb.ckpt.catalog import CorruptSnapshot, read_manifest, verify_snapshot
 from zb.ckpt.durable import check_writable_dir
-from zb.ckpt.layout import (clean_own_leftovers, complete_steps, part_name, resolve_part, scan_steps, step_dir_name,
+from zb.ckpt.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part, scan_steps, step_dir_name,
                             step_from_name)
 from zb.ckpt.ramdir import release, sweep_stale
-from zb.ckpt.remote import check_remote, download_part, remote_steps
+from zb.ckpt.remote import check_remote, download_part, remote_scan, remote_steps
 from zb.ckpt.snapshot import load_snapshot
 from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer, check_rng,
                            json_meta, live_tensors, load_model, load_optimizer, load_rng, load_scheduler)
@@ -171,6 +171,7 @@ class CheckpointManager:
         else:
             part = resolve_part(Path(spec), self.local_rank)
             verify_snapshot(part)  # an explicitly named bad checkpoint is an error (exit 2)
+            check_complete(part.parent)  # ... and so is one with a missing part
         return self._apply(self._read_part(part, state), state)
 
     def _own_part(self, step: int, on_remote: bool) -> Path:
@@ -205,10 +206,12 @@ class CheckpointManager:
         memory, from this node's disk or else the remote copy; each one skipped is named in a warning."""
         root, bound = self._need_root(), math.inf
         local, damaged = scan_steps(root)
+        remote, damaged_remote = remote_scan(self.remote) if self.remote else ([], {})
         if self.local_rank == 0:  # every local rank sees the same step directories
-            for step, why in damaged.items():
-                log.warning("skipping checkpoint step %d (%s): %s", step, root / step_dir_name(step), why)
-        remote = remote_steps(self.remote) if self.remote else []
+            for where, bad, other in ((root, damaged, remote), (self.remote, damaged_remote, local)):
+                for step, why in bad.items():
+                    if step not in other:  # else the other copy is used
+                        log.warning("skipping checkpoint step %d (%s/%s): %s", step, where, step_dir_name(step), why)
         while True:
             mine = [s for s in sorted(set(local) | set(remote)) if s < bound]
             step = self._all_min(mine[-1] if mine else -1)
