@@ -74,7 +74,10 @@ def check_writable_dir(path: str, key: str = "ckpt.path") -> None:
         raise InvalidInput(f"{key} {path!r} cannot hold checkpoints: {why}; give a writable directory "
                            f"(--{key} DIR)") from None
     finally:
-        probe.unlink(missing_ok=True)
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # there was never a probe (not a directory)
 
 
 def write_probe(path: Path) -> None:

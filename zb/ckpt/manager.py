@@ -114,7 +114,10 @@ class CheckpointManager:
             log.warning("closing with checkpoint copies still running; the last one may be incomplete")
         self._worker.stop(0 if timeout == 0 else 5.0)
         if self.ram_root is not None and not self._worker.alive:
-            release(self.ram_root, [part_name(self.local_rank)])
+            # The RAM copy of a newest checkpoint that never reached ckpt.path is the only copy of that
+            # state: it stays (and no owner file marks it for removal) until the user has saved it.
+            keep = [self._worker.ram_only] if self._worker.not_durable and self._worker.ram_only else []
+            release(self.ram_root, [part_name(self.local_rank)], keep=keep)
         # else a copy is still being written there: the next run's sweep removes it once we are gone
 
     def check_durable(self) -> None:
@@ -126,10 +129,12 @@ class CheckpointManager:
         if w.not_durable:
             steps = ", ".join(str(s) for s, _ in w.not_durable)
             last = f"step {w.last_durable}" if w.last_durable is not None else "none from this run"
+            kept = (f"; the newest is kept in RAM at {w.ram_only.parent}: copy that directory to a disk with room "
+                    "to keep it" if w.ram_only is not None else "")
             raise EnvironmentFailure(
                 f"the last {len(w.not_durable)} checkpoint(s) (step {steps}) were not written durably to ckpt.path "
-                f"{self.disk_root} ({w.not_durable[-1][1]}); the last durable checkpoint is {last}. Free space there "
-                "(or fix the disk) and resume with --ckpt.resume latest")
+                f"{self.disk_root} ({w.not_durable[-1][1]}); the last durable checkpoint is {last}{kept}. Free space "
+                "there (or fix the disk) before resuming with --ckpt.resume latest")
         if w.ever_failed:
             log.warning("checkpoint step(s) %s did not reach ckpt.path; later ones did (the last durable one is step "
                         "%s)", ", ".join(map(str, w.ever_failed)), w.last_durable)

@@ -47,16 +47,18 @@ def claim(directory: Path) -> Path:
     return path
 
 
-def release(directory: Path, own: list[str]) -> None:
+def release(directory: Path, own: list[str], keep: list[Path] = ()) -> None:
     """Remove this process's entries of `directory`: the names in `own` at the top or one level down
-    (a part `rank-0` inside each step directory) with their temporary and moved-aside twins, then its
-    owner file; directories left empty go too. Best effort: it runs on the way out."""
+    (a part `rank-0` inside each step directory) with their temporary and moved-aside twins, except
+    the paths in `keep`, then its owner file; directories left empty go too. Best effort: it runs
+    on the way out."""
     directory = Path(directory)
     if not directory.is_dir():
         return
+    kept = {Path(k).resolve() for k in keep}
     for sub in [directory, *(p for p in directory.iterdir() if p.is_dir() and not p.name.startswith("."))]:
         for entry in list(sub.iterdir()) if sub.is_dir() else []:
-            if _is_own(entry.name, own):
+            if _is_own(entry.name, own) and entry.resolve() not in kept:
                 shutil.rmtree(entry, ignore_errors=True)
         if sub != directory:
             _rmdir(sub)

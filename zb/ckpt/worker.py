@@ -24,6 +24,7 @@ from zb.ckpt.catalog import check_quick
 from zb.ckpt.durable import copy_part, retry
 from zb.ckpt.remote import prune_remote, upload_part
 from zb.ckpt.layout import part_name, prune_own_parts, step_dir_name
+from zb.ckpt.ramdir import claim
 from zb.ckpt.snapshot import write_snapshot
 from zb.ckpt.state import OUTER, Staging
 from zb.errors import InvalidInput
@@ -69,6 +70,8 @@ class Worker:
         self.last_durable: int | None = None
         self.not_durable: list[tuple[int, str]] = []  # (step, why) of checkpoints since last_durable
         self.ever_failed: list[int] = []  # steps that never reached ckpt.path
+        self._claimed = False
+        self.ram_only: Path | None = None  # the RAM copy of the newest checkpoint that never reached ckpt.path
         self._thread = threading.Thread(target=self._run, name="zb-ckpt", daemon=True)
         self._thread.start()
 
@@ -126,7 +129,7 @@ class Worker:
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
                 log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
-        self._record(job.step, durable, error)
+        self._record(job.step, durable, error, first)
         if durable is not None and self.t.disk_root is not None and _is_under(durable, self.t.disk_root):
             self._prune(self.t.disk_root, self.t.topk)  # only now that a newer checkpoint is committed
         nbytes = sum(p.stat().st_size for p in first.iterdir() if p.is_file())
@@ -153,16 +156,17 @@ class Worker:
             self._upload(job, path, sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
         return True
 
-    def _record(self, step: int, path: Path | None, error: Exception | None) -> None:
-        """Durability bookkeeping for the end of the run: the newest step committed on ckpt.path,
-        and the checkpoints since then that did not get there."""
+    def _record(self, step: int, path: Path | None, error: Exception | None, first: Path | None = None) -> None:
+        """Durability bookkeeping for the end of the run: the newest step committed on ckpt.path, the
+        checkpoints since then that did not get there, and the RAM copy of the newest such one."""
         if self.t.disk_root is None:
             return
         if path is not None and _is_under(path, self.t.disk_root):
-            self.durable[step], self.last_durable, self.not_durable = path, step, []
+            self.durable[step], self.last_durable, self.not_durable, self.ram_only = path, step, [], None
         else:
             self.not_durable.append((step, f"{type(error).__name__}: {error}" if error else "not written"))
             self.ever_failed.append(step)
+            self.ram_only = first if first is not None and self.t.ram_root is not None else self.ram_only
 
     def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]
                      ) -> tuple[Path | None, Exception | None]:
@@ -170,6 +174,12 @@ class Worker:
                  if r is not None]
         disk_error = None
         for root in dict.fromkeys(roots):  # a final checkpoint goes straight to disk: one copy, not two
+            if root == self.t.ram_root and not self._claimed:
+                try:  # the owner file lets a later run remove these RAM copies if this process dies
+                    claim(root)
+                    self._claimed = True
+                except OSError as e:
+                    log.warning("cannot use the RAM directory %s: %s", root, e)
             write: Callable[[], Path] = lambda root=root: write_snapshot(
                 root / step_dir_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
                 fingerprint=job.fingerprint, name=part_name(self.t.local_rank))
