@@ -110,9 +110,10 @@ class CheckpointManager:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop the worker and remove this rank's RAM copies (they only fed the disk copy)."""
-        if not self._worker.wait(timeout):
+        idle = self._worker.wait(timeout)
+        if not idle:
             log.warning("closing with checkpoint copies still running; the last one may be incomplete")
-        self._worker.stop(0 if timeout == 0 else 5.0)
+        self._worker.stop(5.0 if idle or timeout != 0 else 0)  # an idle worker ends at once
         if self.ram_root is not None and not self._worker.alive:
             # The RAM copy of a newest checkpoint that never reached ckpt.path is the only copy of that
             # state: it stays (and no owner file marks it for removal) until the user has saved it.

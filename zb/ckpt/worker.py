@@ -164,8 +164,9 @@ class Worker:
         if path is not None and _is_under(path, self.t.disk_root):
             self.durable[step], self.last_durable, self.not_durable, self.ram_only = path, step, [], None
         else:
-            self.not_durable.append((step, f"{type(error).__name__}: {error}" if error else "not written"))
-            self.ever_failed.append(step)
+            why = f"{type(error).__name__}: {error}" if error else "not written"
+            self.not_durable = [(s, w) for s, w in self.not_durable if s != step] + [(step, why)]  # a final retry
+            self.ever_failed = [s for s in self.ever_failed if s != step] + [step]
             self.ram_only = first if first is not None and self.t.ram_root is not None else self.ram_only
 
     def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]
