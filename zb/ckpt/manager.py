@@ -28,6 +28,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,7 @@ class CheckpointManager:
         self._staging = Staging()
         self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
         self._free.set()
+        self._last_job: Job | None = None
         self._worker = Worker(Targets(self.ram_root, self.disk_root, self.remote, cfg.remote.interval, cfg.topk,
                                       local_rank, attempts, retry_delay), sink)
 
@@ -82,6 +84,15 @@ class CheckpointManager:
     def save(self, step: int, state: TrainState, *, final: bool = False) -> None:
         """Copy the live state into the staging buffers and return; the worker does the rest."""
         t0 = time.perf_counter()
+        last = self._last_job
+        if final and last is not None and last.step == step:
+            # The interval saved this step just now and nothing has changed since: the worker skips it
+            # once that copy is committed on disk, or else writes it from the same (untouched) buffers.
+            self._free = threading.Event()
+            self._last_job = replace(last, meta={**last.meta, "final": True}, final=True, blocking_s=0.0,
+                                     release=self._free, started=time.perf_counter())
+            self._worker.submit(self._last_job)
+            return
         if not self._free.is_set():
             log.warning("checkpoint step %d waits for the previous one to leave the staging buffers "
                         "(ckpt.interval shorter than a RAM write)", step)
@@ -99,8 +110,9 @@ class CheckpointManager:
         # One event per job: an older job finishing must not free the buffers a queued one still reads.
         self._free = threading.Event()
         blocking = time.perf_counter() - t0
-        self._worker.submit(Job(step, state.counters.get("outer_step"), staged, state.outer if outer_bg else None,
-                                meta, encode(state.fingerprint), final, blocking, self._free))
+        self._last_job = Job(step, state.counters.get("outer_step"), staged, state.outer if outer_bg else None,
+                             meta, encode(state.fingerprint), final, blocking, self._free)
+        self._worker.submit(self._last_job)
         log.info("checkpoint step %d staged in %.3f s (%s bytes); copying in the background", step, blocking,
                  f"{self._staging.nbytes:,}")
 
