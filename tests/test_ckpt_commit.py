@@ -114,7 +114,8 @@ def test_the_final_checkpoint_does_not_rewrite_the_step_the_interval_saved(tmp_p
 
     writes = []
     real_write, real_copy = worker.write_snapshot, worker.copy_part
-    monkeypatch.setattr(worker, "write_snapshot", lambda root, *a, **k: (writes.append(root), real_write(root, *a, **k))[1])
+    monkeypatch.setattr(worker, "write_snapshot",
+                        lambda root, *a, **k: (writes.append(root), real_write(root, *a, **k))[1])
     monkeypatch.setattr(worker, "copy_part", lambda src, dst: (writes.append(dst), real_copy(src, dst))[1])
     sink = Recorder()
     m, state = manager(tmp_path, sink, remote=str(tmp_path / "remote"), topk=1), small_state()

@@ -179,7 +179,7 @@ def test_topk_prunes_only_older_than_committed(tmp_path):
     save_steps(m, state, [1, 2, 3, 4])
     assert m.committed_steps() == [3, 4]
     assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [step_dir_name(3), step_dir_name(4)]
-    assert [p.name for p in (tmp_path / "ram" / "n0").glob("step-*")] == [step_dir_name(4)]  # RAM keeps the newest only
+    assert [p.name for p in (tmp_path / "ram" / "n0").glob("step-*")] == [step_dir_name(4)]  # newest only
     m.close()
 
 

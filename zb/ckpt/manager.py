@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from zb.ckpt.catalog import CorruptSnapshot, read_manifest, verify_snapshot
 from zb.ckpt.durable import check_writable_dir
-from zb.ckpt.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part, scan_steps, step_dir_name,
-                            step_from_name)
+from zb.ckpt.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part, scan_steps,
+                            step_dir_name, step_from_name)
 from zb.ckpt.ramdir import release, sweep_stale
 from zb.ckpt.remote import check_remote, download_part, remote_scan, remote_steps
 from zb.ckpt.snapshot import load_snapshot
