@@ -62,6 +62,19 @@ def test_an_unusable_ckpt_path_is_refused_at_start(tmp_path):
             on(tmp_path, full)
 
 
+def test_an_unusable_ram_dir_means_straight_to_disk_with_a_warning(tmp_path, caplog):
+    (tmp_path / "ram").write_text("a file where the RAM directory should be")
+    sink = Recorder()
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
+        m = on(tmp_path, tmp_path / "disk", sink)
+        save_steps(m, small_state(), [1])
+        m.close()
+    assert [(e["step"], e["ok"]) for e in sink.of("checkpoint")] == [(1, True)]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("ckpt.ram_dir" in w and "straight to ckpt.path" in w for w in warnings), warnings
+    assert not any("failed (attempt" in w for w in warnings), warnings  # no retries against a file, every save
+
+
 def _part_bytes(tmp_path) -> int:
     """What one checkpoint part of small_state() takes on a tmpfs (whole pages per file)."""
     m = manager(tmp_path / "measure")

@@ -47,7 +47,7 @@ from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_
 from zb.ckpt.worker import Job, Targets, Worker
 from zb.config_schema import CkptConfig
 from zb.diloco.fingerprint import differences, encode
-from zb.errors import EnvironmentFailure, InvalidInput
+from zb.errors import EnvironmentFailure, InvalidInput, ZbError
 
 log = logging.getLogger("zb.ckpt")
 
@@ -69,6 +69,12 @@ class CheckpointManager:
             check_writable_dir(cfg.path)  # at start: a path that can never work is exit 2, not a quiet run
         if cfg.remote.path:
             check_remote(cfg.remote.path)
+        if self.ram_root is not None and self.disk_root is not None:
+            try:
+                check_writable_dir(cfg.ram_dir, "ckpt.ram_dir")
+            except ZbError as e:  # staging in RAM is an optimisation: go without it, but say so
+                log.warning("%s; checkpoints are written straight to ckpt.path instead", e)
+                self.ram_root = None
         self._tidy()
         self._staging = Staging()
         self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
