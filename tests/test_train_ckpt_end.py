@@ -50,3 +50,24 @@ def test_an_unusable_ckpt_path_exits_2_at_start(tmp_path):
     lines = bad.stderr.strip().splitlines()
     assert lines[-1].startswith(f"error: ckpt.path '{tmp_path / 'file'}' cannot hold checkpoints"), lines[-1]
     assert "Traceback" not in bad.stderr and not (tmp_path / "file").is_dir()
+
+
+def test_sigterm_leaves_nothing_in_ram(tmp_path):
+    import signal
+    import time
+
+    args = [sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), "--ckpt.path",
+            str(tmp_path / "ck"), "--ckpt.interval", "2", "--optim.total_steps", "100000", "--log.dir",
+            str(tmp_path / "log")]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=REPO)
+    metrics = tmp_path / "log" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and len(read_metrics(metrics, "checkpoint")) >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert [p for p in (tmp_path / "ram").rglob("*") if p.is_file()] == [], err[-2000:]
+    assert any((tmp_path / "ck").glob("step-*/rank-0/COMMITTED"))
