@@ -4,8 +4,10 @@ Per job, in order: copy the outer state (it does not change during inner steps) 
 into the RAM directory (frees the staging buffers for the next save) -> copy it to ckpt.path and
 commit -> prune older parts there (topk) -> upload it to ckpt.remote.path -> drop older RAM copies.
 Every stage is retried with backoff and reported; a failure never reaches the training loop and
-never leaves anything that lists as committed. No torch.distributed call happens on this thread:
-the local process group belongs to the training loop.
+never leaves anything that lists as committed. It is remembered, though: the manager's
+check_durable() turns newest checkpoints that never reached ckpt.path into a failed end of the run.
+A final checkpoint of a step already committed on disk is not written again. No torch.distributed
+call happens on this thread: the local process group belongs to the training loop.
 """
 
 from __future__ import annotations
