@@ -159,3 +159,15 @@ def test_ram_copies_of_dead_runs_are_removed_at_start_and_live_ones_kept(tmp_pat
     assert mine.exists() and unowned.exists() and other_host.exists()
     assert sum("removed" in r.getMessage() and "processes are gone" in r.getMessage() for r in caplog.records) == 3
     m.close()
+
+
+def test_without_ckpt_path_the_ram_copies_are_the_checkpoints_and_stay(tmp_path):
+    cfg = CkptConfig(interval=1, path=None, ram_dir=str(tmp_path / "ram"), live_recovery=True)
+    m = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder(), retry_delay=0.01)
+    save_steps(m, small_state(), [1])
+    m.close()
+    assert os.listdir(tmp_path / "ram" / "n0") == [step_dir_name(1)]  # no owner file: no sweep takes it
+    cfg.resume = "latest"
+    again = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder())
+    assert again.resume(small_state(seed=1))["counters"]["step"] == 1
+    again.close()

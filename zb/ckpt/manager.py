@@ -132,7 +132,7 @@ class CheckpointManager:
         if not idle:
             log.warning("closing with checkpoint copies still running; the last one may be incomplete")
         self._worker.stop(5.0 if idle or timeout != 0 else 0)  # an idle worker ends at once
-        if self.ram_root is not None and not self._worker.alive:
+        if self.ram_root is not None and self.disk_root is not None and not self._worker.alive:
             # The RAM copy of a newest checkpoint that never reached ckpt.path is the only copy of that
             # state: it stays (and no owner file marks it for removal) until the user has saved it.
             keep = [self._worker.ram_only] if self._worker.not_durable and self._worker.ram_only else []

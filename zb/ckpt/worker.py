@@ -177,8 +177,10 @@ class Worker:
                  if r is not None]
         disk_error = None
         for root in dict.fromkeys(roots):  # a final checkpoint goes straight to disk: one copy, not two
-            if root == self.t.ram_root and not self._claimed:
-                try:  # the owner file lets a later run remove these RAM copies if this process dies
+            if root == self.t.ram_root and self.t.disk_root is not None and not self._claimed:
+                # The owner file lets a later run remove these RAM copies if this process dies. Without
+                # ckpt.path the RAM copies are the checkpoints (a restart resumes from them): not claimed.
+                try:
                     claim(root)
                     self._claimed = True
                 except OSError as e:
