@@ -98,6 +98,8 @@ def test_live_recovery_joiner_downloads_the_outer_state(make_run):
                str(run.tmp / "shm"), "--diloco.inner_steps", "10")  # slower outer steps: the joiner lands in time
     recovery = run.metrics("late", "recovery")
     assert recovery and recovery[0]["bytes"] > 0 and recovery[0]["peers"]
+    left = [str(p) for p in (run.tmp / "shm").rglob("*") if p.is_file()]
+    assert not left, f"RAM copies outlived their runs: {left}"  # served snapshots, the joiner's download
     _agree_with_joiner(run)
     # Normally the joiner applies the run's update in its first outer step; if the run moved on
     # between its download and its admission, it falls back to the blocking transfer (also correct).

@@ -7,5 +7,6 @@ comes from a peer is ever unpickled: tensors travel as safetensors, everything e
 Modules: manifest (format, parsing, name rules), catalog (commit, list, verify, latest, prune),
 tensorfile (streaming safetensors writer), snapshot (write/load tensors), serve + http_util (HTTP
 sidecar), sidecar (the `zb ckpt-serve` process), token (the shared secret), publish (sidecar
-address in the global store), fetch + download + peer + prefix_hash + progress (live recovery).
+address in the global store), fetch + download + peer + prefix_hash + progress (live recovery),
+ramdir (who owns a RAM staging directory; removing those of runs that are gone).
 """

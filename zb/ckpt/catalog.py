@@ -9,6 +9,9 @@ a copy without it, or with a marker that does not match the manifest, is not a s
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import hashlib
 import logging
 import os
@@ -23,6 +26,8 @@ log = logging.getLogger("zb.ckpt")
 
 _HASH_CHUNK = 8 << 20
 _DELETED = ".del-"
+_OLD = ".old-"
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
 
 
 class CorruptSnapshot(InvalidInput):
@@ -68,25 +73,101 @@ def tmp_dir(root: Path, name: str) -> Path:
 def commit(tmp: Path, manifest: Manifest) -> Path:
     """Write manifest + marker into `tmp` (whose files are already fsynced), rename it into place.
 
-    A committed snapshot of the same name is replaced: moved aside first, deleted after.
+    A committed snapshot of the same name is replaced so that at every instant one complete copy
+    exists: the two directories are swapped in one atomic rename (RENAME_EXCHANGE), then the old
+    copy, now under the temporary name, is deleted. Where the file system cannot swap, the old copy
+    is first renamed to `.old-<name>-*`, which `recover_leftovers` puts back if a crash strikes
+    before the new copy is in place.
     """
     data = manifest.to_json()
     write_durable(tmp / MANIFEST, data)
     write_durable(tmp / MARKER, sha256_bytes(data).encode())
     fsync_path(tmp)
     final = tmp.parent / manifest.name
-    old = _move_aside(final) if final.exists() else None
-    os.rename(tmp, final)
-    fsync_path(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_path(final.parent)
+        return final
+    if exchange(tmp, final):
+        old = tmp  # the replaced copy now has the temporary name, which is never read
+    else:
+        old = _move_aside(final, _OLD)
+        os.rename(tmp, final)
+    fsync_path(final.parent)  # the new copy is in place for good before the old one goes
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _move_aside(path: Path) -> Path:
-    aside = path.parent / f"{_DELETED}{path.name}-{uuid.uuid4().hex[:8]}"
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (renameat2 RENAME_EXCHANGE); False where the platform or the
+    file system cannot (then nothing changed). Other errors raise OSError."""
+    rename2 = _renameat2()
+    if rename2 is None:
+        return False
+    if rename2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2 RENAME_EXCHANGE {a} <-> {b}: {os.strerror(err)}")
+
+
+@functools.cache
+def _renameat2():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # not Linux/glibc: the move-aside fallback
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return fn
+
+
+def _move_aside(path: Path, prefix: str = _DELETED) -> Path:
+    aside = path.parent / f"{prefix}{path.name}-{uuid.uuid4().hex[:8]}"
     os.rename(path, aside)
     return aside
+
+
+def recover_leftovers(root: Path, names: list[str] | None = None) -> list[str]:
+    """Tidy what a crash left under `root`: put back a replaced snapshot whose successor never
+    arrived (`.old-<name>-*` while `<name>` is missing), delete temporary (`.tmp-`) and
+    half-deleted (`.del-`, other `.old-`) directories. With `names`, only leftovers of those
+    snapshot names are touched (another process may be writing the others). Returns what it did,
+    one phrase per directory."""
+    done, root = [], Path(root)
+    if not root.is_dir():
+        return done
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        kind, name = _leftover(entry.name)
+        if kind is None or (names is not None and name not in names) or not entry.is_dir(follow_symlinks=False):
+            continue
+        path = Path(entry.path)
+        if kind == _OLD and not (root / name).exists() and _intact(path):
+            os.rename(path, root / name)
+            fsync_path(root)
+            done.append(f"restored {root / name} from {entry.name} (a replacement was cut short)")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {path}")
+    return done
+
+
+def _leftover(dirname: str) -> tuple[str | None, str]:
+    """(prefix, snapshot name) of a leftover directory's name, (None, "") for any other name."""
+    if dirname.startswith(TMP_PREFIX):
+        return TMP_PREFIX, dirname[len(TMP_PREFIX):]
+    for prefix in (_OLD, _DELETED):
+        if dirname.startswith(prefix):
+            return prefix, dirname[len(prefix):].rpartition("-")[0]
+    return None, ""
+
+
+def _intact(path: Path) -> bool:
+    try:
+        check_quick(path)
+        return True
+    except (InvalidInput, OSError):
+        return False
 
 
 def read_committed(path: Path) -> Manifest:

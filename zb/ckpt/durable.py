@@ -8,14 +8,17 @@ reported; nothing here raises into the training loop.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
 from zb.ckpt.catalog import commit, fsync_path, read_committed, tmp_dir
+from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt")
 
@@ -39,11 +42,49 @@ def copy_part(src: Path, dst_step_dir: Path) -> Path:
     manifest = read_committed(src)
     dst_step_dir.mkdir(parents=True, exist_ok=True)
     tmp = tmp_dir(dst_step_dir, manifest.name)
-    for name in manifest.files:
-        copy_file(src / name, tmp / name)
+    try:
+        for name in manifest.files:
+            copy_file(src / name, tmp / name)
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half copy on a full disk only takes the space a retry needs
+        raise
     final = commit(tmp, manifest)
     fsync_path(dst_step_dir.parent)
     return final
+
+
+def check_writable_dir(path: str, key: str = "ckpt.path") -> None:
+    """At start: `path` must be a directory this process can create files in (made if missing).
+
+    Raises InvalidInput (exit 2) for a path that can never work: a regular file, a read-only file
+    system, no permission, a parent that cannot be created; EnvironmentFailure (exit 1) for a disk
+    that is full already. Each names `key` and what to do."""
+    target = Path(path)
+    probe = target / f".zb-probe-{os.getpid()}-{threading.get_ident()}"
+    try:
+        if target.exists() and not target.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "it exists and is not a directory")
+        target.mkdir(parents=True, exist_ok=True)
+        write_probe(probe)
+    except OSError as e:
+        why = e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise EnvironmentFailure(f"{key} {path!r}: {why}: free space there or point {key} at another "
+                                     "disk") from None
+        raise InvalidInput(f"{key} {path!r} cannot hold checkpoints: {why}; give a writable directory "
+                           f"(--{key} DIR)") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass  # there was never a probe (not a directory)
+
+
+def write_probe(path: Path) -> None:
+    with open(path, "wb") as f:
+        f.write(b"zb")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def retry(what: str, fn: Callable[[], T], attempts: int, delay: float) -> tuple[T | None, Exception | None]:

@@ -19,7 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
-from zb.ckpt.catalog import check_quick, read_committed, remove_snapshot
+from zb.ckpt.catalog import check_quick, read_committed, recover_leftovers, remove_snapshot
 from zb.ckpt.manifest import TMP_PREFIX, Manifest
 from zb.errors import InvalidInput
 
@@ -72,13 +72,34 @@ def check_complete(step_dir: Path) -> int:
 
 def complete_steps(root: Path) -> list[int]:
     """Steps whose checkpoint is complete under root (markers and sizes checked), oldest first."""
-    done = []
+    return scan_steps(root)[0]
+
+
+def scan_steps(root: Path) -> tuple[list[int], dict[int, str]]:
+    """(complete steps oldest first, {step: why it is not complete}) under root. While a checkpoint
+    is being written its step is incomplete too: only a caller that knows nothing is writing (a
+    resume) may call those damaged."""
+    done, bad = [], {}
     for step, path in sorted(step_dirs(root).items()):
         try:
             check_complete(path)
             done.append(step)
         except (InvalidInput, OSError) as e:
-            log.debug("not a complete checkpoint: %s (%s)", path, e)
+            bad[step] = str(e)
+    return done, bad
+
+
+def clean_own_leftovers(root: Path, local_rank: int) -> list[str]:
+    """At start: put back or delete what a crash left of this rank's parts (zb.ckpt.catalog
+    .recover_leftovers) and drop step directories left empty; returns what was done."""
+    done = []
+    for path in step_dirs(root).values():
+        done += recover_leftovers(path, [part_name(local_rank)])
+        try:
+            path.rmdir()  # only when empty: a crash before any part was committed
+            done.append(f"removed the empty {path}")
+        except OSError:
+            pass
     return done
 
 

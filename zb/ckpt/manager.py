@@ -28,22 +28,26 @@ import logging
 import math
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zb.ckpt.catalog import verify_snapshot
-from zb.ckpt.layout import complete_steps, part_name, resolve_part, step_dir_name, step_from_name
-from zb.ckpt.remote import check_remote, download_part, remote_steps
+from zb.ckpt.catalog import CorruptSnapshot, read_manifest, verify_snapshot
+from zb.ckpt.durable import check_writable_dir
+from zb.ckpt.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part, scan_steps,
+                            step_dir_name, step_from_name)
+from zb.ckpt.ramdir import release, sweep_stale
+from zb.ckpt.remote import check_remote, download_part, remote_scan, remote_steps
 from zb.ckpt.snapshot import load_snapshot
-from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, json_meta, live_tensors, load_model,
-                           load_optimizer, load_rng, load_scheduler)
+from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer, check_rng,
+                           json_meta, live_tensors, load_model, load_optimizer, load_rng, load_scheduler)
 from zb.ckpt.worker import Job, Targets, Worker
 from zb.config_schema import CkptConfig
+from zb.errors import EnvironmentFailure, InvalidInput, ZbError
 from zb.fingerprint import differences, encode
-from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt")
 
@@ -61,11 +65,21 @@ class CheckpointManager:
         self.disk_root = Path(cfg.path) if cfg.path else None
         self.ram_root = Path(cfg.ram_dir) / node_id if cfg.ram_dir else None
         self.remote = f"{cfg.remote.path.rstrip('/')}/{node_id}" if cfg.remote.path else None
+        if cfg.path:
+            check_writable_dir(cfg.path)  # at start: a path that can never work is exit 2, not a quiet run
         if cfg.remote.path:
             check_remote(cfg.remote.path)
+        if self.ram_root is not None and self.disk_root is not None:
+            try:
+                check_writable_dir(cfg.ram_dir, "ckpt.ram_dir")
+            except ZbError as e:  # staging in RAM is an optimisation: go without it, but say so
+                log.warning("%s; checkpoints are written straight to ckpt.path instead", e)
+                self.ram_root = None
+        self._tidy()
         self._staging = Staging()
         self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
         self._free.set()
+        self._last_job: Job | None = None
         self._worker = Worker(Targets(self.ram_root, self.disk_root, self.remote, cfg.remote.interval, cfg.topk,
                                       local_rank, attempts, retry_delay), sink)
 
@@ -76,6 +90,15 @@ class CheckpointManager:
     def save(self, step: int, state: TrainState, *, final: bool = False) -> None:
         """Copy the live state into the staging buffers and return; the worker does the rest."""
         t0 = time.perf_counter()
+        last = self._last_job
+        if final and last is not None and last.step == step:
+            # The interval saved this step just now and nothing has changed since: the worker skips it
+            # once that copy is committed on disk, or else writes it from the same (untouched) buffers.
+            self._free = threading.Event()
+            self._last_job = replace(last, meta={**last.meta, "final": True}, final=True, blocking_s=0.0,
+                                     release=self._free, started=time.perf_counter())
+            self._worker.submit(self._last_job)
+            return
         if not self._free.is_set():
             log.warning("checkpoint step %d waits for the previous one to leave the staging buffers "
                         "(ckpt.interval shorter than a RAM write)", step)
@@ -93,8 +116,9 @@ class CheckpointManager:
         # One event per job: an older job finishing must not free the buffers a queued one still reads.
         self._free = threading.Event()
         blocking = time.perf_counter() - t0
-        self._worker.submit(Job(step, state.counters.get("outer_step"), staged, state.outer if outer_bg else None,
-                                meta, encode(state.fingerprint), final, blocking, self._free))
+        self._last_job = Job(step, state.counters.get("outer_step"), staged, state.outer if outer_bg else None,
+                             meta, encode(state.fingerprint), final, blocking, self._free)
+        self._worker.submit(self._last_job)
         log.info("checkpoint step %d staged in %.3f s (%s bytes); copying in the background", step, blocking,
                  f"{self._staging.nbytes:,}")
 
@@ -103,9 +127,44 @@ class CheckpointManager:
         return self._worker.wait(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        if not self._worker.wait(timeout):
+        """Stop the worker and remove this rank's RAM copies (they only fed the disk copy)."""
+        idle = self._worker.wait(timeout)
+        if not idle:
             log.warning("closing with checkpoint copies still running; the last one may be incomplete")
-        self._worker.stop(0 if timeout == 0 else 5.0)
+        self._worker.stop(5.0 if idle or timeout != 0 else 0)  # an idle worker ends at once
+        if self.ram_root is not None and self.disk_root is not None and not self._worker.alive:
+            # The RAM copy of a newest checkpoint that never reached ckpt.path is the only copy of that
+            # state: it stays (and no owner file marks it for removal) until the user has saved it.
+            keep = [self._worker.ram_only] if self._worker.not_durable and self._worker.ram_only else []
+            release(self.ram_root, [part_name(self.local_rank)], keep=keep)
+        # else a copy is still being written there: the next run's sweep removes it once we are gone
+
+    def check_durable(self) -> None:
+        """At the end of a run: raise EnvironmentFailure (exit 1) when the newest checkpoints never
+        reached ckpt.path (disk full, I/O errors); only warn when a later one did."""
+        w = self._worker
+        if self.disk_root is None:
+            return
+        if w.not_durable:
+            steps = ", ".join(str(s) for s, _ in w.not_durable)
+            last = f"step {w.last_durable}" if w.last_durable is not None else "none from this run"
+            kept = (f"; the newest is kept in RAM at {w.ram_only.parent}: copy that directory to a disk with room "
+                    "to keep it" if w.ram_only is not None else "")
+            raise EnvironmentFailure(
+                f"the last {len(w.not_durable)} checkpoint(s) (step {steps}) were not written durably to ckpt.path "
+                f"{self.disk_root} ({w.not_durable[-1][1]}); the last durable checkpoint is {last}{kept}. Free space "
+                "there (or fix the disk) before resuming with --ckpt.resume latest")
+        if w.ever_failed:
+            log.warning("checkpoint step(s) %s did not reach ckpt.path; later ones did (the last durable one is step "
+                        "%s)", ", ".join(map(str, w.ever_failed)), w.last_durable)
+
+    def _tidy(self) -> None:
+        """At start: what a crash left of this rank's parts on disk, and RAM copies of dead runs."""
+        if self.disk_root is not None:
+            for line in clean_own_leftovers(self.disk_root, self.local_rank):
+                (log.warning if line.startswith("restored") else log.info)("checkpoint leftovers: %s", line)
+        if self.ram_root is not None and self.local_rank == 0:
+            sweep_stale(self.ram_root.parent)
 
     def committed_steps(self) -> list[int]:
         """Complete checkpoints of this node (all local ranks' markers; sizes checked), on its disk or
@@ -125,17 +184,19 @@ class CheckpointManager:
         elif not spec:
             return None
         elif spec == "latest":
-            part = self._pick_latest()
-            if part is None:
+            loaded = self._pick_latest(state)
+            if loaded is None:
                 log.warning("ckpt.resume = latest: no complete checkpoint under %s; starting from scratch",
                             self._root())
                 return None
+            return self._apply(loaded, state)
         elif "://" in spec:
             part = self._download_named(spec)
         else:
             part = resolve_part(Path(spec), self.local_rank)
             verify_snapshot(part)  # an explicitly named bad checkpoint is an error (exit 2)
-        return self._load(part, state)
+            check_complete(part.parent)  # ... and so is one with a missing part
+        return self._apply(self._read_part(part, state), state)
 
     def _own_part(self, step: int, on_remote: bool) -> Path:
         """This rank's part of `step`: the local copy when it verifies, else the remote copy, downloaded
@@ -164,24 +225,31 @@ class CheckpointManager:
             raise InvalidInput("resuming needs ckpt.path (where checkpoints are)")
         return self._root()
 
-    def _pick_latest(self) -> Path | None:
-        """The newest step whose part verifies (checksums) on every local rank, on this node's disk or
-        else on the remote copy; bad ones are skipped."""
+    def _pick_latest(self, state: TrainState) -> dict | None:
+        """The newest step whose part verifies (checksums and content) on every local rank, read into
+        memory, from this node's disk or else the remote copy; each one skipped is named in a warning."""
         root, bound = self._need_root(), math.inf
-        local = complete_steps(root)
-        remote = remote_steps(self.remote) if self.remote else []
+        local, damaged = scan_steps(root)
+        remote, damaged_remote = remote_scan(self.remote) if self.remote else ([], {})
+        if self.local_rank == 0:  # every local rank sees the same step directories
+            for where, bad, other in ((root, damaged, remote), (self.remote, damaged_remote, local)):
+                for step, why in bad.items():
+                    if step not in other:  # else the other copy is used
+                        log.warning("skipping checkpoint step %d (%s/%s): %s", step, where, step_dir_name(step), why)
         while True:
             mine = [s for s in sorted(set(local) | set(remote)) if s < bound]
             step = self._all_min(mine[-1] if mine else -1)
             if step < 0:
                 return None
-            part = None
+            loaded = None
             try:
-                part = self._own_part(step, step in remote)
-            except (InvalidInput, EnvironmentFailure, OSError) as e:
+                loaded = self._read_part(self._own_part(step, step in remote), state)
+            except _RunMismatch:
+                raise
+            except (InvalidInput, EnvironmentFailure, OSError) as e:  # damaged: the previous one, if any
                 log.warning("skipping checkpoint step %d: %s", step, e)
-            if self._all_min(int(part is not None)) == 1:
-                return part
+            if self._all_min(int(loaded is not None)) == 1:
+                return loaded
             bound = step
 
     def _all_min(self, value: int) -> int:
@@ -192,31 +260,54 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
 
-    def _load(self, part: Path, state: TrainState) -> dict:
-        from zb.ckpt.catalog import read_manifest
-
-        meta = read_manifest(part).meta
+    def _read_part(self, part: Path, state: TrainState) -> dict:
+        """Read and check everything of a part before anything is applied: a checkpoint whose
+        checksums hold but whose content is wrong raises CorruptSnapshot (`latest` then takes the
+        previous one), one written by a different run _RunMismatch (exit 2)."""
+        manifest = read_manifest(part)
+        meta = manifest.meta
         self._check_compatible(part, meta, state)
+        try:
+            check_meta(meta, manifest.step)
+            missing = [f for f in (MODEL, OPTIM, RNG) if f not in manifest.files]
+            if missing:
+                raise ValueError(f"no {missing[0]} in the part")
+        except ValueError as e:
+            raise CorruptSnapshot(f"{part}: {e}") from None
         expect = {MODEL: {n: (tuple(t.shape), t.dtype) for n, t in live_tensors(state)[MODEL].items()}}
-        tensors, _ = load_snapshot(part, expect, verify=False)
+        try:
+            tensors, _ = load_snapshot(part, expect, verify=False)
+        except InvalidInput as e:
+            if isinstance(e, CorruptSnapshot):
+                raise
+            raise _RunMismatch(str(e)) from None
         files = [OPTIM, RNG] + ([OUTER] if state.outer is not None else [])
         rest, _ = load_snapshot(part, files=files, verify=False)
+        try:
+            check_optimizer(state.model, state.optimizer, rest[OPTIM], meta.get("param_groups"))
+            check_rng(rest[RNG])
+        except ValueError as e:
+            raise CorruptSnapshot(f"{part}: {e}") from None
         if state.outer is not None:
             _check_outer(part, rest[OUTER], state.outer)
-        load_model(state.model, tensors[MODEL])
-        load_optimizer(state.model, state.optimizer, rest[OPTIM], meta["param_groups"])
+        return {"path": str(part), "meta": meta, "model": tensors[MODEL], **rest}
+
+    def _apply(self, loaded: dict, state: TrainState) -> dict:
+        meta = loaded["meta"]
+        load_model(state.model, loaded["model"])
+        load_optimizer(state.model, state.optimizer, loaded[OPTIM], meta["param_groups"])
         load_scheduler(state.scheduler, meta.get("scheduler"))
-        load_rng(rest[RNG])
-        log.info("resumed from %s (step %s)", part, meta["counters"].get("step"))
-        return {"path": str(part), "counters": meta["counters"], "data_state": meta["data_state"],
-                "outer": rest.get(OUTER), "extra": meta.get("extra", {})}
+        load_rng(loaded[RNG])
+        log.info("resumed from %s (step %s)", loaded["path"], meta["counters"].get("step"))
+        return {"path": loaded["path"], "counters": meta["counters"], "data_state": meta["data_state"],
+                "outer": loaded.get(OUTER), "extra": meta.get("extra", {})}
 
     def _check_compatible(self, part: Path, meta: dict, state: TrainState) -> None:
         saved = {k: v for k, v in meta.get("fingerprint", {}).items() if k not in _MAY_DIFFER}
         mine = {k: v for k, v in state.fingerprint.items() if k not in _MAY_DIFFER}
         diff = differences(mine, saved)
         if diff:
-            raise InvalidInput(f"checkpoint {part} was written by a different run: " + "; ".join(diff).replace(
+            raise _RunMismatch(f"checkpoint {part} was written by a different run: " + "; ".join(diff).replace(
                 "(run:", "(checkpoint:") + ". Resume with the run's settings or start a new ckpt.path.")
         if state.outer is None and meta.get("shared_files"):
             log.warning("checkpoint %s holds a DiLoCo outer state that this run (no DiLoCo) ignores", part)
@@ -229,13 +320,16 @@ class CheckpointManager:
                         "different data than an uninterrupted one")
 
 
+class _RunMismatch(InvalidInput):
+    """The checkpoint is intact but belongs to a run with other settings: never skipped silently."""
+
 
 def _check_outer(part: Path, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
     """The outer params must match; momentum may be absent on either side (no outer step yet)."""
     for name, t in saved.items():
         ref = live.get(name, live["outer/params"])
         if t.shape != ref.shape or t.dtype != ref.dtype:
-            raise InvalidInput(f"{part}: {name} is {list(t.shape)} {t.dtype} in the checkpoint, this run has "
+            raise _RunMismatch(f"{part}: {name} is {list(t.shape)} {t.dtype} in the checkpoint, this run has "
                                f"{list(ref.shape)} {ref.dtype}")
     if "outer/params" not in saved:
-        raise InvalidInput(f"{part}: the checkpoint has no outer/params")
+        raise CorruptSnapshot(f"{part}: the checkpoint has no outer/params")

@@ -79,15 +79,20 @@ def remote_steps(url: str) -> list[int]:
 
     An unreachable remote is logged and counts as empty: resuming then falls back to what is local.
     """
+    return remote_scan(url)[0]
+
+
+def remote_scan(url: str) -> tuple[list[int], dict[int, str]]:
+    """(complete remote steps oldest first, {step: why it is not complete}); see remote_steps."""
     try:
         fs, root = _fs(url)
         if not fs.exists(root):
-            return []
+            return [], {}
         entries = fs.ls(root, detail=False)
     except Exception as e:  # noqa: BLE001 - any backend error: the remote is just not usable now
         log.warning("cannot list the remote checkpoints at %s: %s: %s", url, type(e).__name__, e)
-        return []
-    done = []
+        return [], {}
+    done, bad = [], {}
     for entry in entries:
         step = step_from_name(entry.rstrip("/").rsplit("/", 1)[-1])
         if step is None:
@@ -98,8 +103,8 @@ def remote_steps(url: str) -> list[int]:
                 _read_remote_manifest(fs, f"{root}/{step_dir_name(step)}/{part_name(rank)}")
             done.append(step)
         except Exception as e:  # noqa: BLE001 - an incomplete or unreadable step is simply not listed
-            log.debug("remote step %s is not complete: %s", entry, e)
-    return sorted(done)
+            bad[step] = str(e)
+    return sorted(done), bad
 
 
 def download_part(url: str, step: int, local_rank: int, dst_root: Path) -> Path:

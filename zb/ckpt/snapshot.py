@@ -10,6 +10,7 @@ Loading never unpickles anything: safetensors for tensors, JSON for the rest.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from zb.ckpt.catalog import (commit, latest_snapshot, list_snapshots, prune, read_manifest, tmp_dir,
+from zb.ckpt.catalog import (CorruptSnapshot, commit, latest_snapshot, list_snapshots, prune, read_manifest, tmp_dir,
                              verify_snapshot)
 from zb.ckpt.manifest import Manifest, TensorInfo, check_file_name, check_snapshot_name
 from zb.ckpt.tensorfile import DTYPE_OF_CODE, dtype_code, write_tensor_file
@@ -52,8 +53,12 @@ def write_snapshot(root: Path, tensors: dict[str, dict[str, torch.Tensor]], meta
     except (TypeError, ValueError) as e:
         raise InvalidInput(f"snapshot meta must be JSON-serializable: {e}") from None
     tmp = tmp_dir(Path(root), name)
-    with ThreadPoolExecutor(max(1, min(threads, len(tensors)))) as pool:
-        entries = dict(zip(tensors, pool.map(lambda f: write_tensor_file(tmp / f, tensors[f]), tensors)))
+    try:
+        with ThreadPoolExecutor(max(1, min(threads, len(tensors)))) as pool:
+            entries = dict(zip(tensors, pool.map(lambda f: write_tensor_file(tmp / f, tensors[f]), tensors)))
+    except Exception:
+        shutil.rmtree(tmp, ignore_errors=True)  # a half-written part on a full disk frees its space
+        raise
     manifest = Manifest(name, step, outer_step, fingerprint, time.time(), entries, meta)
     return commit(tmp, manifest)
 
@@ -89,7 +94,7 @@ def _load_file(path: Path, manifest: Manifest, file_name: str,
     with safe_open(str(path / file_name), framework="pt") as f:
         header = {k: TensorInfo(f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
         if header != manifest.files[file_name].tensors:
-            raise InvalidInput(f"{where}: tensor table differs from the manifest (corrupted snapshot)")
+            raise CorruptSnapshot(f"{where}: tensor table differs from the manifest (corrupted snapshot)")
         if expect is not None:
             _check_expect(where, header, expect)
         return {k: f.get_tensor(k) for k in header}

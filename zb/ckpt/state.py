@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from zb.errors import InvalidInput
 
 MODEL, OPTIM, RNG, OUTER = "model.safetensors", "optim.safetensors", "rng.safetensors", "outer.safetensors"
 SHARED_FILES = (OUTER,)  # identical on every node of a DiLoCo run (per local rank)
@@ -121,6 +120,61 @@ class Staging:
 
 # -- loading in place ---------------------------------------------------------------------------
 
+# -- checking a checkpoint's content before anything is applied -----------------------------------
+
+def check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
+                    groups: Any) -> None:
+    """The optimizer file must hold state for every trainable parameter, named `<param>/<key>`, the
+    same keys for each, moments shaped like the parameter's local shard, and as many param groups
+    as the optimizer has; raise ValueError naming what is wrong (a file of other tensors would
+    otherwise load as no state at all)."""
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"the checkpoint has {len(groups) if isinstance(groups, list) else 'no'} optimizer param "
+                         f"groups, the optimizer has {len(optimizer.param_groups)}")
+    params = dict(model.named_parameters())
+    keys: dict[str, set[str]] = {}
+    for full, t in tensors.items():
+        name, _, key = full.rpartition("/")
+        if name not in params:
+            raise ValueError(f"optimizer tensor {full!r} belongs to no parameter of the model")
+        shape = tuple(local_tensor(params[name]).shape)
+        if t.dim() and tuple(t.shape) != shape:
+            raise ValueError(f"optimizer tensor {full!r} is {list(t.shape)}, its parameter {list(shape)}")
+        keys.setdefault(name, set()).add(key)
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    missing = sorted(trainable - set(keys))
+    if missing:
+        raise ValueError(f"no optimizer state for {missing[0]}" + (f" and {len(missing) - 1} more parameters"
+                                                                   if len(missing) > 1 else ""))
+    if len({frozenset(k) for k in keys.values()}) > 1:
+        raise ValueError("optimizer state keys differ between parameters")
+    live = {k for p in params.values() for k, v in optimizer.state.get(p, {}).items() if isinstance(v, torch.Tensor)}
+    saved = set().union(*keys.values()) if keys else set()
+    if live and saved != live:
+        raise ValueError(f"optimizer state holds {sorted(saved)}, this optimizer keeps {sorted(live)}")
+
+
+def check_rng(tensors: dict[str, torch.Tensor]) -> None:
+    cpu, ref = tensors.get("rng/cpu"), torch.get_rng_state()
+    if cpu is None:
+        raise ValueError("no rng/cpu tensor")
+    if cpu.dtype != ref.dtype or cpu.shape != ref.shape:
+        raise ValueError(f"rng/cpu is {list(cpu.shape)} {cpu.dtype}, expected {list(ref.shape)} {ref.dtype}")
+
+
+def check_meta(meta: dict, step: int) -> None:
+    """The JSON half of a part: counters (matching the manifest's step), data position, scheduler."""
+    counters = meta.get("counters")
+    if not isinstance(counters, dict) or not all(isinstance(counters.get(k), int) for k in ("step", "outer_step")):
+        raise ValueError("no counters (step, outer_step) in the manifest")
+    if counters["step"] != step:
+        raise ValueError(f"the counters say step {counters['step']}, the manifest step {step}")
+    if not isinstance(meta.get("data_state"), dict):
+        raise ValueError("no data loader position (data_state) in the manifest")
+    if meta.get("scheduler") is not None and not isinstance(meta["scheduler"], dict):
+        raise ValueError("the scheduler state is not an object")
+
+
 @torch.no_grad()
 def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     for name, p in model.named_parameters():
@@ -130,7 +184,8 @@ def load_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None
 @torch.no_grad()
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
                    groups: list[dict]) -> None:
-    """Fill the optimizer state (created if the optimizer has not stepped yet) and its hyperparameters."""
+    """Fill the optimizer state (created if the optimizer has not stepped yet) and its hyperparameters
+    (checked beforehand by check_optimizer)."""
     for name, p in model.named_parameters():
         prefix = f"{name}/"
         saved = {k[len(prefix):]: t for k, t in tensors.items() if k.startswith(prefix)}
@@ -140,9 +195,6 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ten
                 # AdamW's step is a plain scalar; moments are shaped (and sharded) like the param.
                 state[key] = torch.zeros_like(p) if t.shape == local_tensor(p).shape and t.dim() else t.clone()
             local_tensor(state[key]).copy_(t)
-    if len(groups) != len(optimizer.param_groups):
-        raise InvalidInput(f"checkpoint has {len(groups)} optimizer param groups, the model has "
-                           f"{len(optimizer.param_groups)}")
     for group, saved in zip(optimizer.param_groups, groups):
         for k, v in saved.items():
             group[k] = tuple(v) if isinstance(v, list) else v

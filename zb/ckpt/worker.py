@@ -4,8 +4,10 @@ Per job, in order: copy the outer state (it does not change during inner steps) 
 into the RAM directory (frees the staging buffers for the next save) -> copy it to ckpt.path and
 commit -> prune older parts there (topk) -> upload it to ckpt.remote.path -> drop older RAM copies.
 Every stage is retried with backoff and reported; a failure never reaches the training loop and
-never leaves anything that lists as committed. No torch.distributed call happens on this thread:
-the local process group belongs to the training loop.
+never leaves anything that lists as committed. It is remembered, though: the manager's
+check_durable() turns newest checkpoints that never reached ckpt.path into a failed end of the run.
+A final checkpoint of a step already committed on disk is not written again. No torch.distributed
+call happens on this thread: the local process group belongs to the training loop.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from typing import Any, Callable
 
 import torch
 
+from zb.ckpt.catalog import check_quick
 from zb.ckpt.durable import copy_part, retry
 from zb.ckpt.remote import prune_remote, upload_part
 from zb.ckpt.layout import part_name, prune_own_parts, step_dir_name
+from zb.ckpt.ramdir import claim
 from zb.ckpt.snapshot import write_snapshot
 from zb.ckpt.state import OUTER, Staging
+from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.ckpt")
 
@@ -63,6 +68,12 @@ class Worker:
         self._cond = threading.Condition()
         self._outer_staging = Staging()
         self._uploaded: list[int] = []  # steps uploaded by this worker, oldest first
+        self.durable: dict[int, Path] = {}  # step -> part committed on ckpt.path by this worker
+        self.last_durable: int | None = None
+        self.not_durable: list[tuple[int, str]] = []  # (step, why) of checkpoints since last_durable
+        self.ever_failed: list[int] = []  # steps that never reached ckpt.path
+        self._claimed = False
+        self.ram_only: Path | None = None  # the RAM copy of the newest checkpoint that never reached ckpt.path
         self._thread = threading.Thread(target=self._run, name="zb-ckpt", daemon=True)
         self._thread.start()
 
@@ -70,6 +81,10 @@ class Worker:
     def idle(self) -> bool:
         with self._cond:
             return self._pending == 0
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -98,12 +113,15 @@ class Worker:
 
     # -- stages ------------------------------------------------------------------------------
     def _process(self, job: Job) -> None:
+        if job.final and self._already_durable(job):
+            return
         tensors = dict(job.tensors)
         if job.outer is not None:
             tensors[OUTER] = self._outer_staging.fill({OUTER: job.outer})[OUTER]
-        first = self._write_first(job, tensors)
+        first, error = self._write_first(job, tensors)
         job.release.set()
         if first is None:
+            self._record(job.step, None, error)
             self._report_checkpoint(job, None, 0)
             return
         durable = first
@@ -113,6 +131,7 @@ class Worker:
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
                 log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
+        self._record(job.step, durable, error, first)
         if durable is not None and self.t.disk_root is not None and _is_under(durable, self.t.disk_root):
             self._prune(self.t.disk_root, self.t.topk)  # only now that a newer checkpoint is committed
         nbytes = sum(p.stat().st_size for p in first.iterdir() if p.is_file())
@@ -123,19 +142,60 @@ class Worker:
         if self.t.ram_root is not None and _is_under(first, self.t.ram_root):
             self._prune(self.t.ram_root, 1)
 
-    def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]) -> Path | None:
+    def _already_durable(self, job: Job) -> bool:
+        """A final checkpoint of a step the interval already saved is not written again (rewriting
+        the same step only risks the good copy); only a missing upload is made up for."""
+        path = self.durable.get(job.step)
+        if path is None or self.last_durable != job.step:
+            return False
+        try:
+            check_quick(path)
+        except (InvalidInput, OSError):
+            return False
+        job.release.set()
+        log.info("final checkpoint: step %d is already committed at %s; not writing it again", job.step, path)
+        if self.t.remote is not None and job.step not in self._uploaded:
+            self._upload(job, path, sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
+        return True
+
+    def _record(self, step: int, path: Path | None, error: Exception | None, first: Path | None = None) -> None:
+        """Durability bookkeeping for the end of the run: the newest step committed on ckpt.path, the
+        checkpoints since then that did not get there, and the RAM copy of the newest such one."""
+        if self.t.disk_root is None:
+            return
+        if path is not None and _is_under(path, self.t.disk_root):
+            self.durable[step], self.last_durable, self.not_durable, self.ram_only = path, step, [], None
+        else:
+            why = f"{type(error).__name__}: {error}" if error else "not written"
+            self.not_durable = [(s, w) for s, w in self.not_durable if s != step] + [(step, why)]  # a final retry
+            self.ever_failed = [s for s in self.ever_failed if s != step] + [step]
+            self.ram_only = first if first is not None and self.t.ram_root is not None else self.ram_only
+
+    def _write_first(self, job: Job, tensors: dict[str, dict[str, torch.Tensor]]
+                     ) -> tuple[Path | None, Exception | None]:
         roots = [r for r in ([self.t.disk_root] if job.final else []) + [self.t.ram_root, self.t.disk_root]
                  if r is not None]
+        disk_error = None
         for root in dict.fromkeys(roots):  # a final checkpoint goes straight to disk: one copy, not two
+            if root == self.t.ram_root and self.t.disk_root is not None and not self._claimed:
+                # The owner file lets a later run remove these RAM copies if this process dies. Without
+                # ckpt.path the RAM copies are the checkpoints (a restart resumes from them): not claimed.
+                try:
+                    claim(root)
+                    self._claimed = True
+                except OSError as e:
+                    log.warning("cannot use the RAM directory %s: %s", root, e)
             write: Callable[[], Path] = lambda root=root: write_snapshot(
                 root / step_dir_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
                 fingerprint=job.fingerprint, name=part_name(self.t.local_rank))
             path, error = retry(f"checkpoint step {job.step}: write to {root}", write, self.t.attempts,
                                 self.t.retry_delay)
             if path is not None:
-                return path
+                return path, disk_error
+            if root == self.t.disk_root:
+                disk_error = error
             log.error("checkpoint of step %d could not be written to %s: %s", job.step, root, error)
-        return None
+        return None, disk_error or error
 
     def _prune(self, root: Path | None, keep: int | None) -> None:
         if root is None or not keep:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from zb.ckpt.fetch import FetchResult, fetch_snapshot
 from zb.ckpt.publish import advertised_address, peer_addresses, publish_address, unpublish_address
+from zb.ckpt.ramdir import claim, release, sweep_stale
 from zb.ckpt.serve import serve_in_thread
 from zb.ckpt.snapshot import load_snapshot, prune, snapshot_name, write_snapshot
 from zb.ckpt.token import read_token
@@ -51,7 +52,10 @@ class LiveSnapshots:
         self.uid, self.local_rank, self.fingerprint = uid, local_rank, fingerprint
         self.token = read_token()
         self.root = Path(cfg.ckpt.ram_dir) / "live" / uid / f"r{local_rank}"
+        if local_rank == 0:
+            sweep_stale(cfg.ckpt.ram_dir)  # RAM copies of runs on this machine that died without cleaning up
         shutil.rmtree(self.root, ignore_errors=True)  # a previous incarnation's state is stale
+        claim(self.root.parent)  # removed again by close(), or by a later run's sweep if this one dies
         self.root.mkdir(parents=True, exist_ok=True)
         port = cfg.elastic.live_reco_port + local_rank if cfg.elastic.live_reco_port else 0
         bind = cfg.elastic.live_reco_addr or "0.0.0.0"  # token-protected; the address peers use is advertised
@@ -90,6 +94,7 @@ class LiveSnapshots:
         if store is not None:
             unpublish_address(store, sidecar_id(self.uid, self.local_rank))
         self.server.close()
+        release(self.root.parent, [self.root.name])  # nothing serves these snapshots any more
 
 
 def publish_progress(store, outer_step: int, step: int) -> None:
@@ -113,17 +118,22 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
         return None
     token = read_token()
     dest = Path(cfg.ckpt.ram_dir) / "recovered" / uid / f"r{local_rank}"
-    for _ in range(FETCH_ROUNDS):
-        result = fetch_snapshot(peers, token, dest, expect_step=progress["step"], files=[FILE],
-                                fingerprint=fingerprint, wait_s=30.0, timeout=30.0)
-        now = read_progress(store)
-        if now is not None and now["outer_step"] == result.outer_step:
-            break
-        log.info("the run moved on to outer step %s during the download: fetching again", now and now["outer_step"])
-        progress = now
-    else:
-        raise EnvironmentFailure("live recovery could not catch up with the run; use diloco.blocking_join")
-    tensors, meta = load_snapshot(result.path)
+    claim(dest.parent)
+    try:
+        for _ in range(FETCH_ROUNDS):
+            result = fetch_snapshot(peers, token, dest, expect_step=progress["step"], files=[FILE],
+                                    fingerprint=fingerprint, wait_s=30.0, timeout=30.0)
+            now = read_progress(store)
+            if now is not None and now["outer_step"] == result.outer_step:
+                break
+            log.info("the run moved on to outer step %s during the download: fetching again",
+                     now and now["outer_step"])
+            progress = now
+        else:
+            raise EnvironmentFailure("live recovery could not catch up with the run; use diloco.blocking_join")
+        tensors, meta = load_snapshot(result.path)  # in memory now: the RAM copy has done its job
+    finally:
+        release(dest.parent, [dest.name])
     loaded = {f"outer/{k}": v for k, v in tensors[FILE].items()}
     if loaded["outer/params"].shape != outer.flat.shape:
         raise EnvironmentFailure("the recovered outer state does not match this node's model shard")

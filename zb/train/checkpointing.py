@@ -90,6 +90,7 @@ class RunCheckpoints:
         if not self.manager.wait(self.run.cfg.ckpt.grace_period):
             log.warning("the final checkpoint did not finish within ckpt.grace_period (%.0f s)",
                         self.run.cfg.ckpt.grace_period)
+        self.manager.check_durable()  # the newest checkpoints never reached ckpt.path: exit 1, not a quiet 0
 
     def close(self) -> None:
         if self.manager is not None:
