@@ -1,4 +1,4 @@
-"""Benchmark: training time blocked by a checkpoint, async (zb.ckpt.manager) against a synchronous save.
+"""Benchmark: training time blocked by a checkpoint, async (zb.ckpt.durable.manager) against a synchronous save.
 
     python scripts/bench_checkpoint.py [--model tiny] [--dim 512] [--repeats 3] [--steps 6] [--interval 50] [--json]
 
@@ -21,7 +21,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
 
 
 def build(model_name: str, dim: int, tmp: Path):
@@ -59,8 +58,8 @@ def train(trainer, loader, steps: int) -> list[float]:
 
 def sync_save(root: Path, state, step: int) -> float:
     """What a blocking checkpoint costs: the same files written and committed on the training thread."""
-    from zb.ckpt.snapshot import write_snapshot
-    from zb.ckpt.state import OUTER, json_meta, live_tensors
+    from zb.ckpt.durable.state import OUTER, json_meta, live_tensors
+    from zb.ckpt.format.snapshot import write_snapshot
 
     t0 = time.perf_counter()
     tensors = {**live_tensors(state), OUTER: state.outer}
@@ -71,7 +70,7 @@ def sync_save(root: Path, state, step: int) -> float:
 
 
 def measure(args) -> dict:
-    from zb.ckpt.manager import CheckpointManager, TrainState
+    from zb.ckpt.durable.manager import CheckpointManager, TrainState
     from zb.fingerprint import fingerprint
 
     tmp = Path(tempfile.mkdtemp(prefix="zb-bench-ckpt-", dir=args.dir))

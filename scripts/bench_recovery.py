@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from zb.ckpt.fetch import fetch_snapshot  # noqa: E402
-from zb.ckpt.catalog import read_manifest  # noqa: E402 (torch-free: the client starts fast)
+from zb.ckpt.format.catalog import read_manifest  # noqa: E402 (torch-free: the client starts fast)
+from zb.ckpt.recovery.fetch import fetch_snapshot  # noqa: E402
 
 TOKEN = "bench-recovery-token-0123456789abcdef"
 PORT = 7711
@@ -41,8 +41,8 @@ def make_snapshots(base: Path, size: int, peers: int, repeats: int) -> tuple[lis
     import torch
     from safetensors.torch import save_file
 
-    from zb.ckpt.catalog import sha256_file
-    from zb.ckpt.snapshot import write_snapshot
+    from zb.ckpt.format.catalog import sha256_file
+    from zb.ckpt.format.snapshot import write_snapshot
 
     n = size // 4 // 2 // 8
     tensors = {f: {f"layer{i}": torch.randn(n) for i in range(8)} for f in ("model.safetensors", "outer.safetensors")}

@@ -109,3 +109,26 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def peer(tmp_path):
+    """A checkpoint sidecar in a thread over a snapshot root: peer(name) -> (root, handle); closed after
+    the test (see ckpt_peers for the snapshot it serves)."""
+    from ckpt_peers import TOKEN, write_sample
+    from zb.ckpt.sidecar.server import serve_in_thread
+
+    handles = []
+
+    def start(name: str = "a", snapshot: bool = True, timeout: float = 30.0):
+        root = tmp_path / name
+        root.mkdir()
+        if snapshot:
+            write_sample(root, node=name)
+        handle = serve_in_thread(root, TOKEN, "127.0.0.1", 0, client_timeout=timeout)
+        handles.append(handle)
+        return root, handle
+
+    yield start
+    for h in handles:
+        h.close()

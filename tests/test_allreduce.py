@@ -130,7 +130,9 @@ def test_killed_peer_makes_every_survivor_raise(tmp_path: Path) -> None:
     survivors = [ranks[r] for r in (0, 2, 3)]
     assert all(isinstance(s, dict) for s in survivors), survivors
     assert {s["rank"] for s in survivors} == {1}, survivors  # everyone names the dead rank
-    assert max(s["at"] for s in survivors) - min(s["at"] for s in survivors) < 5  # promptly, not a timeout
+    # Promptly: a survivor that learned of the death only through a timeout would raise after the
+    # transfer floor (20 s, see _allreduce_worker) or the group timeout (60 s); half the floor is no busy-machine bound.
+    assert max(s["at"] for s in survivors) - min(s["at"] for s in survivors) < 10
 
 
 def test_hung_peer_makes_every_survivor_raise_within_deadline(tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from ckpt_states import tmpfs
 from conftest import REPO, subprocess_env
-from test_ckpt_disk import tmpfs
 from test_train_resume import TINY
+
 from zb.metrics import read_metrics
 
 

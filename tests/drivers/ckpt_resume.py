@@ -1,4 +1,4 @@
-"""Driver for tests/test_ckpt_manager.py: train, checkpoint, resume in a new process.
+"""Driver for tests/test_ckpt_durable.py: train, checkpoint, resume in a new process.
 
     python tests/drivers/ckpt_resume.py MODE CKPT_DIR STEPS [die]
     torchrun --nproc_per_node 2 tests/drivers/ckpt_resume.py MODE CKPT_DIR STEPS
@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from zb.ckpt.manager import CheckpointManager, TrainState
+from zb.ckpt.durable.manager import CheckpointManager, TrainState
 from zb.config import load_config, to_dict
 from zb.config_schema import DilocoConfig
 from zb.data import build_dataloader, build_tokenizer
-from zb.fingerprint import fingerprint
 from zb.diloco.outer import OuterState
+from zb.fingerprint import fingerprint
 from zb.metrics import MetricsSink
 from zb.train.device import close_local_group, init_local_group, pick_placement
 from zb.train.schedule import build_optimizer, build_scheduler
@@ -56,7 +56,7 @@ def params_sha(model: torch.nn.Module) -> str:
 
 def die_during_next_copy(manager: CheckpointManager, step: int, state: TrainState) -> None:
     """Let the pending checkpoint commit, then crash (os._exit) in the middle of copying checkpoint `step`."""
-    import zb.ckpt.durable as durable
+    import zb.ckpt.durable.copies as durable
 
     assert manager.wait(60)
     real = durable.copy_file

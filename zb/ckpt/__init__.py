@@ -4,9 +4,9 @@ A snapshot is a directory of safetensors files plus `manifest.json` (step, run f
 size, sha256 and tensor table, caller metadata) and a `COMMITTED` marker written last. Nothing that
 comes from a peer is ever unpickled: tensors travel as safetensors, everything else as JSON.
 
-Modules: manifest (format, parsing, name rules), catalog (commit, list, verify, latest, prune),
-tensorfile (streaming safetensors writer), snapshot (write/load tensors), serve + http_util (HTTP
-sidecar), sidecar (the `zb ckpt-serve` process), token (the shared secret), publish (sidecar
-address in the global store), fetch + download + peer + prefix_hash + progress (live recovery),
-ramdir (who owns a RAM staging directory; removing those of runs that are gone).
+Subpackages, each importing only those listed before it:
+  format    the snapshot format (manifest, catalog, tensorfile, snapshot);
+  durable   checkpoints of a training run (manager, state, worker, copies, remote, layout, agree, ramdir);
+  recovery  the live-recovery client that fetches from peers' sidecars;
+  sidecar   the HTTP server for joiners and the `zb ckpt-serve` process.
 """

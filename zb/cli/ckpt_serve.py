@@ -37,7 +37,7 @@ def ckpt_serve(root: str, host: str, port: int, token_file: str | None, store_ad
                node_id: str | None, advertise: str | None, client_timeout: float, connect_timeout: float,
                as_json: bool) -> None:
     """Serve committed snapshots to joining nodes (live recovery) until SIGINT/SIGTERM."""
-    from zb.ckpt.sidecar import open_sidecar, run_until_signal
+    from zb.ckpt.sidecar.process import open_sidecar, run_until_signal
     from zb.cli.terminal import print_json, stderr
 
     sidecar = open_sidecar(root, host, port, token_file, store_addr, node_id, advertise, client_timeout,

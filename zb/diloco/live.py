@@ -4,7 +4,7 @@ waiting for a donor (non-blocking join).
 After each outer step, each local rank writes a RAM snapshot of its node-identical state (outer
 params and outer momentum of its shard, plus the run's counters) in a background thread: the outer
 state does not change during the inner steps, so training never waits for it. Its sidecar
-(`zb.ckpt.serve`, token-protected, read-only) serves the newest committed one; its address is in
+(`zb.ckpt.sidecar.server`, token-protected, read-only) serves the newest committed one; its address is in
 the store under `ckpt_serve/<uid>/r<local rank>`. A joiner's local rank r fetches from the local
 rank r sidecars of the live nodes (split across them, checksummed), checks that the snapshot is
 the run's current outer step (fetching again if the run moved on), and loads it. It takes no other
@@ -19,13 +19,14 @@ import shutil
 import threading
 from pathlib import Path
 
-
-from zb.ckpt.fetch import FetchResult, fetch_snapshot
-from zb.ckpt.publish import advertised_address, peer_addresses, publish_address, unpublish_address
-from zb.ckpt.ramdir import claim, release, sweep_stale
-from zb.ckpt.serve import serve_in_thread
-from zb.ckpt.snapshot import load_snapshot, prune, snapshot_name, write_snapshot
-from zb.ckpt.token import read_token
+from zb.ckpt.durable.ramdir import claim, release, sweep_stale
+from zb.ckpt.format.catalog import prune
+from zb.ckpt.format.manifest import snapshot_name
+from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
+from zb.ckpt.recovery.fetch import FetchResult, fetch_snapshot
+from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address, unpublish_address
+from zb.ckpt.sidecar.server import serve_in_thread
+from zb.ckpt.sidecar.token import read_token
 from zb.config_schema import Config
 from zb.diloco.outer import OuterState
 from zb.elastic import keys

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
 from zb.diloco import checkin, drift, slots
-from zb.fingerprint import check_against, encode
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
@@ -33,6 +32,7 @@ from zb.diloco.transfer import StateTransfer, ensure_adam_state
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.store import connect, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.fingerprint import check_against, encode
 
 log = logging.getLogger("zb.diloco")
 
@@ -75,7 +75,7 @@ class DilocoNode:
 
             use_cpp()  # build or load the kernels now, not inside the first timed outer step
         if cfg.ckpt.live_recovery:
-            from zb.ckpt.token import read_token
+            from zb.ckpt.sidecar.token import read_token
 
             read_token()  # fail before joining the run, not after: the sidecar needs a token
 

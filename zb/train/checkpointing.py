@@ -1,6 +1,6 @@
 """Checkpoints in the training loop: resume at start, save at the interval, a final one at the end.
 
-The manager (zb.ckpt.manager) does the work: RAM staging (the only blocking part), then disk and
+The manager (zb.ckpt.durable.manager) does the work: RAM staging (the only blocking part), then disk and
 remote copies in the background. This module decides when, and what resuming means for a node of
 a DiLoCo run: a node that joins a running run takes the run's state from a live node instead of
 its own older checkpoint; when the whole run restarts, every node resumes the newest step that all
@@ -27,8 +27,7 @@ class RunCheckpoints:
         self.run, cfg = run, run.cfg.ckpt
         self.manager = None
         if cfg.path or cfg.interval or cfg.resume or cfg.remote.path:
-            from zb.ckpt.manager import CheckpointManager
-
+            from zb.ckpt.durable.manager import CheckpointManager
             from zb.config import source_of
 
             if cfg.remote.path and source_of(run.cfg, "elastic.unique_id") == "default" and run.local.is_leader:
@@ -40,7 +39,7 @@ class RunCheckpoints:
                                              local_group=dist.group.WORLD if dist.is_initialized() else None)
 
     def state(self):
-        from zb.ckpt.state import TrainState
+        from zb.ckpt.durable.state import TrainState
 
         run, c = self.run, self.run.counters
         return TrainState(run.model, run.optimizer, run.scheduler,
@@ -58,7 +57,7 @@ class RunCheckpoints:
             return
         agreed = None
         if run.diloco is not None and run.cfg.ckpt.resume == "latest":
-            from zb.ckpt.agree import agree_on_latest
+            from zb.ckpt.durable.agree import agree_on_latest
 
             agreed = agree_on_latest(run.diloco.store, run.cfg.elastic.unique_id, self.manager.committed_steps(),
                                      quorum=run.cfg.elastic.world_size, timeout=run.cfg.elastic.start_timeout)

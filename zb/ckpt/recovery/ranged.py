@@ -19,9 +19,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zb.ckpt.peer import PeerClient, PeerError
-from zb.ckpt.prefix_hash import PrefixHasher
-from zb.ckpt.progress import TransferProgress
+from zb.ckpt.recovery.peer import PeerClient, PeerError
+from zb.ckpt.recovery.prefix_hash import PrefixHasher
+from zb.ckpt.recovery.progress import TransferProgress
 
 log = logging.getLogger("zb.ckpt.fetch")
 

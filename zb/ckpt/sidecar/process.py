@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from zb.ckpt.peer import parse_peer
-from zb.ckpt.publish import advertised_address, publish_address, unpublish_address
-from zb.ckpt.serve import SnapshotServer, make_server
-from zb.ckpt.token import read_token
+from zb.ckpt.recovery.peer import parse_peer
+from zb.ckpt.sidecar.publish import advertised_address, publish_address, unpublish_address
+from zb.ckpt.sidecar.server import SnapshotServer, make_server
+from zb.ckpt.sidecar.token import read_token
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt.serve")

@@ -10,7 +10,7 @@ import http.client
 import json
 from urllib.parse import quote
 
-from zb.ckpt.manifest import Manifest
+from zb.ckpt.format.manifest import Manifest
 from zb.errors import InvalidInput
 
 MAX_MANIFEST_BYTES = 64 << 20

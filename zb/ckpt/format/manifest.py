@@ -37,6 +37,12 @@ DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", 
           "U16", "U32", "U64")
 
 
+def snapshot_name(step: int) -> str:
+    """The directory name of a step's snapshot (and of a checkpoint's step directory); zero-padded
+    so names sort like steps."""
+    return f"step-{step:09d}"
+
+
 def is_snapshot_name(name: str) -> bool:
     return bool(_NAME.fullmatch(name))
 

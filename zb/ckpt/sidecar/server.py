@@ -30,9 +30,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs
 
-from zb.ckpt.catalog import check_quick, list_snapshots, read_committed
-from zb.ckpt.http_util import HttpError, parse_range, route
-from zb.ckpt.manifest import Manifest
+from zb.ckpt.format.catalog import check_quick, list_snapshots, read_committed
+from zb.ckpt.format.manifest import Manifest
+from zb.ckpt.sidecar.http import HttpError, parse_range, route
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt.serve")

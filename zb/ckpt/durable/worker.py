@@ -22,13 +22,14 @@ from typing import Any, Callable
 
 import torch
 
-from zb.ckpt.catalog import check_quick
-from zb.ckpt.durable import copy_part, retry
-from zb.ckpt.remote import prune_remote, upload_part
-from zb.ckpt.layout import part_name, prune_own_parts, step_dir_name
-from zb.ckpt.ramdir import claim
-from zb.ckpt.snapshot import write_snapshot
-from zb.ckpt.state import OUTER, Staging
+from zb.ckpt.durable.copies import copy_part, retry
+from zb.ckpt.durable.layout import part_name, prune_own_parts
+from zb.ckpt.durable.ramdir import claim
+from zb.ckpt.durable.remote import prune_remote, upload_part
+from zb.ckpt.durable.state import OUTER, Staging
+from zb.ckpt.format.catalog import check_quick
+from zb.ckpt.format.manifest import snapshot_name
+from zb.ckpt.format.snapshot import write_snapshot
 from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.ckpt")
@@ -127,7 +128,7 @@ class Worker:
         durable = first
         if self.t.disk_root is not None and not _is_under(first, self.t.disk_root):
             durable, error = retry(f"checkpoint step {job.step}: copy to disk",
-                                   lambda: copy_part(first, self.t.disk_root / step_dir_name(job.step)),
+                                   lambda: copy_part(first, self.t.disk_root / snapshot_name(job.step)),
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
                 log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
@@ -186,7 +187,7 @@ class Worker:
                 except OSError as e:
                     log.warning("cannot use the RAM directory %s: %s", root, e)
             write: Callable[[], Path] = lambda root=root: write_snapshot(
-                root / step_dir_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
+                root / snapshot_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
                 fingerprint=job.fingerprint, name=part_name(self.t.local_rank))
             path, error = retry(f"checkpoint step {job.step}: write to {root}", write, self.t.attempts,
                                 self.t.retry_delay)
@@ -208,7 +209,7 @@ class Worker:
             log.warning("pruning %s failed: %s", root, e)
 
     def _upload(self, job: Job, src: Path, nbytes: int) -> None:
-        url = f"{self.t.remote.rstrip('/')}/{step_dir_name(job.step)}/{part_name(self.t.local_rank)}"
+        url = f"{self.t.remote.rstrip('/')}/{snapshot_name(job.step)}/{part_name(self.t.local_rank)}"
         t0 = time.perf_counter()
         sent, error = retry(f"upload of step {job.step} to {url}", lambda: upload_part(src, url),
                             self.t.attempts, self.t.retry_delay)

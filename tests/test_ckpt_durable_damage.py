@@ -11,11 +11,10 @@ import logging
 
 import pytest
 import torch
+from ckpt_states import manager, small_state
 
-from tests.test_ckpt_manager import manager, small_state
-from zb.ckpt.layout import step_dir_name
-from zb.ckpt.manifest import MANIFEST, MARKER, sha256_bytes
-from zb.ckpt.snapshot import load_snapshot, write_snapshot
+from zb.ckpt.format.manifest import MANIFEST, MARKER, sha256_bytes, snapshot_name
+from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
 from zb.errors import InvalidInput
 
 
@@ -72,7 +71,7 @@ def test_latest_skips_a_damaged_checkpoint_with_a_warning_and_a_named_one_is_ref
     m.save(2, state)
     assert m.wait(30)
     m.close()
-    step2 = tmp_path / "disk" / step_dir_name(2)
+    step2 = tmp_path / "disk" / snapshot_name(2)
     damage(step2 / "rank-0")
 
     fresh = small_state(seed=1)
@@ -95,7 +94,7 @@ def test_an_optimizer_file_of_another_optimizer_is_refused(tmp_path):
     m.save(2, state)
     assert m.wait(30)
     m.close()
-    part = tmp_path / "disk" / step_dir_name(2) / "rank-0"
+    part = tmp_path / "disk" / snapshot_name(2) / "rank-0"
     _rewrite(part, lambda t, m: t.update({"optim.safetensors": {
         k.replace("exp_avg_sq", "momentum_buffer"): v for k, v in t["optim.safetensors"].items()
         if not k.endswith("/exp_avg")}}))

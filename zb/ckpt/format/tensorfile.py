@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from zb.ckpt.manifest import FileEntry, TensorInfo
+from zb.ckpt.format.manifest import FileEntry, TensorInfo
 from zb.errors import InvalidInput
 
 _CODES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

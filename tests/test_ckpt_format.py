@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from zb.ckpt import catalog
-from zb.ckpt.catalog import CorruptSnapshot, list_snapshots
-from zb.ckpt.manifest import MANIFEST, MARKER, Manifest
-from zb.ckpt.snapshot import (expect_of, latest_snapshot, load_snapshot, prune, read_manifest, verify_snapshot,
-                              write_snapshot)
+from zb.ckpt.format import catalog
+from zb.ckpt.format.catalog import (CorruptSnapshot, latest_snapshot, list_snapshots, prune, read_manifest,
+                                    verify_snapshot)
+from zb.ckpt.format.manifest import MANIFEST, MARKER, Manifest
+from zb.ckpt.format.snapshot import expect_of, load_snapshot, write_snapshot
 from zb.errors import InvalidInput
 
 
@@ -174,6 +174,7 @@ def test_manifest_from_a_peer_is_validated(tmp_path, edit):
         Manifest.from_json(json.dumps(doc), "peer")
 
 
+@pytest.mark.perf
 def test_write_is_fast_enough(tmp_path):
     """~40 MB: a loose bound that still catches an accidental extra copy or re-read per tensor."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") else tmp_path

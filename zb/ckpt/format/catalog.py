@@ -19,7 +19,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from zb.ckpt.manifest import MANIFEST, MARKER, TMP_PREFIX, Manifest, is_snapshot_name, sha256_bytes
+from zb.ckpt.format.manifest import MANIFEST, MARKER, TMP_PREFIX, Manifest, is_snapshot_name, sha256_bytes
 from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.ckpt")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote
 
-from zb.ckpt.manifest import is_file_name, is_snapshot_name
+from zb.ckpt.format.manifest import is_file_name, is_snapshot_name
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 

@@ -1,4 +1,4 @@
-"""Write and load tensor-only snapshots (see zb.ckpt.manifest for the format).
+"""Write and load tensor-only snapshots (see zb.ckpt.format.manifest for the format).
 
     path = write_snapshot(root, {"model.safetensors": model_sd, "outer.safetensors": outer_sd},
                           meta={"data": {...}}, step=1200, outer_step=12, fingerprint=run_fp)
@@ -19,21 +19,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from zb.ckpt.catalog import (CorruptSnapshot, commit, latest_snapshot, list_snapshots, prune, read_manifest, tmp_dir,
-                             verify_snapshot)
-from zb.ckpt.manifest import Manifest, TensorInfo, check_file_name, check_snapshot_name
-from zb.ckpt.tensorfile import DTYPE_OF_CODE, dtype_code, write_tensor_file
+from zb.ckpt.format.catalog import CorruptSnapshot, commit, read_manifest, tmp_dir, verify_snapshot
+from zb.ckpt.format.manifest import Manifest, TensorInfo, check_file_name, check_snapshot_name, snapshot_name
+from zb.ckpt.format.tensorfile import DTYPE_OF_CODE, dtype_code, write_tensor_file
 from zb.errors import InvalidInput
 
-__all__ = ["write_snapshot", "load_snapshot", "expect_of", "read_manifest", "verify_snapshot",
-           "latest_snapshot", "list_snapshots", "prune", "snapshot_name"]
+__all__ = ["write_snapshot", "load_snapshot", "expect_of"]
 
 Expect = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
-
-
-def snapshot_name(step: int) -> str:
-    """Default directory name; zero-padded so names sort like steps."""
-    return f"step-{step:09d}"
 
 
 def write_snapshot(root: Path, tensors: dict[str, dict[str, torch.Tensor]], meta: dict[str, Any], step: int, *,

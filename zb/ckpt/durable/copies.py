@@ -1,4 +1,4 @@
-"""Background copies of a committed checkpoint part from RAM to disk (remote copies: zb.ckpt.remote).
+"""Background copies of a committed checkpoint part from RAM to disk (remote copies: zb.ckpt.durable.remote).
 
 The copy keeps the commit rule: the files go into `.tmp-rank-N`, are fsynced, then
 `catalog.commit` writes manifest + marker and renames, so a copy cut short is never a snapshot.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from zb.ckpt.catalog import commit, fsync_path, read_committed, tmp_dir
+from zb.ckpt.format.catalog import commit, fsync_path, read_committed, tmp_dir
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt")

@@ -15,9 +15,9 @@ import shutil
 import time
 from pathlib import Path
 
-from zb.ckpt.catalog import commit, read_committed, sha256_file, tmp_dir
-from zb.ckpt.layout import part_count, part_name, step_dir_name, step_from_name
-from zb.ckpt.manifest import MANIFEST, MARKER, Manifest, sha256_bytes
+from zb.ckpt.durable.layout import part_count, part_name, step_from_name
+from zb.ckpt.format.catalog import commit, read_committed, sha256_file, tmp_dir
+from zb.ckpt.format.manifest import MANIFEST, MARKER, Manifest, sha256_bytes, snapshot_name
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt")
@@ -98,9 +98,9 @@ def remote_scan(url: str) -> tuple[list[int], dict[int, str]]:
         if step is None:
             continue
         try:
-            n = part_count(_read_remote_manifest(fs, f"{root}/{step_dir_name(step)}/{part_name(0)}"))
+            n = part_count(_read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(0)}"))
             for rank in range(1, n):
-                _read_remote_manifest(fs, f"{root}/{step_dir_name(step)}/{part_name(rank)}")
+                _read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(rank)}")
             done.append(step)
         except Exception as e:  # noqa: BLE001 - an incomplete or unreadable step is simply not listed
             bad[step] = str(e)
@@ -114,11 +114,11 @@ def download_part(url: str, step: int, local_rank: int, dst_root: Path) -> Path:
     started, tmp = time.perf_counter(), None
     try:
         fs, root = _fs(url)
-        remote_part = f"{root}/{step_dir_name(step)}/{part_name(local_rank)}"
+        remote_part = f"{root}/{snapshot_name(step)}/{part_name(local_rank)}"
         manifest = _read_remote_manifest(fs, remote_part)
         if manifest.name != part_name(local_rank) or manifest.step != step:
             raise InvalidInput(f"{remote_part}: its manifest describes {manifest.name} of step {manifest.step}")
-        step_dir = Path(dst_root) / step_dir_name(step)
+        step_dir = Path(dst_root) / snapshot_name(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         tmp = tmp_dir(step_dir, part_name(local_rank))
         log.info("downloading checkpoint step %d (%s bytes) from %s", step, f"{manifest.total_bytes:,}", remote_part)

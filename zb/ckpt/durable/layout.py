@@ -1,6 +1,6 @@
 """Checkpoint directories on a node's disk: one step directory, one committed part per local rank.
 
-    <root>/step-000001200/rank-0/   a zb snapshot (zb.ckpt.catalog): files, manifest.json, COMMITTED
+    <root>/step-000001200/rank-0/   a zb snapshot (zb.ckpt.format.catalog): files, manifest.json, COMMITTED
     <root>/step-000001200/rank-1/   ...
     <root>/step-000001200/.tmp-rank-1/   a part being written (never read)
 
@@ -19,17 +19,13 @@ import re
 import shutil
 from pathlib import Path
 
-from zb.ckpt.catalog import check_quick, read_committed, recover_leftovers, remove_snapshot
-from zb.ckpt.manifest import TMP_PREFIX, Manifest
+from zb.ckpt.format.catalog import check_quick, read_committed, recover_leftovers, remove_snapshot
+from zb.ckpt.format.manifest import TMP_PREFIX, Manifest
 from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.ckpt")
 
 _STEP = re.compile(r"step-(\d{9,})")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:09d}"
 
 
 def part_name(local_rank: int) -> str:
@@ -90,7 +86,7 @@ def scan_steps(root: Path) -> tuple[list[int], dict[int, str]]:
 
 
 def clean_own_leftovers(root: Path, local_rank: int) -> list[str]:
-    """At start: put back or delete what a crash left of this rank's parts (zb.ckpt.catalog
+    """At start: put back or delete what a crash left of this rank's parts (zb.ckpt.format.catalog
     .recover_leftovers) and drop step directories left empty; returns what was done."""
     done = []
     for path in step_dirs(root).values():

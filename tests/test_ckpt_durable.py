@@ -11,13 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_states import Recorder, manager, save_steps, small_state
+from conftest import free_port, subprocess_env
 
-from tests.conftest import free_port, subprocess_env
-from zb.ckpt.catalog import verify_snapshot
-from zb.ckpt.agree import agree_on_latest, newest_common_step, parse_publications
-from zb.ckpt.layout import complete_steps, step_dir_name
-from zb.ckpt.manager import CheckpointManager, TrainState
-from zb.config_schema import CkptConfig, RemoteConfig
+from zb.ckpt.durable.agree import agree_on_latest, newest_common_step, parse_publications
+from zb.ckpt.durable.layout import complete_steps
+from zb.ckpt.durable.manager import CheckpointManager, TrainState
+from zb.ckpt.format.catalog import verify_snapshot
+from zb.ckpt.format.manifest import snapshot_name
+from zb.config_schema import CkptConfig
 from zb.errors import InvalidInput
 
 DRIVER = str(Path(__file__).parent / "drivers" / "ckpt_resume.py")
@@ -57,52 +59,12 @@ def test_resume_is_bit_exact_in_a_new_process(tmp_path, ranks):
 def check_killed_mid_copy(proc: subprocess.CompletedProcess, disk: Path, steps: int) -> None:
     assert proc.returncode == 9, proc.stderr[-3000:]
     assert complete_steps(disk) == [steps]
-    half = disk / step_dir_name(2 * steps)
+    half = disk / snapshot_name(2 * steps)
     assert (half / ".tmp-rank-0").is_dir() and not (half / "rank-0").exists()
-    verify_snapshot(disk / step_dir_name(steps) / "rank-0")  # checksums of the survivor still hold
+    verify_snapshot(disk / snapshot_name(steps) / "rank-0")  # checksums of the survivor still hold
 
 
 # -- in-process tests on a small model ------------------------------------------------------------
-
-class Recorder:
-    """A metrics sink that keeps events in memory."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict]] = []
-
-    def log(self, event: str, **fields) -> None:
-        self.events.append((event, fields))
-
-    def of(self, event: str) -> list[dict]:
-        return [f for e, f in self.events if e == event]
-
-
-def small_state(seed: int = 0, width: int = 64) -> TrainState:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, 8))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    for _ in range(2):
-        model(torch.randn(4, width)).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-    return TrainState(model, opt, sched, {"step": 2, "outer_step": 0, "tokens": 8, "run_tokens": 8},
-                      {"kind": "fake", "batch": 2}, None, {}, {"model.dim": width, "local_world_size": 1})
-
-
-def manager(tmp_path: Path, sink=None, **kw) -> CheckpointManager:
-    remote = RemoteConfig(path=kw.pop("remote", None))
-    cfg = CkptConfig(interval=1, path=str(tmp_path / "disk"), ram_dir=str(tmp_path / "ram"), remote=remote, **kw)
-    return CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=sink or Recorder(),
-                             retry_delay=0.01)
-
-
-def save_steps(m: CheckpointManager, state: TrainState, steps: list[int]) -> None:
-    for step in steps:
-        state.counters["step"] = step
-        m.save(step, state)
-        assert m.wait(30)
 
 
 def test_resume_restores_state_in_place(tmp_path):
@@ -125,7 +87,7 @@ def test_resume_restores_state_in_place(tmp_path):
 
 
 def test_failure_mid_copy_is_not_listed_and_previous_survives(tmp_path, monkeypatch):
-    import zb.ckpt.durable as durable
+    import zb.ckpt.durable.copies as durable
 
     m, state = manager(tmp_path, topk=1), small_state()
     save_steps(m, state, [1])
@@ -148,7 +110,7 @@ def test_corrupted_latest_is_skipped_and_explicit_bad_path_refused(tmp_path, cap
     m, state = manager(tmp_path), small_state()
     save_steps(m, state, [1, 2])
     m.close()
-    bad = tmp_path / "disk" / step_dir_name(2) / "rank-0" / "model.safetensors"
+    bad = tmp_path / "disk" / snapshot_name(2) / "rank-0" / "model.safetensors"
     data = bytearray(bad.read_bytes())
     data[-1] ^= 0xFF
     bad.write_bytes(bytes(data))
@@ -178,8 +140,8 @@ def test_topk_prunes_only_older_than_committed(tmp_path):
     m, state = manager(tmp_path, topk=2), small_state()
     save_steps(m, state, [1, 2, 3, 4])
     assert m.committed_steps() == [3, 4]
-    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [step_dir_name(3), step_dir_name(4)]
-    assert [p.name for p in (tmp_path / "ram" / "n0").glob("step-*")] == [step_dir_name(4)]  # newest only
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir()) == [snapshot_name(3), snapshot_name(4)]
+    assert [p.name for p in (tmp_path / "ram" / "n0").glob("step-*")] == [snapshot_name(4)]  # newest only
     m.close()
 
 
@@ -201,7 +163,7 @@ def test_remote_copy_and_failing_remote(tmp_path, caplog):
     m = manager(tmp_path, sink, remote=str(tmp_path / "remote"))
     save_steps(m, small_state(), [1])
     m.close()
-    part = tmp_path / "remote" / "n0" / step_dir_name(1) / "rank-0"
+    part = tmp_path / "remote" / "n0" / snapshot_name(1) / "rank-0"
     assert (part / "COMMITTED").is_file() and (part / "model.safetensors").is_file()
     assert sink.of("upload")[0]["ok"] is True and sink.of("upload")[0]["bytes"] > 0
     (tmp_path / "blocker").write_text("a file where the remote directory should be")
@@ -237,10 +199,10 @@ def test_resume_from_the_remote_copy_when_the_disk_is_gone(tmp_path, caplog):
     fresh = small_state(seed=1)
     assert m.resume(fresh)["counters"]["step"] == 2 and _same_params(state, fresh)
     assert complete_steps(tmp_path / "disk") == [2]
-    verify_snapshot(tmp_path / "disk" / step_dir_name(2) / "rank-0")
+    verify_snapshot(tmp_path / "disk" / snapshot_name(2) / "rank-0")
 
     # A damaged local copy is replaced by the remote one.
-    bad = tmp_path / "disk" / step_dir_name(2) / "rank-0" / "optim.safetensors"
+    bad = tmp_path / "disk" / snapshot_name(2) / "rank-0" / "optim.safetensors"
     bad.write_bytes(bytes(b ^ 0xFF for b in bad.read_bytes()))
     with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
         assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1))["counters"]["step"] == 2
@@ -248,16 +210,16 @@ def test_resume_from_the_remote_copy_when_the_disk_is_gone(tmp_path, caplog):
 
     # Remote only again, with a damaged newest upload: the older one is used, with a warning.
     shutil.rmtree(tmp_path / "disk")
-    part = remote / "n0" / step_dir_name(2) / "rank-0" / "model.safetensors"
+    part = remote / "n0" / snapshot_name(2) / "rank-0" / "model.safetensors"
     part.write_bytes(bytes(b ^ 0xFF for b in part.read_bytes()))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
         assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1))["counters"]["step"] == 1
     assert any("skipping checkpoint step 2" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
-    assert not (tmp_path / "disk" / step_dir_name(2) / "rank-0").exists()  # nothing half-downloaded looks committed
+    assert not (tmp_path / "disk" / snapshot_name(2) / "rank-0").exists()  # nothing half-downloaded looks committed
 
     # An upload cut before its marker is not a checkpoint at all.
-    (remote / "n0" / step_dir_name(2) / "rank-0" / "COMMITTED").unlink()
+    (remote / "n0" / snapshot_name(2) / "rank-0" / "COMMITTED").unlink()
     assert manager(tmp_path, remote=str(remote)).committed_steps() == [1]
 
 
@@ -267,14 +229,14 @@ def test_resume_from_a_named_remote_step(tmp_path):
     m = manager(tmp_path, remote=str(remote))
     save_steps(m, state, [3])
     m.close()
-    url = f"file://{remote}/n0/{step_dir_name(3)}"
+    url = f"file://{remote}/n0/{snapshot_name(3)}"
     fresh = small_state(seed=1)
     assert manager(tmp_path / "elsewhere", resume=url).resume(fresh)["counters"]["step"] == 3
     assert _same_params(state, fresh)
     with pytest.raises(InvalidInput, match="must name its step directory"):
         manager(tmp_path / "x", resume=f"file://{remote}/n0").resume(small_state())
     with pytest.raises(InvalidInput, match="not a committed part"):
-        manager(tmp_path / "y", resume=f"file://{remote}/n0/{step_dir_name(9)}").resume(small_state())
+        manager(tmp_path / "y", resume=f"file://{remote}/n0/{snapshot_name(9)}").resume(small_state())
     with pytest.raises(InvalidInput, match="ckpt.remote.path 'nope://b/run': .*nope"):
         manager(tmp_path / "z", remote="nope://b/run")  # at start, not at the first upload hours later
 
@@ -324,7 +286,7 @@ def test_queued_checkpoint_keeps_its_staging_buffers(tmp_path, monkeypatch):
     """Saves in a row while the first is still copying: each checkpoint holds its own step's weights."""
     import threading
 
-    import zb.ckpt.worker as worker
+    import zb.ckpt.durable.worker as worker
 
     gate, real = threading.Event(), worker.copy_part
     monkeypatch.setattr(worker, "copy_part", lambda *a: (gate.wait(30), real(*a))[1])
@@ -340,5 +302,5 @@ def test_queued_checkpoint_keeps_its_staging_buffers(tmp_path, monkeypatch):
     m.close()
     for step in (1, 2, 3):
         fresh = small_state(seed=9)
-        manager(tmp_path, resume=str(tmp_path / "disk" / step_dir_name(step))).resume(fresh)
+        manager(tmp_path, resume=str(tmp_path / "disk" / snapshot_name(step))).resume(fresh)
         assert float(fresh.model[0].weight.detach()[0, 0]) == step

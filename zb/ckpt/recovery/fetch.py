@@ -22,11 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from zb.ckpt.catalog import commit, sha256_file
-from zb.ckpt.download import DownloadFailed, FilePlan, download
-from zb.ckpt.manifest import TMP_PREFIX, FileEntry, Manifest, check_file_name, is_snapshot_name
-from zb.ckpt.peer import PeerClient, PeerError, parse_peer
-from zb.ckpt.progress import TransferProgress
+from zb.ckpt.format.catalog import commit, sha256_file
+from zb.ckpt.format.manifest import TMP_PREFIX, FileEntry, Manifest, check_file_name, is_snapshot_name
+from zb.ckpt.recovery.peer import PeerClient, PeerError, parse_peer
+from zb.ckpt.recovery.progress import TransferProgress
+from zb.ckpt.recovery.ranged import DownloadFailed, FilePlan, download
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.ckpt.fetch")

@@ -9,29 +9,15 @@ import json
 import logging
 import os
 import subprocess
-from contextlib import contextmanager
 
 import pytest
+from ckpt_states import Recorder, manager, save_steps, small_state, tmpfs
 
-from tests.test_ckpt_manager import Recorder, manager, save_steps, small_state
-from zb.ckpt.layout import step_dir_name
-from zb.ckpt.manager import CheckpointManager
+from zb.ckpt.durable.manager import CheckpointManager
+from zb.ckpt.durable.ramdir import OWNER_PREFIX
+from zb.ckpt.format.manifest import snapshot_name
 from zb.config_schema import CkptConfig
-from zb.ckpt.ramdir import OWNER_PREFIX
 from zb.errors import EnvironmentFailure, InvalidInput
-
-
-@contextmanager
-def tmpfs(path, size: int, *options: str):
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
-                             capture_output=True, text=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def on(tmp_path, path, sink=None) -> CheckpointManager:
@@ -80,7 +66,7 @@ def _part_bytes(tmp_path) -> int:
     m = manager(tmp_path / "measure")
     save_steps(m, small_state(), [1])
     m.close()
-    part = tmp_path / "measure" / "disk" / step_dir_name(1) / "rank-0"
+    part = tmp_path / "measure" / "disk" / snapshot_name(1) / "rank-0"
     return sum(-(-f.stat().st_size // 4096) * 4096 for f in part.iterdir())
 
 
@@ -91,13 +77,13 @@ def test_a_disk_that_fills_during_the_run_is_reported_at_its_end(tmp_path, caplo
         m, state = on(tmp_path, disk, sink), small_state()
         save_steps(m, state, [1, 2])  # training goes on: save returns, the copy fails in the background
         assert [(e["step"], e["ok"]) for e in sink.of("checkpoint")] == [(1, True), (2, False)]
-        assert os.listdir(disk / step_dir_name(2)) == []  # the half copy was removed, not left to fill the disk
+        assert os.listdir(disk / snapshot_name(2)) == []  # the half copy was removed, not left to fill the disk
         with pytest.raises(EnvironmentFailure) as failed:
             m.check_durable()
         line = str(failed.value)
         assert "the last 1 checkpoint(s) (step 2) were not written durably" in line and "\n" not in line
         assert "No space left on device" in line and "the last durable checkpoint is step 1" in line
-        ram_copy = tmp_path / "ram" / "n0" / step_dir_name(2)
+        ram_copy = tmp_path / "ram" / "n0" / snapshot_name(2)
         assert f"kept in RAM at {ram_copy}" in line
 
         # Space comes back: the next checkpoint is durable, the end of the run only warns.
@@ -117,18 +103,18 @@ def test_the_only_copy_stays_in_ram_when_the_run_ends_with_a_full_disk(tmp_path)
         save_steps(m, small_state(), [1, 2])
         m.close()
     node = tmp_path / "ram" / "n0"
-    assert sorted(os.listdir(node)) == [step_dir_name(2)]  # its owner file is gone: no sweep removes it
-    assert os.listdir(node / step_dir_name(2)) == ["rank-0"]
+    assert sorted(os.listdir(node)) == [snapshot_name(2)]  # its owner file is gone: no sweep removes it
+    assert os.listdir(node / snapshot_name(2)) == ["rank-0"]
 
 
 def test_ram_copies_are_removed_when_the_run_ends(tmp_path):
     m = manager(tmp_path)
     save_steps(m, small_state(), [1, 2])
     node = tmp_path / "ram" / "n0"
-    assert sorted(os.listdir(node)) == [f"{OWNER_PREFIX}{os.getpid()}", step_dir_name(2)]
+    assert sorted(os.listdir(node)) == [f"{OWNER_PREFIX}{os.getpid()}", snapshot_name(2)]
     m.close()
     assert not node.exists()
-    assert sorted(os.listdir(tmp_path / "disk")) == [step_dir_name(1), step_dir_name(2)]  # durable ones stay
+    assert sorted(os.listdir(tmp_path / "disk")) == [snapshot_name(1), snapshot_name(2)]  # durable ones stay
 
 
 def _dead_pid() -> int:
@@ -143,13 +129,13 @@ def test_ram_copies_of_dead_runs_are_removed_at_start_and_live_ones_kept(tmp_pat
         ram / "dead-node", ram / "pid-reused", ram / "live-run", ram / "no-owner", ram / "remote-host",
         ram / "live" / "dead-node")
     for d in (dead, reused, mine, unowned, other_host, live_dead):
-        (d / step_dir_name(4) / "rank-0").mkdir(parents=True)
+        (d / snapshot_name(4) / "rank-0").mkdir(parents=True)
     host = os.uname().nodename
     (dead / f"{OWNER_PREFIX}1").write_text(json.dumps({"pid": _dead_pid(), "start": "1", "host": host}))
     # A pid that now belongs to another process (this one) whose start time differs: the owner is gone.
     (reused / f"{OWNER_PREFIX}2").write_text(json.dumps({"pid": os.getpid(), "start": "1", "host": host}))
     (live_dead / f"{OWNER_PREFIX}3").write_text(json.dumps({"pid": _dead_pid(), "start": "1", "host": host}))
-    from zb.ckpt.ramdir import claim
+    from zb.ckpt.durable.ramdir import claim
 
     claim(mine)  # a run that is still going
     (other_host / f"{OWNER_PREFIX}4").write_text(json.dumps({"pid": _dead_pid(), "start": "1", "host": "elsewhere"}))
@@ -166,7 +152,7 @@ def test_without_ckpt_path_the_ram_copies_are_the_checkpoints_and_stay(tmp_path)
     m = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder(), retry_delay=0.01)
     save_steps(m, small_state(), [1])
     m.close()
-    assert os.listdir(tmp_path / "ram" / "n0") == [step_dir_name(1)]  # no owner file: no sweep takes it
+    assert os.listdir(tmp_path / "ram" / "n0") == [snapshot_name(1)]  # no owner file: no sweep takes it
     cfg.resume = "latest"
     again = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder())
     assert again.resume(small_state(seed=1))["counters"]["step"] == 1

@@ -35,16 +35,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zb.ckpt.catalog import CorruptSnapshot, read_manifest, verify_snapshot
-from zb.ckpt.durable import check_writable_dir
-from zb.ckpt.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part, scan_steps,
-                            step_dir_name, step_from_name)
-from zb.ckpt.ramdir import release, sweep_stale
-from zb.ckpt.remote import check_remote, download_part, remote_scan, remote_steps
-from zb.ckpt.snapshot import load_snapshot
-from zb.ckpt.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer, check_rng,
-                           json_meta, live_tensors, load_model, load_optimizer, load_rng, load_scheduler)
-from zb.ckpt.worker import Job, Targets, Worker
+from zb.ckpt.durable.copies import check_writable_dir
+from zb.ckpt.durable.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part,
+                                    scan_steps, step_from_name)
+from zb.ckpt.durable.ramdir import release, sweep_stale
+from zb.ckpt.durable.remote import check_remote, download_part, remote_scan, remote_steps
+from zb.ckpt.durable.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer,
+                                   check_rng, json_meta, live_tensors, load_model, load_optimizer, load_rng,
+                                   load_scheduler)
+from zb.ckpt.durable.worker import Job, Targets, Worker
+from zb.ckpt.format.catalog import CorruptSnapshot, read_manifest, verify_snapshot
+from zb.ckpt.format.manifest import snapshot_name
+from zb.ckpt.format.snapshot import load_snapshot
 from zb.config_schema import CkptConfig
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError
 from zb.fingerprint import differences, encode
@@ -201,7 +203,7 @@ class CheckpointManager:
     def _own_part(self, step: int, on_remote: bool) -> Path:
         """This rank's part of `step`: the local copy when it verifies, else the remote copy, downloaded
         (a replaced machine has only the remote). Raises InvalidInput/EnvironmentFailure if neither works."""
-        part = self._need_root() / step_dir_name(step) / part_name(self.local_rank)
+        part = self._need_root() / snapshot_name(step) / part_name(self.local_rank)
         try:
             verify_snapshot(part)
             return part
@@ -235,7 +237,7 @@ class CheckpointManager:
             for where, bad, other in ((root, damaged, remote), (self.remote, damaged_remote, local)):
                 for step, why in bad.items():
                     if step not in other:  # else the other copy is used
-                        log.warning("skipping checkpoint step %d (%s/%s): %s", step, where, step_dir_name(step), why)
+                        log.warning("skipping checkpoint step %d (%s/%s): %s", step, where, snapshot_name(step), why)
         while True:
             mine = [s for s in sorted(set(local) | set(remote)) if s < bound]
             step = self._all_min(mine[-1] if mine else -1)

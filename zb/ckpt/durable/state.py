@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-
 MODEL, OPTIM, RNG, OUTER = "model.safetensors", "optim.safetensors", "rng.safetensors", "outer.safetensors"
 SHARED_FILES = (OUTER,)  # identical on every node of a DiLoCo run (per local rank)
 

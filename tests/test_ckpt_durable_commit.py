@@ -11,11 +11,12 @@ import shutil
 
 import pytest
 import torch
+from ckpt_states import Recorder, manager, save_steps, small_state
 
-import zb.ckpt.catalog as catalog
-from tests.test_ckpt_manager import Recorder, manager, save_steps, small_state
-from zb.ckpt.layout import complete_steps, step_dir_name
-from zb.ckpt.snapshot import load_snapshot, write_snapshot
+import zb.ckpt.format.catalog as catalog
+from zb.ckpt.durable.layout import complete_steps
+from zb.ckpt.format.manifest import snapshot_name
+from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
 
 
 class Killed(BaseException):
@@ -28,7 +29,7 @@ def _part(tmp_path, seed: int, step: int):
     state = small_state(seed=seed)
     save_steps(m, state, [step])
     m.close()
-    return load_snapshot(tmp_path / f"scratch-{seed}" / "disk" / step_dir_name(step) / "rank-0")
+    return load_snapshot(tmp_path / f"scratch-{seed}" / "disk" / snapshot_name(step) / "rank-0")
 
 
 def _first_weight(tensors) -> torch.Tensor:
@@ -46,7 +47,7 @@ def test_a_kill_at_any_point_of_a_recommit_leaves_a_complete_checkpoint(tmp_path
     while True:
         k += 1
         root = tmp_path / f"kill-{k}" / "disk"
-        write_snapshot(root / step_dir_name(3), old, meta, 3, name="rank-0")
+        write_snapshot(root / snapshot_name(3), old, meta, 3, name="rank-0")
         with monkeypatch.context() as patch:
             calls = []
 
@@ -66,7 +67,7 @@ def test_a_kill_at_any_point_of_a_recommit_leaves_a_complete_checkpoint(tmp_path
             patch.setattr(os, "rename", op("rename", os.rename))
             patch.setattr(shutil, "rmtree", op("rmtree", shutil.rmtree))
             try:
-                write_snapshot(root / step_dir_name(3), new, meta, 3, name="rank-0")
+                write_snapshot(root / snapshot_name(3), new, meta, 3, name="rank-0")
                 done = True
             except Killed as e:
                 points.append(str(e))
@@ -74,7 +75,7 @@ def test_a_kill_at_any_point_of_a_recommit_leaves_a_complete_checkpoint(tmp_path
         # The process restarts: its manager tidies the leftovers, `latest` finds a complete step 3.
         restarted = manager(root.parent, resume="latest", topk=1)
         assert complete_steps(root) == [3], (k, points)
-        leftovers += [(k, n) for n in os.listdir(root / step_dir_name(3)) if n != "rank-0"]
+        leftovers += [(k, n) for n in os.listdir(root / snapshot_name(3)) if n != "rank-0"]
         fresh = small_state(seed=2)
         assert restarted.resume(fresh)["counters"]["step"] == 3, (k, points)
         got = fresh.model[0].weight.detach()
@@ -92,17 +93,17 @@ def test_leftovers_of_a_crash_are_tidied_at_start_with_a_log_line(tmp_path, capl
     save_steps(m, state, [1, 2])
     m.close()
     disk = tmp_path / "disk"
-    shutil.copytree(disk / step_dir_name(2) / "rank-0", disk / step_dir_name(2) / ".del-rank-0-0123abcd")
-    shutil.copytree(disk / step_dir_name(2) / "rank-0", disk / step_dir_name(2) / ".tmp-rank-0")
-    (disk / step_dir_name(3) / ".tmp-rank-0").mkdir(parents=True)  # killed while copying step 3
+    shutil.copytree(disk / snapshot_name(2) / "rank-0", disk / snapshot_name(2) / ".del-rank-0-0123abcd")
+    shutil.copytree(disk / snapshot_name(2) / "rank-0", disk / snapshot_name(2) / ".tmp-rank-0")
+    (disk / snapshot_name(3) / ".tmp-rank-0").mkdir(parents=True)  # killed while copying step 3
     # A part replaced on a file system that cannot swap, killed before the new copy arrived:
-    os.rename(disk / step_dir_name(1) / "rank-0", disk / step_dir_name(1) / ".old-rank-0-89abcdef")
-    (disk / step_dir_name(2) / ".tmp-rank-1").mkdir()  # another local rank's: not ours to touch
+    os.rename(disk / snapshot_name(1) / "rank-0", disk / snapshot_name(1) / ".old-rank-0-89abcdef")
+    (disk / snapshot_name(2) / ".tmp-rank-1").mkdir()  # another local rank's: not ours to touch
     with caplog.at_level(logging.INFO, logger="zb.ckpt"):
         m = manager(tmp_path, resume="latest")
-    assert sorted(os.listdir(disk)) == [step_dir_name(1), step_dir_name(2)]
-    assert os.listdir(disk / step_dir_name(1)) == ["rank-0"]
-    assert sorted(os.listdir(disk / step_dir_name(2))) == [".tmp-rank-1", "rank-0"]
+    assert sorted(os.listdir(disk)) == [snapshot_name(1), snapshot_name(2)]
+    assert os.listdir(disk / snapshot_name(1)) == ["rank-0"]
+    assert sorted(os.listdir(disk / snapshot_name(2))) == [".tmp-rank-1", "rank-0"]
     lines = [r.getMessage() for r in caplog.records if "checkpoint leftovers" in r.getMessage()]
     assert len(lines) == 5 and any("restored" in line for line in lines), lines
     assert complete_steps(disk) == [1, 2]
@@ -110,7 +111,7 @@ def test_leftovers_of_a_crash_are_tidied_at_start_with_a_log_line(tmp_path, capl
 
 
 def test_the_final_checkpoint_does_not_rewrite_the_step_the_interval_saved(tmp_path, monkeypatch):
-    import zb.ckpt.worker as worker
+    import zb.ckpt.durable.worker as worker
 
     writes = []
     real_write, real_copy = worker.write_snapshot, worker.copy_part
@@ -123,7 +124,7 @@ def test_the_final_checkpoint_does_not_rewrite_the_step_the_interval_saved(tmp_p
     m._worker.t.remote_interval = 8
     state.counters["step"] = 4
     m.save(4, state)
-    part = tmp_path / "disk" / step_dir_name(4) / "rank-0"
+    part = tmp_path / "disk" / snapshot_name(4) / "rank-0"
     assert m.wait(30)
     inode = part.stat().st_ino
     m.save(4, state, final=True)

@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, load_script
 
 pytestmark = pytest.mark.netns
@@ -36,7 +35,7 @@ def topology():
 
 
 def test_peer_killed_mid_download_on_shaped_links(topology, tmp_path):
-    from zb.ckpt.snapshot import load_snapshot, write_snapshot
+    from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
 
     bench = load_script("bench_recovery")
     tensors = {"model.safetensors": {"w": torch.randn(6 << 20)}}  # 24 MB: ~5 s from one 40 Mbit peer alone

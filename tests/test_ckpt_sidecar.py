@@ -1,0 +1,275 @@
+"""The checkpoint sidecar (zb.ckpt.sidecar): auth, paths, ranges, commit rules, the `zb ckpt-serve`
+process and where peers find it."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from ckpt_peers import TOKEN, check_fetched, http_get, raw_request, write_sample
+from conftest import free_port, subprocess_env
+
+from zb.ckpt.format.catalog import prune, read_manifest
+from zb.ckpt.format.manifest import MARKER
+from zb.ckpt.format.snapshot import write_snapshot
+from zb.ckpt.recovery.fetch import fetch_snapshot
+from zb.ckpt.sidecar import server as serve
+
+
+def test_token_is_required(peer):
+    _, h = peer()
+    assert http_get(h, "/manifest", token=None)[0].status == 401
+    assert http_get(h, "/manifest", token="wrong")[0].status == 401
+    assert http_get(h, "/manifest", token=TOKEN + "x")[0].status == 401
+    assert http_get(h, "/manifest", token=None, headers={"Authorization": f"Basic {TOKEN}"})[0].status == 401
+    response, body = http_get(h, "/manifest")
+    assert response.status == 200 and json.loads(body)["step"] == 10
+
+
+@pytest.mark.parametrize("target", [
+    "/files/../../etc/passwd", "/files/%2e%2e/%2e%2e/etc/passwd", "/files/%2E%2E/x.safetensors",
+    "/files/step-000000010/..%2f..%2fetc%2fpasswd", "/files/%252e%252e/model.safetensors",
+    "/files/step-000000010/%2e%2e%2fCOMMITTED", "/files//etc/passwd", "/files/step-000000010/",
+    "/files/step-000000010/manifest.json", "/files/step-000000010/COMMITTED", "/files/.tmp-x/model.safetensors",
+    "/files/step-000000010/model.safetensors/..", "/files/step-000000010/%00.safetensors",
+    "//etc/passwd", "/../manifest", "/files/step-000000010/model.safetensors%00",
+])
+def test_traversal_attempts_are_refused(peer, target):
+    _, h = peer()
+    response, body = http_get(h, target)
+    assert response.status in (400, 404) and b"root:" not in body
+
+
+@pytest.mark.parametrize("request_line", [
+    b"GET /files/step-000000010/model.safetensors\x00/../../etc/passwd HTTP/1.1",
+    b"GET http://evil/files/step-000000010/model.safetensors HTTP/1.1",
+    b"GET /files/step-000000010\\..\\..\\etc\\passwd HTTP/1.1",
+])
+def test_raw_malformed_targets_are_refused(peer, request_line):
+    _, h = peer()
+    answer = raw_request(h, request_line + f"\r\nAuthorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n".encode())
+    assert answer.split(b" ")[1] in (b"400", b"404")
+
+
+def test_symlinks_cannot_escape(peer, tmp_path):
+    root, h = peer()
+    snap = root / "step-000000010"
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"S" * (snap / "inner.safetensors").stat().st_size)
+    (snap / "inner.safetensors").unlink()
+    (snap / "inner.safetensors").symlink_to(outside)  # same size as the manifest says
+    assert http_get(h, "/files/step-000000010/inner.safetensors")[0].status == 404
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    os.symlink(write_sample(other, step=99), root / "step-000000099")  # a committed snapshot, outside
+    assert http_get(h, "/files/step-000000099/model.safetensors")[0].status == 404
+    response, body = http_get(h, "/manifest")  # neither the tampered nor the outside snapshot is offered
+    assert response.status == 404 and b"step" not in body
+
+
+def test_ranges(peer):
+    root, h = peer()
+    data = (root / "step-000000010" / "model.safetensors").read_bytes()
+    target, size = "/files/step-000000010/model.safetensors", len(data)
+    response, body = http_get(h, target)
+    assert response.status == 200 and body == data
+    assert response.getheader("ETag") == f'"{read_manifest(root / "step-000000010").files["model.safetensors"].sha256}"'
+    for spec, expected, first, last in [("bytes=10-19", data[10:20], 10, 19), ("bytes=-5", data[-5:], size - 5, size - 1),
+                                        (f"bytes={size - 3}-", data[-3:], size - 3, size - 1),
+                                        (f"bytes=100-{size + 50}", data[100:], 100, size - 1)]:
+        response, body = http_get(h, target, headers={"Range": spec})
+        assert response.status == 206 and body == expected, spec
+        assert response.getheader("Content-Range") == f"bytes {first}-{last}/{size}"
+    for spec in ("bytes=5-2", f"bytes={size}-", "bytes=abc", "bytes=0-1,3-4", "bytes=-0", "items=0-1"):
+        response, _ = http_get(h, target, headers={"Range": spec})
+        assert response.status == 416 and response.getheader("Content-Range") == f"bytes */{size}", spec
+    response, body = http_get(h, target, method="HEAD")
+    assert response.status == 200 and body == b"" and int(response.getheader("Content-Length")) == size
+
+
+def test_resume_a_download_with_range(peer):
+    root, h = peer()
+    data = (root / "step-000000010" / "model.safetensors").read_bytes()
+    first, _ = http_get(h, "/files/step-000000010/model.safetensors", headers={"Range": "bytes=0-999"})
+    _, head = http_get(h, "/files/step-000000010/model.safetensors", headers={"Range": "bytes=0-999"})
+    _, rest = http_get(h, "/files/step-000000010/model.safetensors", headers={"Range": "bytes=1000-"})
+    assert first.status == 206 and head + rest == data
+
+
+def test_refuses_until_first_commit_and_serves_only_committed(peer):
+    root, h = peer(snapshot=False)
+    response, _ = http_get(h, "/manifest")
+    assert response.status == 503 and response.getheader("Retry-After") == "1"
+    (root / ".tmp-step-000000005").mkdir()
+    assert http_get(h, "/manifest")[0].status == 503
+    path = write_sample(root, step=20)
+    (path / MARKER).rename(root / "marker")  # uncommitted again
+    assert http_get(h, "/manifest")[0].status == 503
+    assert http_get(h, "/files/step-000000020/model.safetensors")[0].status == 404
+    (root / "marker").rename(path / MARKER)
+    assert json.loads(http_get(h, "/manifest")[1])["step"] == 20
+    write_sample(root, step=30)
+    assert json.loads(http_get(h, "/manifest")[1])["step"] == 30
+    assert json.loads(http_get(h, "/manifest?step=20")[1])["step"] == 20
+    assert http_get(h, "/manifest?step=25")[0].status == 404
+    assert http_get(h, "/manifest?step=x")[0].status == 400
+
+
+def test_stalled_client_is_dropped(peer):
+    _, h = peer(timeout=0.5)
+    host, port = h.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /manifest HTTP/1.1\r\n")  # never finishes its headers
+        # Dropped after the 0.5 s client timeout: a server that kept it would make recv time out (10 s).
+        assert s.recv(100) == b""
+
+
+def _start_cli(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zb", "ckpt-serve", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_cli_serves_publishes_and_stops_on_sigterm(tmp_path):
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    write_sample(tmp_path)
+    store_port = free_port()
+    store = TCPStore("127.0.0.1", store_port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    proc = _start_cli("--dir", str(tmp_path), "--host", "127.0.0.1", "--token-file", str(token_file), "--json",
+                      "--publish", f"127.0.0.1:{store_port}", "--node-id", "n1", env=subprocess_env())
+    try:
+        line = json.loads(proc.stdout.readline())
+        assert store.get("ckpt_serve/n1").decode() == line["address"]
+        result = fetch_snapshot([line["address"]], TOKEN, tmp_path / "dest", progress=False)
+        check_fetched(result)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not store.check(["ckpt_serve/n1"])
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cli_clear_errors(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = subprocess_env(ZB_CKPT_TOKEN=TOKEN)
+        for args, code, message in [
+            (["--dir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)], 1, "in use"),
+            (["--dir", str(tmp_path / "missing")], 2, "does not exist"),
+            (["--dir", str(tmp_path), "--token-file", str(tmp_path / "nope")], 2, "cannot read the token file"),
+            (["--dir", str(tmp_path), "--publish", "127.0.0.1:1"], 2, "needs a node id"),
+            (["--dir", str(tmp_path), "--publish", f"127.0.0.1:{free_port()}", "--node-id", "n",
+              "--connect-timeout", "0.5"], 1, "cannot reach the global store"),
+        ]:
+            proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", *args], env=env, capture_output=True,
+                                  text=True, timeout=60)
+            assert proc.returncode == code, (args, proc.stderr)
+            lines = proc.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], proc.stderr
+        proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", "--dir", str(tmp_path)],
+                              env=subprocess_env(), capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and "ZB_CKPT_TOKEN" in proc.stderr
+
+
+def test_pruning_during_a_transfer_does_not_cut_it(tmp_path):
+    root = tmp_path / "r"
+    path = write_snapshot(root, {"big.safetensors": {"x": torch.randn(4 << 20)}}, {}, 1)
+    data = (path / "big.safetensors").read_bytes()
+    handle = serve.serve_in_thread(root, TOKEN, "127.0.0.1", 0)
+    try:
+        host, port = handle.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", f"/files/{path.name}/big.safetensors", headers={"Authorization": f"Bearer {TOKEN}"})
+        response = conn.getresponse()
+        head = response.read(1 << 20)
+        write_snapshot(root, {"big.safetensors": {"x": torch.zeros(4)}}, {}, 2)
+        assert [p.name for p in prune(root, keep=1)] == [path.name] and not path.exists()
+        assert head + response.read() == data
+        conn.close()
+        assert http_get(handle, f"/files/{path.name}/big.safetensors")[0].status == 404
+    finally:
+        handle.close()
+
+
+def test_a_client_resetting_its_connection_is_not_a_traceback(peer, capfd):
+    _, h = peer()
+    host, port = h.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # close = RST
+    s.sendall(b"GET /manifest HTTP/1.1\r\n")
+    s.close()
+    time.sleep(0.3)
+    assert http_get(h, "/manifest")[0].status == 200
+    assert "Traceback" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("header, size, expected", [
+    (None, 10, None), ("bytes=0-0", 10, (0, 1)), ("bytes=2-", 10, (2, 10)), ("bytes=-3", 10, (7, 10)),
+    ("bytes=-30", 10, (0, 10)), ("bytes=5-100", 10, (5, 10)), (" bytes=1-2 ", 10, (1, 3)),
+    ("bytes=10-", 10, 416), ("bytes=3-2", 10, 416), ("bytes=-", 10, 416), ("bytes=0-1,2-3", 10, 416),
+    ("bytes=0-0", 0, 416), ("bits=0-1", 10, 416),
+])
+def test_parse_range(header, size, expected):
+    from zb.ckpt.sidecar.http import HttpError, parse_range
+
+    if expected == 416:
+        with pytest.raises(HttpError) as e:
+            parse_range(header, size)
+        assert e.value.status == 416 and e.value.headers["Content-Range"] == f"bytes */{size}"
+    else:
+        assert parse_range(header, size) == expected
+
+
+@pytest.mark.parametrize("target, expected", [
+    ("/manifest", ("manifest", "")), ("/manifest?step=3", ("manifest", "step=3")),
+    ("/files/step-1/model.safetensors", ("file", "step-1", "model.safetensors")),
+    ("/files/step%2D1/model.safetensors", ("file", "step-1", "model.safetensors")),
+    ("/files/%2e%2e/model.safetensors", 400), ("/files/a/b/c.safetensors", 404), ("/files/a/..", 400),
+    ("/files/a/%c0%ae.safetensors", 400), ("/files/a/x.safetensors%2f", 400), ("http://h/manifest", 400),
+    ("/nothing", 404), ("/files/.hidden/x.safetensors", 400),
+])
+def test_route(target, expected):
+    from zb.ckpt.sidecar.http import HttpError, route
+
+    if isinstance(expected, int):
+        with pytest.raises(HttpError) as e:
+            route(target)
+        assert e.value.status == expected
+    else:
+        assert route(target) == expected
+
+
+def test_advertised_address_and_store_keys():
+    from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address
+
+    assert advertised_address("10.1.2.3", 7000) == "10.1.2.3:7000"
+    assert advertised_address("0.0.0.0", 7000, advertise="node-a.vpn") == "node-a.vpn:7000"
+    assert advertised_address("0.0.0.0", 7000, toward="127.0.0.1") == "127.0.0.1:7000"  # route to the store
+    assert advertised_address("::1", 7000) == "[::1]:7000"
+
+    class DictStore(dict):
+        def set(self, key, value):
+            self[key] = value.encode()
+
+        def check(self, keys):
+            return all(k in self for k in keys)
+
+    store = DictStore()
+    assert publish_address(store, "n1", "10.0.0.1:7000") == "ckpt_serve/n1"
+    assert peer_addresses(store, ["n1", "n2"]) == {"n1": "10.0.0.1:7000"}
