@@ -41,8 +41,12 @@ class RunCheckpoints:
 
     def state(self):
         from zb.ckpt.state import TrainState
+        from zb.train.fsdp import unsharded_params
 
         run, c = self.run, self.run.counters
+        gathered = unsharded_params(run.model)
+        if gathered:  # a bug: something ran a forward and did not reshard (see zb.train.fsdp.reshard)
+            raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
         return TrainState(run.model, run.optimizer, run.scheduler,
                           {"step": c.step, "outer_step": c.outer_step, "tokens": c.tokens, "run_tokens": c.run_tokens},
                           run.train_loader.state_dict(),

@@ -48,6 +48,29 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the gathered params a forward left behind, so the model holds only its own shards again.
+
+    Training reshards in backward, but a forward without one (evaluation under no_grad) leaves every
+    FSDP module that keeps its params after forward (the last block, the root) gathered: state
+    dicts, checkpoints and the outer step would then see full tensors instead of shards.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def unsharded_params(model: nn.Module) -> list[str]:
+    """Names of params of a sharded model that are not in their sharded (DTensor) form."""
+    if not is_sharded(model):
+        return []
+    from torch.distributed.tensor import DTensor
+
+    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+
 def autocast(model: nn.Module, placement: Placement):
     """bf16 compute for an unsharded model (FSDP2 handles it through its policy otherwise)."""
     if is_sharded(model) or placement.param_dtype == torch.float32:

@@ -17,7 +17,7 @@ from torch import nn
 
 from zb.models.loss import cross_entropy
 from zb.train.device import Placement
-from zb.train.fsdp import autocast, is_sharded
+from zb.train.fsdp import autocast, is_sharded, reshard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -98,6 +98,8 @@ class Trainer:
             loss, z_loss = self._forward(*batch)
             total += loss.item() - self.z_loss_weight * z_loss.item()
             count += 1
+        if is_sharded(self.model):
+            reshard(self.model)  # no backward follows to do it: see fsdp.reshard
         self.model.train()
         mean, counted = local_mean([total, float(count)], self.placement.device)
         return mean / counted if counted else float("nan")
