@@ -32,6 +32,7 @@ from zb.diloco.transfer import StateTransfer, ensure_adam_state
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.store import connect, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.train.device import control_group
 
 log = logging.getLogger("zb.diloco")
 
@@ -59,7 +60,7 @@ class DilocoNode:
         self.cfg, self.dcfg, self.optimizer, self.local, self.sink = cfg, cfg.diloco, optimizer, local, sink
         self.fingerprint = fingerprint
         self.outer = OuterState(model, cfg.diloco)
-        self.local_group = dist.group.WORLD if dist.is_initialized() else None
+        self.local_group = control_group()  # gloo even on GPU: CPU tensors, long waits raise instead of abort
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                       local_world_size=local.world_size, sink=sink if local.is_leader else None)
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)

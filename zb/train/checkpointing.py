@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from zb.config import to_dict
+from zb.train.device import control_group
 
 if TYPE_CHECKING:
     from zb.train.run import TrainingRun
@@ -37,7 +36,7 @@ class RunCheckpoints:
                             run.cfg.elastic.unique_id, cfg.remote.path.rstrip("/"))
             self.manager = CheckpointManager(cfg, node_id=run.cfg.elastic.unique_id, local_rank=run.local.rank,
                                              local_world_size=run.local.world_size, sink=run.sink,
-                                             local_group=dist.group.WORLD if dist.is_initialized() else None)
+                                             local_group=control_group())
 
     def state(self):
         from zb.ckpt.state import TrainState

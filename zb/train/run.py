@@ -17,7 +17,8 @@ from zb.diloco.fingerprint import fingerprint
 from zb.errors import LeavingRun
 from zb.metrics import MetricsSink
 from zb.train.checkpointing import RunCheckpoints
-from zb.train.device import Placement, close_local_group, init_local_group, pick_placement
+from zb.train.device import (Placement, close_local_group, control_timeout_s, init_control_group, init_local_group,
+                             pick_placement)
 from zb.train.progress import TrainingDisplay, format_step_line
 from zb.train.schedule import build_optimizer, build_scheduler, set_schedule_position
 from zb.train.setup import build_loaders, build_model, check_batch, node_identity
@@ -77,6 +78,9 @@ class TrainingRun:
         set_node_id(cfg.elastic.unique_id)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
+        from zb.models import count_params
+
+        init_control_group(control_timeout_s(cfg, count_params(self.model)))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
