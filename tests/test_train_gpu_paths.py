@@ -52,3 +52,30 @@ def test_control_timeout_covers_a_slow_int8_outer_all_reduce():
     # 10B params, int8, ring (2 bytes per param on the wire) at 10 Mbit/s: 16,000 s of transfer alone.
     assert control_timeout_s(diloco, 10**10) > 16_000
     assert control_timeout_s(diloco, 1000) >= LOCAL_TIMEOUT_S
+
+
+def test_fsdp_bf16_blocks_keep_fp32_rope_and_gathered_params_are_resharded():
+    """2 ranks, FSDP2 with bf16 params on CPU: what the CUDA path does, minus the device."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import REPO, free_port, subprocess_env
+
+    driver = str(Path(__file__).parent / "drivers" / "fsdp_probe.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                           "127.0.0.1", "--master-port", str(free_port()), driver], capture_output=True, text=True,
+                          timeout=150, env=subprocess_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert out["rope_dtypes"] == ["torch.float32"]  # as on one device, not cast to bf16 by FSDP2
+    # The root keeps embeddings/norm/output gathered for backward (no extra all-gather per micro batch);
+    # the last block too. Backward reshards both.
+    kept = out["gathered_between_forward_and_backward"]
+    assert "tok_embeddings.weight" in kept and any(n.startswith("layers.1.") for n in kept)
+    assert not any(n.startswith("layers.0.") for n in kept)
+    assert out["gathered_after_backward"] == []
+    # A forward without backward (evaluation) leaves them gathered until reshard: the final-checkpoint bug.
+    assert "layers.1.attention.wq.weight" in out["gathered_after_no_grad_forward"]
+    assert out["gathered_after_reshard"] == []

@@ -32,13 +32,21 @@ def shard_model(model: nn.Module, cfg: TrainConfig, placement: Placement) -> nn.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(placement.device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=placement.param_dtype, reduce_dtype=placement.reduce_dtype)
+    # Blocks get their inputs uncast: the activations already arrive in param_dtype from the
+    # embedding, and the RoPE tables must stay fp32 as they do on one device (a bf16 cos/sin table
+    # loses precision at large positions). The root's input is token ids, which no cast touches.
+    block_mp = MixedPrecisionPolicy(param_dtype=placement.param_dtype, reduce_dtype=placement.reduce_dtype,
+                                    cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(param_dtype=placement.param_dtype, reduce_dtype=placement.reduce_dtype)
     blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away by backward: keep them gathered.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=reshard)
+    # None lets FSDP2 keep the root's params (embeddings, final norm, output) gathered from forward
+    # to backward, as it does by default: resharding them only to gather them again at once costs
+    # one all-gather per micro batch. Evaluation reshards explicitly (see `reshard`).
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=None if cfg.reshard_after_forward else False)
     return model
 
 
