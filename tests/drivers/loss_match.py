@@ -25,6 +25,7 @@ GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 32, 320, 4
 
 def main() -> None:
     micro_bs = int(sys.argv[1])
+    reduce_every = len(sys.argv) > 2 and sys.argv[2] == "every"
     local = local_world()
     cfg = load_config([], {"train.micro_bs": str(micro_bs), "optim.batch_size": str(GLOBAL_BATCH),
                            "data.seq_length": str(SEQ), "optim.warmup_steps": "2", "optim.total_steps": "10",
@@ -35,7 +36,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB, placement)
     optimizer = build_optimizer(model, cfg.optim)
-    trainer = Trainer(model, optimizer, build_scheduler(optimizer, cfg.optim), placement, 1.0, 1e-4)
+    trainer = Trainer(model, optimizer, build_scheduler(optimizer, cfg.optim), placement, 1.0, 1e-4, reduce_every)
     gen = torch.Generator().manual_seed(123)
     losses = []
     per_rank = GLOBAL_BATCH // local.world_size

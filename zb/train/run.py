@@ -84,7 +84,7 @@ class TrainingRun:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
-                               cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
+                               cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0, cfg.train.reduce_every_micro_batch)
         self.sink = MetricsSink(cfg.log.dir, cfg.elastic.unique_id, enabled=local.is_leader)
         self.counters = Counters()
         self.total = cfg.train.max_steps or cfg.optim.total_steps

@@ -42,9 +42,10 @@ def local_mean(values: list[float], device: torch.device) -> list[float]:
 
 class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, placement: Placement,
-                 grad_clip: float, z_loss_weight: float):
+                 grad_clip: float, z_loss_weight: float, reduce_every_micro_batch: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.placement, self.grad_clip, self.z_loss_weight = placement, grad_clip, z_loss_weight
+        self.reduce_every_micro_batch = reduce_every_micro_batch
 
     def _forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs.to(self.placement.device, non_blocking=True)
@@ -61,8 +62,9 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.placement.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             if is_sharded(self.model):
-                # Reduce-scatter gradients only after the last micro batch.
-                self.model.set_requires_gradient_sync(i == n - 1)
+                # Reduce-scatter only after the last micro batch (least traffic), unless asked to after
+                # each: FSDP2 otherwise holds a full unsharded fp32 gradient until then.
+                self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == n - 1)
             loss, z_loss = self._forward(inputs, labels)
             (loss / n).backward()
             z = z_loss.detach().double()
