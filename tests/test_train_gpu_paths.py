@@ -69,6 +69,7 @@ def test_fsdp_bf16_blocks_keep_fp32_rope_and_gathered_params_are_resharded():
                           timeout=150, env=subprocess_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert out["init_differs"] == []  # meta-device build + sharded init == whole-model CPU init, bit for bit
     assert out["rope_dtypes"] == ["torch.float32"]  # as on one device, not cast to bf16 by FSDP2
     # The root keeps embeddings/norm/output gathered for backward (no extra all-gather per micro batch);
     # the last block too. Backward reshards both.
@@ -79,3 +80,24 @@ def test_fsdp_bf16_blocks_keep_fp32_rope_and_gathered_params_are_resharded():
     # A forward without backward (evaluation) leaves them gathered until reshard: the final-checkpoint bug.
     assert "layers.1.attention.wq.weight" in out["gathered_after_no_grad_forward"]
     assert out["gathered_after_reshard"] == []
+
+
+def test_one_process_meta_device_init_equals_the_whole_model_cpu_init():
+    import torch
+
+    from zb.models import Transformer, model_args
+    from zb.train.device import Placement
+    from zb.train.setup import build_model
+
+    cfg = _cfg(**{"train.device": "cpu", "train.ac_ckpt": "true", "data.seq_length": 32})
+    placement = Placement(torch.device("cpu"), "gloo", torch.float32, torch.float32)
+    model = build_model(cfg, 320, placement)
+    reference = Transformer(model_args(cfg.model, vocab_size=320, max_seq_len=32))
+    reference.init_weights(cfg.train.seed)
+    from zb.models.init import canonical_name
+
+    got = {canonical_name(n): t for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    want = dict(list(reference.named_parameters()) + list(reference.named_buffers()))
+    assert set(got) == set(want)
+    assert all(t.device.type == "cpu" for t in got.values())
+    assert [n for n in want if not torch.equal(got[n], want[n])] == []

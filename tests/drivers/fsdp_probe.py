@@ -20,17 +20,31 @@ from zb.train.setup import build_model
 from zb.world import local_world
 
 
+def init_differences(model, cfg) -> list[str]:
+    """Names whose gathered value differs, bit for bit, from the whole model built and initialised on
+    the CPU (the init before meta-device building); the RoPE buffers included."""
+    from zb.models import Transformer, model_args
+
+    reference = Transformer(model_args(cfg.model, vocab_size=320, max_seq_len=cfg.data.seq_length))
+    reference.init_weights(cfg.train.seed)
+    ref = dict(reference.named_parameters()) | dict(reference.named_buffers())
+    mine = dict(model.named_parameters()) | dict(model.named_buffers())
+    full = {n: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach() for n, t in mine.items()}
+    assert set(full) == set(ref), (set(full) ^ set(ref))
+    return [n for n in ref if not torch.equal(full[n].cpu(), ref[n].detach())]
+
+
 def main() -> None:
     local = local_world()
     cfg = load_config([], {"train.device": "cpu", "train.param_dtype": "bf16", "data.seq_length": "32"}, environ={})
     placement = pick_placement(cfg.train, local)
     init_local_group(local, placement)
     model = build_model(cfg, 320, placement)
+    out = {"init_differs": init_differences(model, cfg)}
     seen: list[str] = []
     for block in model.layers:
         block.attention.register_forward_pre_hook(lambda m, args: seen.append(str(args[1].dtype)))
     tokens = torch.randint(0, 320, (2, 32), generator=torch.Generator().manual_seed(local.rank))
-    out = {}
     logits = model(tokens)
     out["rope_dtypes"] = sorted(set(seen))
     out["gathered_between_forward_and_backward"] = unsharded_params(model)

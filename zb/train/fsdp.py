@@ -25,9 +25,10 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def shard_model(model: nn.Module, cfg: TrainConfig, placement: Placement) -> nn.Module:
-    """Move to the device and, with several local ranks, apply FSDP2 per block and at the root."""
+    """With several local ranks, apply FSDP2 per block and at the root (the model may be on the meta
+    device: the caller then allocates with `to_empty` and initialises the shards)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return model.to(placement.device)
+        return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -44,18 +44,26 @@ def node_identity(cfg: Config, local: LocalWorld) -> str:
 
 
 def build_model(cfg: Config, vocab_size: int, placement: Placement) -> torch.nn.Module:
-    """Identical initial weights on every node: fp32 init on CPU from the seed, then shard."""
+    """Identical initial weights on every node, without ever holding the whole model on any rank.
+
+    The model is built on the meta device (no memory), wrapped and sharded, then each rank allocates
+    only its own shards on its device and fills them: each parameter's full fp32 value is drawn on
+    the CPU from its own seeded generator, one parameter at a time, and sliced (zb.models.init), so
+    the weights are bit-identical to building the whole model and initialising it on the CPU.
+    """
     from zb.models import Transformer, count_params, model_args
 
     args = model_args(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.data.seq_length)
-    model = Transformer(args)
-    model.init_weights(cfg.train.seed)
+    with torch.device("meta"):
+        model = Transformer(args)
     log.info("model %s/%s: %s params, dim %d, %d layers, %d heads (%d kv), vocab %d", cfg.model.type,
              cfg.model.name, f"{count_params(model):,}", args.dim, args.n_layers, args.n_heads, args.kv_heads,
              args.vocab_size)
     if cfg.train.ac_ckpt:
         apply_activation_checkpointing(model)
     model = shard_model(model, cfg.train, placement)
+    model.to_empty(device=placement.device)
+    model.init_weights(cfg.train.seed)
     if cfg.train.torch_compile:
         for block in model.layers:
             block.compile()
