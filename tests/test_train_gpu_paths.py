@@ -101,3 +101,71 @@ def test_one_process_meta_device_init_equals_the_whole_model_cpu_init():
     assert set(got) == set(want)
     assert all(t.device.type == "cpu" for t in got.values())
     assert [n for n in want if not torch.equal(got[n], want[n])] == []
+
+
+def test_cpu_run_hides_gpus_before_anything_opens_a_cuda_context(monkeypatch):
+    from zb.train.device import pick_placement
+    from zb.world import LocalWorld
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    placement = pick_placement(_cfg(**{"train.device": "cpu"}).train, LocalWorld(rank=0, world_size=1))
+    import os
+
+    assert placement.device.type == "cpu" and os.environ["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_more_local_ranks_than_gpus_is_one_line_not_an_nccl_error(monkeypatch):
+    import torch
+
+    from zb.errors import InvalidInput
+    from zb.train.device import pick_placement
+    from zb.world import LocalWorld
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device reached"))
+    with pytest.raises(InvalidInput, match=r"2 local ranks but 1 CUDA device.*--nproc-per-node 1"):
+        pick_placement(_cfg().train, LocalWorld(rank=1, world_size=2))
+
+
+def test_flash_attention_with_fp32_params_is_refused():
+    import torch
+
+    from zb.config import ConfigError
+    from zb.train.device import Placement
+    from zb.train.setup import check_placement
+
+    cfg = _cfg(**{"model.attn_impl": "flash"})
+    with pytest.raises(ConfigError, match=r"model.attn_impl = 'flash'.*needs bf16.*--train.param_dtype bf16"):
+        check_placement(cfg, Placement(torch.device("cuda", 0), "nccl", torch.float32, torch.float32))
+    check_placement(cfg, Placement(torch.device("cuda", 0), "nccl", torch.bfloat16, torch.float32))  # fine
+
+
+def test_flash_attention_on_cpu_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    proc = subprocess.run([sys.executable, "-m", "zb", "train", "--data.fake", "--train.device", "cpu",
+                           "--model.attn_impl", "flash", "--optim.total_steps", "2", "--optim.warmup_steps", "1", "--log.dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=subprocess_env(), cwd=REPO)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "model.attn_impl" in ln]
+    assert len(errors) == 1 and "CUDA only" in errors[0] and "use auto or sdpa" in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_attention_neither_repeats_kv_heads_nor_looks_for_flash_per_call(monkeypatch):
+    import torch
+
+    from zb.models import Transformer, model_args
+    from zb.models import llama
+
+    cfg = _cfg(**{"model.type": "llama2", "model.n_kv_heads": 2})
+    model = Transformer(model_args(cfg.model, vocab_size=320, max_seq_len=16))
+    model.init_weights(0)
+    tokens = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(llama, "flash_available", lambda: pytest.fail("flash_available looked up per call"))
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: pytest.fail("K/V heads repeated"))
+    assert model(tokens).isfinite().all()

@@ -14,6 +14,7 @@ sized to those waits (`control_timeout_s`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,13 +41,27 @@ class Placement:
     reduce_dtype: torch.dtype
 
 
+def hide_gpus() -> None:
+    """Make CUDA invisible to this process and its children before anything initialises it, so no
+    later `torch.cuda.is_available()` guard (RNG state, pinned buffers, synchronize) opens a CUDA
+    context on GPU 0 for every rank of a CPU run."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
-    has_cuda = torch.cuda.is_available()
+    if cfg.device == "cpu":
+        hide_gpus()
+    has_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if cfg.device == "cuda" and not has_cuda:
         raise InvalidInput("train.device = 'cuda' but no CUDA device is visible; use --train.device cpu or auto")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and has_cuda)
     if use_cuda:
-        torch.cuda.set_device(local.rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if local.world_size > gpus:
+            # Two ranks on one GPU would stop in NCCL with "Duplicate GPU detected".
+            raise InvalidInput(f"{local.world_size} local ranks but {gpus} CUDA device(s) visible: start at most "
+                               f"{gpus} ranks per node (--nproc-per-node {gpus}) or use --train.device cpu")
+        torch.cuda.set_device(local.rank)
         device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
         reason = f"CUDA device {device.index} ({torch.cuda.get_device_name(device)}), NCCL inside the node"
     else:

@@ -21,7 +21,7 @@ from zb.train.device import (Placement, close_local_group, control_timeout_s, in
                              pick_placement)
 from zb.train.progress import TrainingDisplay, format_step_line
 from zb.train.schedule import build_optimizer, build_scheduler, set_schedule_position
-from zb.train.setup import build_loaders, build_model, check_batch, node_identity
+from zb.train.setup import build_loaders, build_model, check_batch, check_placement, node_identity
 from zb.train.signals import StopRequest
 from zb.train.step import StepResult, Trainer, take
 from zb.world import LocalWorld, local_world
@@ -74,6 +74,7 @@ class TrainingRun:
 
         self.cfg, self.local, self.placement = cfg, local, placement
         self.accum = check_batch(cfg, local)
+        check_placement(cfg, placement)
         cfg.elastic.unique_id = node_identity(cfg, local)
         set_node_id(cfg.elastic.unique_id)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
