@@ -17,7 +17,7 @@ POSITIVE = ["optim.lr", "optim.batch_size", "optim.total_steps", "train.micro_bs
             "train.max_steps", "data.data_world_size", "ckpt.interval", "ckpt.topk", "ckpt.remote.interval",
             "diloco.inner_steps", "diloco.outer_lr", "diloco.streams", "diloco.bucket_mb", "diloco.min_bandwidth_mbps"]
 NON_NEGATIVE = ["optim.weight_decay", "optim.warmup_steps", "optim.grad_clip", "optim.z_loss_weight", "optim.eps",
-                "data.shuffle_buffer", "data.retries", "train.seed", "elastic.rank", "data.data_rank",
+                "data.shuffle_buffer", "data.retries", "data.prefetch", "train.seed", "elastic.rank", "data.data_rank",
                 "diloco.retry_all_reduce", "diloco.outer_momentum", "ckpt.grace_period"]
 FRACTIONS = ["optim.adam_betas1", "optim.adam_betas2", "optim.min_lr_ratio", "optim.decay_ratio",
              "data.eval_fraction"]

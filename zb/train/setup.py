@@ -96,4 +96,10 @@ def build_loaders(cfg: Config, tokenizer, local: LocalWorld, data_rank: int, dat
                                 data_rank=data_rank, data_world_size=data_world_size, local_rank=local.rank,
                                 local_world_size=local.world_size, split=split, seed=cfg.train.seed)
 
-    return make("train"), lambda: make("eval")
+    train = make("train")
+    if cfg.data.prefetch:
+        from zb.data.prefetch import Prefetcher
+
+        # Pinned only for a CUDA run: pinning needs CUDA, and only an async H2D copy gains from it.
+        train = Prefetcher(train, depth=cfg.data.prefetch, pin=torch.cuda.is_available())
+    return train, lambda: make("eval")

@@ -31,13 +31,14 @@ class StepResult:
     stop: bool = False  # some local rank was asked to stop: the whole node stops after this step
 
 
-def local_mean(values: list[float], device: torch.device) -> list[float]:
-    """Mean of each value over the node's local ranks (gloo has no AVG: sum, then divide)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+def local_mean(values: list[float] | torch.Tensor, device: torch.device) -> list[float]:
+    """Mean of each value over the node's local ranks (gloo has no AVG: sum, then divide); a device
+    tensor stays on the device until this one read."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t = t / dist.get_world_size()
+    return t.tolist()
 
 
 class Trainer:
@@ -75,17 +76,21 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        # One local all-reduce per step carries the logged losses and the stop flag together.
-        ce_sum, z_sum = sums.tolist()
-        loss, z, stop = local_mean([ce_sum / n, z_sum / n, float(stop_requested)], self.placement.device)
-        return StepResult(loss=loss, z_loss=z, grad_norm=grad_norm, lr=lr, stop=stop > 0)
+        # One local all-reduce and one host read per step carry the logged losses, the stop flag and
+        # the grad norm (equal on every rank, so its mean is itself) together.
+        stop = torch.tensor([float(stop_requested)], dtype=torch.float64).to(self.placement.device,
+                                                                             non_blocking=True)
+        values = torch.cat([sums / n, stop, grad_norm.detach().double().reshape(1)])
+        loss, z, stop_mean, norm = local_mean(values, self.placement.device)
+        return StepResult(loss=loss, z_loss=z, grad_norm=norm, lr=lr, stop=stop_mean > 0)
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
+        """Clip and return the global grad norm, left on the device (no host sync)."""
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], num_batches: int) -> float:
