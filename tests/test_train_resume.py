@@ -72,7 +72,9 @@ def test_sigterm_writes_a_final_checkpoint(tmp_path):
 def test_two_rank_final_checkpoint_after_eval_resumes_bit_for_bit(tmp_path):
     """The final checkpoint of a 2-rank run follows a no-grad eval forward, which leaves the last block
     (and the root) gathered: resuming `latest` from it must continue exactly like a straight run."""
-    two = ["--nproc-per-node", "2", "--optim.batch_size", "8", "--eval.interval", "5", "--eval.batches", "1"]
+    # Batches prefetched (on by default only on CUDA): the resume position must still be exact.
+    two = ["--nproc-per-node", "2", "--optim.batch_size", "8", "--eval.interval", "5", "--eval.batches", "1",
+           "--data.prefetch", "3"]
     straight = _train(tmp_path, *two, "--optim.total_steps", "12", "--log.dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-2000:]
     ck = [*two, "--ckpt.path", str(tmp_path / "ck"), "--ckpt.interval", "5", "--log.dir", str(tmp_path / "b")]

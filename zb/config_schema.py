@@ -98,8 +98,9 @@ class DataConfig:
     shuffle_buffer: int = knob(0, "Streaming shuffle buffer in documents (0: keep file order, exact resume).")
     eval_fraction: float = knob(0.01, "Fraction of documents held out for evaluation (disjoint from training).")
     retries: int = knob(5, "Retries, with exponential backoff, on transient HTTP errors from the hub.")
-    prefetch: int = knob(2, "Training batches made ahead in a background thread (0: made inline, when needed).",
-                         per_node=True)
+    prefetch: int = knob(2, "Training batches made ahead in a background thread (0: inline). On by default on CUDA "
+                            "only: on the CPU the thread competes with the step for cores and the GIL, so it "
+                            "applies there only when set.", per_node=True)
 
 
 @dataclass

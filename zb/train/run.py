@@ -119,6 +119,8 @@ class TrainingRun:
             self._final_eval()
             self.checkpoints.final()
         finally:
+            if hasattr(getattr(self, "train_loader", None), "close"):
+                self.train_loader.close()  # the prefetch thread
             self.checkpoints.close()
             if self.diloco is not None:
                 # Normal end, error or signal: the deathrattle lets peers drop this node at once.

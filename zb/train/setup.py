@@ -96,10 +96,15 @@ def build_loaders(cfg: Config, tokenizer, local: LocalWorld, data_rank: int, dat
                                 data_rank=data_rank, data_world_size=data_world_size, local_rank=local.rank,
                                 local_world_size=local.world_size, split=split, seed=cfg.train.seed)
 
+    from zb.config import source_of
+
     train = make("train")
-    if cfg.data.prefetch:
+    cuda = torch.cuda.is_available()  # False on a train.device=cpu run: see device.hide_gpus
+    # On the CPU the step and the thread share the cores and the GIL: measured slower there
+    # (BENCHMARKS.md), so it is on by default only where the host mostly waits for the device.
+    if cfg.data.prefetch and (cuda or source_of(cfg, "data.prefetch") != "default"):
         from zb.data.prefetch import Prefetcher
 
         # Pinned only for a CUDA run: pinning needs CUDA, and only an async H2D copy gains from it.
-        train = Prefetcher(train, depth=cfg.data.prefetch, pin=torch.cuda.is_available())
+        train = Prefetcher(train, depth=cfg.data.prefetch, pin=cuda)
     return train, lambda: make("eval")
