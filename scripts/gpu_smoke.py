@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="zb-gpu-smoke-"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"gpu_smoke: {gpus} GPU(s) visible; logs in {work}", flush=True)
+    seen = "--cpu: the stages on the CPU, 2 ranks standing in for GPUs" if args.cpu else f"{gpus} GPU(s) visible"
+    print(f"gpu_smoke: {seen}; logs in {work}", flush=True)
     failed = False
     for name in args.stage or STAGES:
         t0 = time.perf_counter()
