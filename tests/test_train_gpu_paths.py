@@ -169,3 +169,17 @@ def test_attention_neither_repeats_kv_heads_nor_looks_for_flash_per_call(monkeyp
     monkeypatch.setattr(llama, "flash_available", lambda: pytest.fail("flash_available looked up per call"))
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", lambda *a, **k: pytest.fail("K/V heads repeated"))
     assert model(tokens).isfinite().all()
+
+
+def test_checkpoint_state_refuses_a_sharded_model_with_gathered_params(monkeypatch):
+    """The save-time guard: a checkpoint of gathered params under shard names is a bug, never written."""
+    from types import SimpleNamespace
+
+    from zb.train import fsdp
+    from zb.train.checkpointing import RunCheckpoints
+
+    checkpoints = RunCheckpoints.__new__(RunCheckpoints)
+    checkpoints.run = SimpleNamespace(model=object(), counters=SimpleNamespace())
+    monkeypatch.setattr(fsdp, "unsharded_params", lambda model: ["layers.1.attention.wq.weight"])
+    with pytest.raises(RuntimeError, match="refusing to checkpoint.*layers.1.attention.wq.weight"):
+        checkpoints.state()
