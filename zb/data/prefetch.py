@@ -1,6 +1,6 @@
 """Batches made ahead of time in a background thread, ready to copy to the device.
 
-    loader = Prefetcher(build_dataloader(...), depth=2, pin=True)
+    loader = Prefetcher(build_dataloader(...), depth=2, pin_device=torch.cuda.current_device())
     inputs, labels = next(loader)     # contiguous (and pinned) LongTensors, the same as the inner loader's
     state = loader.state_dict()       # the position after the last batch *taken*, not the last made
 
@@ -23,10 +23,11 @@ _END = object()
 
 
 class Prefetcher:
-    def __init__(self, loader, *, depth: int = 2, pin: bool = False):
+    def __init__(self, loader, *, depth: int = 2, pin_device: int | None = None):
+        """pin_device: the rank's CUDA device index to pin batches for (None: no pinning)."""
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, not {depth}")
-        self.loader, self.depth, self.pin = loader, depth, pin
+        self.loader, self.depth, self.pin_device = loader, depth, pin_device
         self.exact_resume = loader.exact_resume
         self.resume_note = loader.resume_note
         self._state = loader.state_dict()
@@ -45,6 +46,10 @@ class Prefetcher:
 
     def _work(self, q: queue.Queue) -> None:
         try:
+            if self.pin_device is not None:
+                # A new thread's current device is 0: pinning there would open a CUDA context on
+                # GPU 0 for every rank.
+                torch.cuda.set_device(self.pin_device)
             while not self._stop.is_set():
                 inputs, labels = next(self.loader)
                 item = (self._ready(inputs), self._ready(labels), self.loader.state_dict())
@@ -64,7 +69,7 @@ class Prefetcher:
 
     def _ready(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
-        return t.pin_memory() if self.pin else t
+        return t if self.pin_device is None else t.pin_memory()
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._thread is None:

@@ -106,5 +106,5 @@ def build_loaders(cfg: Config, tokenizer, local: LocalWorld, data_rank: int, dat
         from zb.data.prefetch import Prefetcher
 
         # Pinned only for a CUDA run: pinning needs CUDA, and only an async H2D copy gains from it.
-        train = Prefetcher(train, depth=cfg.data.prefetch, pin=cuda)
+        train = Prefetcher(train, depth=cfg.data.prefetch, pin_device=torch.cuda.current_device() if cuda else None)
     return train, lambda: make("eval")
