@@ -34,6 +34,8 @@ def test_two_rank_fsdp_matches_one_process(reduce):
                             env=subprocess_env(), cwd=REPO)
     sharded = _torchrun(2, DRIVER, "2", reduce)
     a, b = _losses(single), _losses(sharded)
+    flags = json.loads([ln for ln in sharded.stdout.splitlines() if ln.startswith("{")][-1])["sync_flags"]
+    assert flags == ([True, True] if reduce == "every" else [False, True])
     assert len(a) == len(b) == 4
     assert a[0] > a[-1], "the model did not learn the fixed batches"
     for x, y in zip(a, b):

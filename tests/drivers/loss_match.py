@@ -37,6 +37,10 @@ def main() -> None:
     model = build_model(cfg, VOCAB, placement)
     optimizer = build_optimizer(model, cfg.optim)
     trainer = Trainer(model, optimizer, build_scheduler(optimizer, cfg.optim), placement, 1.0, 1e-4, reduce_every)
+    sync_flags: list[bool] = []  # per micro batch of the first step: reduce-scatter after it or not
+    if hasattr(model, "set_requires_gradient_sync"):
+        real = model.set_requires_gradient_sync
+        model.set_requires_gradient_sync = lambda flag, **kw: (sync_flags.append(flag), real(flag, **kw))[1]
     gen = torch.Generator().manual_seed(123)
     losses = []
     per_rank = GLOBAL_BATCH // local.world_size
@@ -49,7 +53,8 @@ def main() -> None:
         result = trainer.train_step(micro)
         losses.append(result.loss)
     if local.is_leader:
-        print(json.dumps({"losses": losses, "grad_norm": result.grad_norm}), flush=True)
+        print(json.dumps({"losses": losses, "grad_norm": result.grad_norm, "sync_flags": sync_flags[:accum]}),
+              flush=True)
     close_local_group()
     # As `zb train` does: skip interpreter finalization, where gloo's threads can abort the process.
     sys.stdout.flush()
