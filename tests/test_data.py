@@ -215,3 +215,50 @@ def test_builtin_loader_is_fast():
     start = time.perf_counter()
     tokens = sum(x.numel() for x, _ in islice(loader, 40))
     assert tokens / (time.perf_counter() - start) > 100_000  # >> what a tiny model trains on 2 cores
+
+
+@pytest.mark.parametrize("source", ["builtin", "fake", "jsonl"])
+def test_prefetched_batches_and_resume_equal_the_plain_loader(tmp_path, source):
+    """Batches made ahead in a thread: the same batches, contiguous, and a state that resumes after the
+    batches taken (not the ones made), both into a plain loader and into another prefetcher."""
+    from zb.data.prefetch import Prefetcher
+
+    _write_corpus(tmp_path)
+    cfg = DataConfig(fake=source == "fake", text_column="body",
+                     dataset_name_or_paths=str(tmp_path / "b.jsonl") if source == "jsonl" else "builtin")
+
+    def make():
+        return _loader(cfg, data_rank=1, data_world_size=2, micro_bs=3, seq_length=32)
+
+    plain, ahead = make(), Prefetcher(make(), depth=3)
+    for _ in range(7):
+        (a, b), (c, d) = next(plain), next(ahead)
+        assert torch.equal(a, c) and torch.equal(b, d)
+        assert c.is_contiguous() and d.is_contiguous()
+        assert ahead.state_dict() == plain.state_dict()  # although the thread is ahead by up to 3
+    state = json.loads(json.dumps(ahead.state_dict()))
+    expected = list(islice(plain, 5))
+    for fresh in (make(), Prefetcher(make(), depth=2)):
+        fresh.load_state_dict(state)
+        for (a, b), (c, d) in zip(expected, islice(fresh, 5)):
+            assert torch.equal(a, c) and torch.equal(b, d)
+    ahead.load_state_dict(state)  # rewinding a running prefetcher drops what it made ahead
+    for (a, b), (c, d) in zip(expected, islice(ahead, 5)):
+        assert torch.equal(a, c) and torch.equal(b, d)
+    ahead.close()
+
+
+def test_prefetcher_raises_the_loaders_error_in_the_consumer():
+    from zb.data.prefetch import Prefetcher
+
+    class Broken:
+        exact_resume, resume_note = True, ""
+
+        def __next__(self):
+            raise OSError("disk gone")
+
+        def state_dict(self):
+            return {}
+
+    with pytest.raises(OSError, match="disk gone"):
+        next(Prefetcher(Broken()))

@@ -27,11 +27,15 @@ def _losses(proc: subprocess.CompletedProcess) -> list[float]:
     return json.loads(line)["losses"]
 
 
-def test_two_rank_fsdp_matches_one_process():
+@pytest.mark.parametrize("reduce", ["last", "every"])
+def test_two_rank_fsdp_matches_one_process(reduce):
+    """micro_bs 2 on 2 ranks: 2 micro batches per rank, gradients reduced after the last or after each."""
     single = subprocess.run([sys.executable, DRIVER, "4"], capture_output=True, text=True, timeout=120,
                             env=subprocess_env(), cwd=REPO)
-    sharded = _torchrun(2, DRIVER, "2")
+    sharded = _torchrun(2, DRIVER, "2", reduce)
     a, b = _losses(single), _losses(sharded)
+    flags = json.loads([ln for ln in sharded.stdout.splitlines() if ln.startswith("{")][-1])["sync_flags"]
+    assert flags == ([True, True] if reduce == "every" else [False, True])
     assert len(a) == len(b) == 4
     assert a[0] > a[-1], "the model did not learn the fixed batches"
     for x, y in zip(a, b):

@@ -67,3 +67,22 @@ def test_sigterm_writes_a_final_checkpoint(tmp_path):
                      str(last + 2), "--log.dir", str(tmp_path / "log2"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [e["step"] for e in read_metrics(tmp_path / "log2" / "metrics.jsonl", "step")] == [last + 1, last + 2]
+
+
+def test_two_rank_final_checkpoint_after_eval_resumes_bit_for_bit(tmp_path):
+    """The final checkpoint of a 2-rank run follows a no-grad eval forward, which leaves the last block
+    (and the root) gathered: resuming `latest` from it must continue exactly like a straight run."""
+    # Batches prefetched (on by default only on CUDA): the resume position must still be exact.
+    two = ["--nproc-per-node", "2", "--optim.batch_size", "8", "--eval.interval", "5", "--eval.batches", "1",
+           "--data.prefetch", "3"]
+    straight = _train(tmp_path, *two, "--optim.total_steps", "12", "--log.dir", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    ck = [*two, "--ckpt.path", str(tmp_path / "ck"), "--ckpt.interval", "5", "--log.dir", str(tmp_path / "b")]
+    # Steps 1-8: saves at step 5 (interval) and 8 (final, right after the final eval).
+    first = _train(tmp_path, *ck, "--optim.total_steps", "12", "--train.max_steps", "8")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "eval step 8" in first.stderr
+    second = _train(tmp_path, *ck, "--optim.total_steps", "12", "--ckpt.resume", "latest")
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "at step 8" in second.stderr
+    assert _losses(tmp_path / "b" / "metrics.jsonl") == _losses(tmp_path / "a" / "metrics.jsonl")

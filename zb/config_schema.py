@@ -57,6 +57,8 @@ class TrainConfig:
     reduce_dtype: str = knob("fp32", "FSDP2 gradient reduction dtype.", choices=("fp32", "bf16"))
     ac_ckpt: bool = knob(False, "Activation checkpointing of every transformer block (less memory, more compute).")
     reshard_after_forward: bool = knob(True, "FSDP2: free gathered params after forward (less memory).")
+    reduce_every_micro_batch: bool = knob(False, "FSDP2: reduce-scatter gradients after every micro batch, so only "
+                                                 "sharded gradients accumulate (far less memory, more local traffic).")
     torch_compile: bool = knob(False, "torch.compile each block (GPU runs; slow to start on CPU).")
     log_model_hash: bool = knob(False, "Log a hash of the (outer) params, so agreement between nodes can be checked.")
     log_interval: int = knob(10, "Log a step line and a `step` metrics event every N steps.", check="positive")
@@ -99,6 +101,9 @@ class DataConfig:
     shuffle_buffer: int = knob(0, "Streaming shuffle buffer in documents (0: keep file order, exact resume).", check="non_negative")
     eval_fraction: float = knob(0.01, "Fraction of documents held out for evaluation (disjoint from training).", check="fraction")
     retries: int = knob(5, "Retries, with exponential backoff, on transient HTTP errors from the hub.", check="non_negative")
+    prefetch: int = knob(2, "Training batches made ahead in a background thread (0: inline). On by default on CUDA "
+                            "only: on the CPU the thread competes with the step for cores and the GIL, so it "
+                            "applies there only when set.", check="non_negative")
 
 
 @dataclass

@@ -25,6 +25,7 @@ GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 32, 320, 4
 
 def main() -> None:
     micro_bs = int(sys.argv[1])
+    reduce_every = len(sys.argv) > 2 and sys.argv[2] == "every"
     local = local_world()
     cfg = load_config([], {"train.micro_bs": str(micro_bs), "optim.batch_size": str(GLOBAL_BATCH),
                            "data.seq_length": str(SEQ), "optim.warmup_steps": "2", "optim.total_steps": "10",
@@ -35,7 +36,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB, placement)
     optimizer = build_optimizer(model, cfg.optim)
-    trainer = Trainer(model, optimizer, build_scheduler(optimizer, cfg.optim), placement, 1.0, 1e-4)
+    trainer = Trainer(model, optimizer, build_scheduler(optimizer, cfg.optim), placement, 1.0, 1e-4, reduce_every)
+    sync_flags: list[bool] = []  # per micro batch of the first step: reduce-scatter after it or not
+    if hasattr(model, "set_requires_gradient_sync"):
+        real = model.set_requires_gradient_sync
+        model.set_requires_gradient_sync = lambda flag, **kw: (sync_flags.append(flag), real(flag, **kw))[1]
     gen = torch.Generator().manual_seed(123)
     losses = []
     per_rank = GLOBAL_BATCH // local.world_size
@@ -48,7 +53,8 @@ def main() -> None:
         result = trainer.train_step(micro)
         losses.append(result.loss)
     if local.is_leader:
-        print(json.dumps({"losses": losses, "grad_norm": result.grad_norm}), flush=True)
+        print(json.dumps({"losses": losses, "grad_norm": result.grad_norm, "sync_flags": sync_flags[:accum]}),
+              flush=True)
     close_local_group()
     # As `zb train` does: skip interpreter finalization, where gloo's threads can abort the process.
     sys.stdout.flush()

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
@@ -55,12 +54,19 @@ class OuterReport:
 
 
 class DilocoNode:
+    """This node's part in a DiLoCo run: joining it, every outer step (resolve, check in, sync, apply,
+    hand state to joiners), live-recovery snapshots, and leaving. Owns the outer state and the
+    elastic mesh; the training loop owns the model, the inner optimizer and the counters.
+
+    `local_group` carries the control messages between the node's local ranks: a gloo group even
+    on GPUs (CPU tensors, and long waits raise instead of tripping NCCL's watchdog); None alone."""
+
     def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local, sink,
-                 fingerprint: dict):
+                 fingerprint: dict, local_group=None):
         self.cfg, self.dcfg, self.optimizer, self.local, self.sink = cfg, cfg.diloco, optimizer, local, sink
         self.fingerprint = fingerprint
         self.outer = OuterState(model, cfg.diloco)
-        self.local_group = dist.group.WORLD if dist.is_initialized() else None
+        self.local_group = local_group
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                       local_world_size=local.world_size, sink=sink if local.is_leader else None)
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)

@@ -29,9 +29,11 @@ class OuterState:
         self.shapes = [local_shard(p).shape for p in self.params]
         self.numels = [s.numel() for s in self.shapes]
         total = sum(self.numels)
-        pin = torch.cuda.is_available() and local_shard(self.params[0]).is_cuda
-        self.flat = nn.Parameter(torch.zeros(total, dtype=torch.float32, pin_memory=pin), requires_grad=False)
-        self.flat.grad = torch.zeros(total, dtype=torch.float32, pin_memory=pin)
+        # Pageable, not pinned: torch's pinned allocator rounds each block up to a power of two (a
+        # 5 GB shard of 10B takes 8 GB, twice: params and pseudo-gradient) and locks it; the copies
+        # happen once per outer step, beside an all-reduce of minutes, so pinning gains nothing.
+        self.flat = nn.Parameter(torch.zeros(total, dtype=torch.float32), requires_grad=False)
+        self.flat.grad = torch.zeros(total, dtype=torch.float32)
         self.views = self._views(self.flat.data)
         self.grad_views = self._views(self.flat.grad)
         self.optimizer = self._build_optimizer(cfg)

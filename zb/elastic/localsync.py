@@ -1,8 +1,9 @@
 """Keeping a node's local ranks of one mind: local rank 0 decides, the others follow.
 
-The view travels as JSON bytes in a uint8 tensor over the node's own local group (NCCL on GPU,
-gloo on CPU), never pickled. Failure reports of all local ranks are merged into local rank 0 with
-one MAX all-reduce. Waits here are bounded by the local group's own timeout (the trainer's).
+The view travels as JSON bytes in a uint8 tensor over the node's local control group (gloo, also on
+GPU: see zb.train.device), never pickled. Failure reports of all local ranks are merged into local
+rank 0 with one MAX all-reduce. Waits here are bounded by the control group's timeout, sized to the
+longest wait of local rank 0 (zb.train.device.control_timeout_s).
 """
 
 from __future__ import annotations

@@ -3,8 +3,10 @@
 Each parameter's full fp32 value is drawn on the CPU from its own torch.Generator, seeded by
 (seed, canonical parameter name). Per-name seeds make the result independent of parameter order and
 of wrappers (activation checkpointing, torch.compile) that rename modules. If a parameter is
-sharded (a DTensor, as FSDP2 makes it), each rank keeps only its own slice of the full value,
-computed locally: no communication, and the same numbers as an unsharded init.
+sharded (a DTensor, as FSDP2 makes it), the ranks of its mesh take turns: one rank draws the full
+value and scatters the shards, so a node of 8 ranks draws the model once, in parallel, instead of
+8 times each (drawing is single-threaded under torchrun); the numbers are the same as an unsharded
+init.
 
 Scheme (torchtitan's): embeddings N(0, 1); input projections trunc-normal std 0.02; output
 projections of each block std 0.02 / sqrt(2 * (layer_id + 1)) (depth-scaled); norms 1; the final
@@ -58,14 +60,20 @@ def full_value(name: str, shape: torch.Size, seed: int, layer_id: int | None, di
     return nn.init.trunc_normal_(out, 0.0, std, a=-3 * std, b=3 * std, generator=gen)
 
 
-def fill_(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy `full` into `param`, or into this rank's slice of it when `param` is a DTensor."""
-    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
+def _is_dtensor(param: torch.Tensor) -> bool:
+    return hasattr(param, "device_mesh") and hasattr(param, "placements")
+
+
+def fill_(param: torch.Tensor, full: torch.Tensor, src: int | None = None) -> None:
+    """Copy `full` into `param`, or into this rank's slice of it when `param` is a DTensor: scattered
+    from mesh rank `src` (the others' `full` only gives the shape), or, with src None, sliced locally
+    from a full value every rank computed."""
+    if _is_dtensor(param):
         from torch.distributed.tensor import distribute_tensor
 
-        # src_data_rank=None: every rank computed the same full value, so each slices locally.
-        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local.to(param.device))
+        full = full.to(param.device)
+        local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=src).to_local()
+        param.to_local().copy_(local)
     else:
         param.copy_(full.to(param.device))
 
@@ -78,5 +86,12 @@ def _layer_id(name: str) -> int | None:
 @torch.no_grad()
 def init_transformer(model: nn.Module, seed: int) -> None:
     dim = model.args.dim
-    for name, param in model.named_parameters():
-        fill_(param, full_value(name, param.shape, seed, _layer_id(name), dim))
+    for index, (name, param) in enumerate(model.named_parameters()):
+        if not _is_dtensor(param) or param.device_mesh.ndim != 1:
+            fill_(param, full_value(name, param.shape, seed, _layer_id(name), dim))
+            continue
+        src = index % param.device_mesh.size()  # every rank walks the same names in the same order
+        mine = param.device_mesh.get_local_rank() == src
+        full = (full_value(name, param.shape, seed, _layer_id(name), dim) if mine
+                else torch.empty(param.shape, dtype=torch.float32))
+        fill_(param, full, src=src)

@@ -52,7 +52,9 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.attn_impl = args.attn_impl
+        # Decided once here, not per call: looking for flash-attn inside `attend` (a module spec
+        # lookup) breaks torch.compile's graph in every block.
+        self.attn_impl = "sdpa" if args.attn_impl == "auto" and not flash_available() else args.attn_impl
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * args.head_dim, bias=False)
@@ -69,19 +71,19 @@ class Attention(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, impl: str) -> torch.Tensor:
-    """Causal attention over [B, T, H, D] tensors (K/V may have fewer heads); returns [B, T, H, D]."""
-    if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-                           and flash_available()):
+    """Causal attention over [B, T, H, D] tensors (K/V may have fewer heads); returns [B, T, H, D].
+
+    impl: "flash", "sdpa", or "auto" (only when flash-attn is available: flash for bf16/fp16 CUDA
+    tensors, SDPA otherwise).
+    """
+    if impl == "flash" or (impl == "auto" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
         from flash_attn import flash_attn_func  # CUDA only; handles GQA natively
 
         return flash_attn_func(q, k, v, causal=True)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    # Grouped-query attention without materialising repeated K/V heads (a copy of K and V per step).
     gqa = k.shape[1] != q.shape[1]
-    if gqa:
-        # enable_gqa is not supported by every SDPA backend; repeating K/V is exact and always works.
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
 
 
 class FeedForward(nn.Module):

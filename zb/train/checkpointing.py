@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from zb.config import to_dict
+from zb.train.device import control_group
 
 if TYPE_CHECKING:
     from zb.train.run import TrainingRun
@@ -36,12 +35,16 @@ class RunCheckpoints:
                             run.cfg.elastic.unique_id, cfg.remote.path.rstrip("/"))
             self.manager = CheckpointManager(cfg, node_id=run.cfg.elastic.unique_id, local_rank=run.local.rank,
                                              local_world_size=run.local.world_size, sink=run.sink,
-                                             local_group=dist.group.WORLD if dist.is_initialized() else None)
+                                             local_group=control_group())
 
     def state(self):
         from zb.ckpt.durable.state import TrainState
+        from zb.train.fsdp import unsharded_params
 
         run, c = self.run, self.run.counters
+        gathered = unsharded_params(run.model)
+        if gathered:  # a bug: something ran a forward and did not reshard (see zb.train.fsdp.reshard)
+            raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
         return TrainState(run.model, run.optimizer, run.scheduler,
                           {"step": c.step, "outer_step": c.outer_step, "tokens": c.tokens, "run_tokens": c.run_tokens},
                           run.train_loader.state_dict(),

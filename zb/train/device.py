@@ -1,12 +1,20 @@
-"""Pick the device and start the local process group (the node's own ranks).
+"""Pick the device and start the local process groups (the node's own ranks).
 
 CUDA + NCCL when a GPU is there, else CPU + gloo; the reason is logged once so a user who expected
 a GPU sees why they did not get one.
+
+Two local groups: the main one (NCCL on GPU) carries FSDP2's collectives; a gloo control group
+carries the small control messages between local ranks (the view, stop votes, checkpoint steps,
+the params hash). Control waits can last as long as the slowest thing local rank 0 waits for (the
+store, an outer all-reduce at the slowest expected link), and a timed-out NCCL wait makes the
+watchdog abort the process instead of raising; gloo raises, takes CPU tensors, and gets a timeout
+sized to those waits (`control_timeout_s`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -20,6 +28,9 @@ from zb.world import LocalWorld
 log = logging.getLogger("zb.train")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LOCAL_TIMEOUT_S = 300.0
+CONTROL_BACKEND = "gloo"  # whatever the main local backend is: see the module docstring
+_control = None
 
 
 @dataclass(frozen=True)
@@ -30,13 +41,27 @@ class Placement:
     reduce_dtype: torch.dtype
 
 
+def hide_gpus() -> None:
+    """Make CUDA invisible to this process and its children before anything initialises it, so no
+    later `torch.cuda.is_available()` guard (RNG state, pinned buffers, synchronize) opens a CUDA
+    context on GPU 0 for every rank of a CPU run."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
-    has_cuda = torch.cuda.is_available()
+    if cfg.device == "cpu":
+        hide_gpus()
+    has_cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if cfg.device == "cuda" and not has_cuda:
         raise InvalidInput("train.device = 'cuda' but no CUDA device is visible; use --train.device cpu or auto")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and has_cuda)
     if use_cuda:
-        torch.cuda.set_device(local.rank % torch.cuda.device_count())
+        gpus = torch.cuda.device_count()
+        if local.world_size > gpus:
+            # Two ranks on one GPU would stop in NCCL with "Duplicate GPU detected".
+            raise InvalidInput(f"{local.world_size} local ranks but {gpus} CUDA device(s) visible: start at most "
+                               f"{gpus} ranks per node (--nproc-per-node {gpus}) or use --train.device cpu")
+        torch.cuda.set_device(local.rank)
         device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
         reason = f"CUDA device {device.index} ({torch.cuda.get_device_name(device)}), NCCL inside the node"
     else:
@@ -48,7 +73,7 @@ def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
     return Placement(device, backend, DTYPES[param], DTYPES[cfg.reduce_dtype])
 
 
-def init_local_group(local: LocalWorld, placement: Placement, timeout_s: float = 300.0) -> None:
+def init_local_group(local: LocalWorld, placement: Placement, timeout_s: float = LOCAL_TIMEOUT_S) -> None:
     """The node's process group over its local ranks (torchrun's env); nothing for a lone process."""
     if not local.distributed or dist.is_initialized():
         return
@@ -59,6 +84,39 @@ def init_local_group(local: LocalWorld, placement: Placement, timeout_s: float =
         raise EnvironmentFailure(f"could not start the local process group ({placement.backend}): {e}") from None
 
 
+def control_timeout_s(cfg, n_params: int) -> float:
+    """The longest a local rank may legitimately wait for local rank 0, with a margin of 2.
+
+    Under DiLoCo rank 0 may wait for the store, the initial quorum and a global group, then run an
+    outer all-reduce: a ring sends each byte about twice, at diloco.min_bandwidth_mbps or better.
+    """
+    if cfg.diloco is None:
+        return LOCAL_TIMEOUT_S
+    e, d = cfg.elastic, cfg.diloco
+    wire_bits = 2 * n_params * (1 if d.compression == "int8" else 4) * 8
+    allreduce_s = wire_bits / (d.min_bandwidth_mbps * 1e6)
+    return max(LOCAL_TIMEOUT_S, 2 * (allreduce_s + e.store_timeout + e.start_timeout + e.pg_timeout))
+
+
+def init_control_group(timeout_s: float) -> None:
+    """The gloo control group over the node's local ranks; none for a lone process. Collective: every
+    local rank calls it."""
+    global _control
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        _control = None
+        return
+    _control = dist.new_group(backend=CONTROL_BACKEND, timeout=timedelta(seconds=timeout_s))
+
+
+def control_group():
+    """The local control group (gloo), or None for a lone process."""
+    if _control is None and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("the local control group is used before init_control_group")
+    return _control
+
+
 def close_local_group() -> None:
+    global _control
+    _control = None
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -17,10 +17,11 @@ from zb.fingerprint import fingerprint
 from zb.errors import LeavingRun
 from zb.metrics import MetricsSink
 from zb.train.checkpointing import RunCheckpoints
-from zb.train.device import Placement, close_local_group, init_local_group, pick_placement
+from zb.train.device import (Placement, close_local_group, control_group, control_timeout_s, init_control_group,
+                             init_local_group, pick_placement)
 from zb.train.progress import TrainingDisplay, format_step_line
 from zb.train.schedule import build_optimizer, build_scheduler, set_schedule_position
-from zb.train.setup import build_loaders, build_model, check_batch, node_identity
+from zb.train.setup import build_loaders, build_model, check_batch, check_placement, node_identity
 from zb.train.signals import StopRequest
 from zb.train.step import StepResult, Trainer, take
 from zb.world import LocalWorld, local_world
@@ -73,14 +74,18 @@ class TrainingRun:
 
         self.cfg, self.local, self.placement = cfg, local, placement
         self.accum = check_batch(cfg, local)
+        check_placement(cfg, placement)
         cfg.elastic.unique_id = node_identity(cfg, local)
         set_node_id(cfg.elastic.unique_id)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
+        from zb.models import count_params
+
+        init_control_group(control_timeout_s(cfg, count_params(self.model)))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
-                               cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
+                               cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0, cfg.train.reduce_every_micro_batch)
         self.sink = MetricsSink(cfg.log.dir, cfg.elastic.unique_id, enabled=local.is_leader)
         self.counters = Counters()
         self.total = cfg.train.max_steps or cfg.optim.total_steps
@@ -114,6 +119,8 @@ class TrainingRun:
             self._final_eval()
             self.checkpoints.final()
         finally:
+            if hasattr(getattr(self, "train_loader", None), "close"):
+                self.train_loader.close()  # the prefetch thread
             self.checkpoints.close()
             if self.diloco is not None:
                 # Normal end, error or signal: the deathrattle lets peers drop this node at once.
@@ -130,7 +137,8 @@ class TrainingRun:
             return (cfg.data.data_rank or 0), (cfg.data.data_world_size or 1)
         from zb.diloco.node import DilocoNode
 
-        self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, self.fingerprint)
+        self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, self.fingerprint,
+                                 local_group=control_group())
         slot = self.diloco.start()
         self.counters.num_nodes = self.diloco.mesh.view.global_world_size
         if self.diloco.recovered_counters is not None:

@@ -17,7 +17,7 @@ from torch import nn
 
 from zb.models.loss import cross_entropy
 from zb.train.device import Placement
-from zb.train.fsdp import autocast, is_sharded
+from zb.train.fsdp import autocast, is_sharded, reshard
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -31,20 +31,22 @@ class StepResult:
     stop: bool = False  # some local rank was asked to stop: the whole node stops after this step
 
 
-def local_mean(values: list[float], device: torch.device) -> list[float]:
-    """Mean of each value over the node's local ranks (gloo has no AVG: sum, then divide)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+def local_mean(values: list[float] | torch.Tensor, device: torch.device) -> list[float]:
+    """Mean of each value over the node's local ranks (gloo has no AVG: sum, then divide); a device
+    tensor stays on the device until this one read."""
+    t = torch.as_tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+        t = t / dist.get_world_size()
+    return t.tolist()
 
 
 class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, placement: Placement,
-                 grad_clip: float, z_loss_weight: float):
+                 grad_clip: float, z_loss_weight: float, reduce_every_micro_batch: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.placement, self.grad_clip, self.z_loss_weight = placement, grad_clip, z_loss_weight
+        self.reduce_every_micro_batch = reduce_every_micro_batch
 
     def _forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = inputs.to(self.placement.device, non_blocking=True)
@@ -61,8 +63,9 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.placement.device)
         for i, (inputs, labels) in enumerate(micro_batches):
             if is_sharded(self.model):
-                # Reduce-scatter gradients only after the last micro batch.
-                self.model.set_requires_gradient_sync(i == n - 1)
+                # Reduce-scatter only after the last micro batch (least traffic), unless asked to after
+                # each: FSDP2 otherwise holds a full unsharded fp32 gradient until then.
+                self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == n - 1)
             loss, z_loss = self._forward(inputs, labels)
             (loss / n).backward()
             z = z_loss.detach().double()
@@ -73,17 +76,21 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        # One local all-reduce per step carries the logged losses and the stop flag together.
-        ce_sum, z_sum = sums.tolist()
-        loss, z, stop = local_mean([ce_sum / n, z_sum / n, float(stop_requested)], self.placement.device)
-        return StepResult(loss=loss, z_loss=z, grad_norm=grad_norm, lr=lr, stop=stop > 0)
+        # One local all-reduce and one host read per step carry the logged losses, the stop flag and
+        # the grad norm (equal on every rank, so its mean is itself) together.
+        stop = torch.tensor([float(stop_requested)], dtype=torch.float64).to(self.placement.device,
+                                                                             non_blocking=True)
+        values = torch.cat([sums / n, stop, grad_norm.detach().double().reshape(1)])
+        loss, z, stop_mean, norm = local_mean(values, self.placement.device)
+        return StepResult(loss=loss, z_loss=z, grad_norm=norm, lr=lr, stop=stop_mean > 0)
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
+        """Clip and return the global grad norm, left on the device (no host sync)."""
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
-        return float(norm)
+        return norm
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Batch], num_batches: int) -> float:
@@ -98,6 +105,8 @@ class Trainer:
             loss, z_loss = self._forward(*batch)
             total += loss.item() - self.z_loss_weight * z_loss.item()
             count += 1
+        if is_sharded(self.model):
+            reshard(self.model)  # no backward follows to do it: see fsdp.reshard
         self.model.train()
         mean, counted = local_mean([total, float(count)], self.placement.device)
         return mean / counted if counted else float("nan")
