@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from zb.cli.multihost import multi_host_options
 from zb.cli.types import FiniteFloatRange
 
 EPILOG = """Local: zb bench-allreduce --world-size 3 (spawns 3 processes on this machine).
@@ -13,11 +14,7 @@ Kernels only: zb bench-allreduce --kernels. Machine-readable: --json (one docume
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
-@click.option("--world-size", "-w", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Ranks: local processes to spawn, or the size of the multi-host run.")
-@click.option("--store", default=None, metavar="HOST:PORT",
-              help="Join a multi-host run through this TCPStore (rank 0 hosts it); needs --rank.")
-@click.option("--rank", type=click.IntRange(min=0), default=None, help="This process's rank (with --store).")
+@multi_host_options("Ranks: local processes to spawn, or the size of the multi-host run.")
 @click.option("--size-mb", type=FiniteFloatRange(min=1e-6), default=64.0, show_default=True,
               help="fp32 tensor size per rank (or per kernel call with --kernels), in MB (1e6 bytes).")
 @click.option("--compressions", default="none,int8", show_default=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from zb.cli.multihost import multi_host_options
 from zb.cli.types import FiniteFloatRange
 
 EPILOG = """Local: zb iperf-mesh --world-size 3 (3 processes on this machine, over loopback).
@@ -14,11 +15,7 @@ port in use; 2 invalid options. Machine-readable: --json (one document on stdout
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
-@click.option("--world-size", "-w", type=click.IntRange(min=1), default=2, show_default=True,
-              help="Ranks: local processes to spawn, or the number of hosts in the multi-host run.")
-@click.option("--store", default=None, metavar="HOST:PORT",
-              help="Join a multi-host run through this TCPStore (rank 0 hosts it); needs --rank.")
-@click.option("--rank", type=click.IntRange(min=0), default=None, help="This process's rank (with --store).")
+@multi_host_options("Ranks: local processes to spawn, or the number of hosts in the multi-host run.")
 @click.option("--duration", type=FiniteFloatRange(min=0, min_open=True), default=3.0, show_default=True,
               help="Seconds each sender streams per measurement.")
 @click.option("--parallel", "-P", type=click.IntRange(min=1), default=1, show_default=True,
@@ -111,12 +108,10 @@ class _Progress:
         self.total = world_size * (world_size - 1)
         self.bar = None
         if interactive() and self.total:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
             from zb.cli.terminal import stderr
+            from zb.progress import count_bar
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                console=stderr, transient=True)
+            self.bar = count_bar(console=stderr)
             self.task = self.bar.add_task("measuring links", total=self.total)
 
     def __enter__(self) -> "_Progress":

@@ -76,13 +76,11 @@ def _plain_progress() -> Iterator:
 
 
 def _rich_progress() -> Iterator:
-    from rich.progress import BarColumn, DownloadColumn, Progress as Bar, TransferSpeedColumn, TimeRemainingColumn
-
     from zb.cli.terminal import stderr
     from zb.data.subset import Progress
+    from zb.progress import byte_bar
 
-    with Bar("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-             TimeRemainingColumn(), console=stderr, transient=False) as bar:
+    with byte_bar(console=stderr, transient=False) as bar:
         task = bar.add_task("subset-data", total=None)
 
         class Rich(Progress):

@@ -12,13 +12,15 @@ from typing import Any, NoReturn
 
 from rich.console import Console
 
+from zb.progress import wants_bar
+
 stderr = Console(stderr=True, highlight=False, soft_wrap=True)
 stdout = Console(highlight=False, soft_wrap=True)
 
 
 def interactive() -> bool:
     """True when a human is watching stderr (progress bars and colours are welcome)."""
-    return sys.stderr.isatty()
+    return wants_bar("auto")
 
 
 def abort(message: str, code: int = 1) -> NoReturn:

@@ -119,6 +119,14 @@ class Grammar:
         i, lp = self.coin[p].pick(rng)
         return i == 0, lp
 
+    def _maybe_word(self, rng: random.Random, p: float, choice) -> tuple[list[str], float]:
+        """With probability p one word of `choice`, else none; and the log p of what was drawn."""
+        present, info = self._flip(rng, p)
+        if not present:
+            return [], info
+        i, lp = choice.pick(rng)
+        return [choice.words[i]], info + lp
+
     def _noun_phrase(self, rng: random.Random, topic: str) -> tuple[list[str], bool, float]:
         """(words, plural, log p): a name, or determiner [adjective] noun."""
         is_name, info = self._flip(rng, 0.15)
@@ -129,11 +137,8 @@ class Grammar:
         info += lp
         d, lp = self.det[plural].pick(rng)
         words, info = [self.det[plural].words[d]], info + lp
-        has_adj, lp = self._flip(rng, 0.35)
-        info += lp
-        if has_adj:
-            a, lp = self.adjectives.pick(rng)
-            words, info = words + [self.adjectives.words[a]], info + lp
+        adjective, lp = self._maybe_word(rng, 0.35, self.adjectives)
+        words, info = words + adjective, info + lp
         from_topic, lp = self._flip(rng, 0.8)
         source = self.topic_nouns[topic] if from_topic else self.common
         k, lp2 = source.pick(rng)
@@ -151,11 +156,8 @@ class Grammar:
             obj, _, lp = self._noun_phrase(rng, topic)
             words, info = words + obj, info + lp
         else:
-            has_adv, lp = self._flip(rng, 0.5)
-            info += lp
-            if has_adv:
-                a, lp = self.adverbs.pick(rng)
-                words, info = words + [self.adverbs.words[a]], info + lp
+            adverb, lp = self._maybe_word(rng, 0.5, self.adverbs)
+            words, info = words + adverb, info + lp
         has_pp, lp = self._flip(rng, 0.25)
         info += lp
         if has_pp:

@@ -181,23 +181,13 @@ def _stream(socks: list[socket.socket], duration_s: float) -> None:
     """Write for duration_s on every socket at once (one thread each; sendall drops the GIL)."""
     payload = memoryview(bytearray(SEND_CHUNK))
     end = time.perf_counter() + duration_s
-    errors: list[BaseException] = []
 
-    def pump(sock: socket.socket) -> None:
-        try:
-            while time.perf_counter() < end:
-                sock.sendall(payload)
-            sock.shutdown(socket.SHUT_WR)  # EOF: the receiver stops its clock at the last byte
-        except OSError as e:
-            errors.append(e)
+    def pump(sock: socket.socket, _: int) -> None:
+        while time.perf_counter() < end:
+            sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)  # EOF: the receiver stops its clock at the last byte
 
-    threads = [threading.Thread(target=pump, args=(s,), daemon=True) for s in socks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    _on_every_socket(pump, socks)
 
 
 def receive(server: LinkServer, src: int, dst: int, tag: int, *, streams: int, pings: int, wait_s: float,
@@ -247,35 +237,45 @@ def _drain(socks: list[socket.socket]) -> tuple[int, float]:
     counts = [0] * len(socks)
     firsts: list[float] = []
     lasts: list[float] = []
-    errors: list[BaseException] = []
 
-    def sink(i: int, sock: socket.socket) -> None:
+    def sink(sock: socket.socket, i: int) -> None:
         buf = memoryview(bytearray(RECV_CHUNK))
         first = last = None
-        try:
-            while True:
-                n = sock.recv_into(buf)
-                now = time.perf_counter()
-                if n == 0:
-                    break
-                if first is None:
-                    first = now  # the clock starts here: this read's bytes arrived before it
-                else:
-                    counts[i] += n
-                last = now
-        except OSError as e:
-            errors.append(e)
+        while True:
+            n = sock.recv_into(buf)
+            now = time.perf_counter()
+            if n == 0:
+                break
+            if first is None:
+                first = now  # the clock starts here: this read's bytes arrived before it
+            else:
+                counts[i] += n
+            last = now
         if first is not None:
             firsts.append(first)
             lasts.append(last)
 
-    threads = [threading.Thread(target=sink, args=(i, s), daemon=True) for i, s in enumerate(socks)]
+    _on_every_socket(sink, socks)
+    if not firsts:
+        return 0, 0.0
+    return sum(counts), max(lasts) - min(firsts)
+
+
+def _on_every_socket(work, socks: list[socket.socket]) -> None:
+    """work(sock, index) on every socket at once, one thread each (socket calls drop the GIL); the
+    first OSError any of them hit is raised once all are done."""
+    errors: list[OSError] = []
+
+    def guarded(sock: socket.socket, i: int) -> None:
+        try:
+            work(sock, i)
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(s, i), daemon=True) for i, s in enumerate(socks)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    if not firsts:
-        return 0, 0.0
-    return sum(counts), max(lasts) - min(firsts)

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from zb.log import retarget_stream
+from zb.progress import count_bar, wants_bar
 
 log = logging.getLogger("zb.train")
 
@@ -24,18 +24,15 @@ def format_step_line(step: int, total: int, loss: float, lr: float, grad_norm: f
 
 
 class TrainingDisplay:
-    """Context manager; `mode` is log.progress (auto/rich/plain); only the node's leader shows a bar."""
+    """Context manager; `mode` is log.progress (auto/rich/plain); only the node's head (local rank 0) shows a bar."""
 
     def __init__(self, total_steps: int, start_step: int, mode: str, enabled: bool):
-        rich_wanted = mode == "rich" or (mode == "auto" and sys.stderr.isatty())
         self._progress = None
-        if enabled and rich_wanted:
-            self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                console=Console(stderr=True), redirect_stderr=True, transient=False)
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+        if enabled and wants_bar(mode):
+            self._progress = count_bar(TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                       TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), transient=False)
+            self._task = self._progress.add_task("[bold]train", total=total_steps, completed=start_step, loss="-",
+                                                 tps="-")
 
     def __enter__(self) -> "TrainingDisplay":
         if self._progress is not None:

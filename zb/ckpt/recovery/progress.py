@@ -6,9 +6,10 @@ Thread-safe: download workers call `advance` concurrently.
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
+
+from zb.progress import byte_bar, wants_bar
 
 log = logging.getLogger("zb.ckpt.fetch")
 
@@ -22,19 +23,10 @@ class TransferProgress:
         self._lock = threading.Lock()
         self._start = self._last_log = time.monotonic()
         self._bar = None
-        if rich if rich is not None else sys.stderr.isatty():
-            self._bar = self._make_bar()
-
-    def _make_bar(self):
-        from rich.console import Console
-        from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                                   TransferSpeedColumn)
-
-        bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                       TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-        self._task = bar.add_task(self.label, total=self.total)
-        bar.start()
-        return bar
+        if rich if rich is not None else wants_bar():
+            self._bar = byte_bar()
+            self._task = self._bar.add_task(self.label, total=self.total)
+            self._bar.start()
 
     def advance(self, n: int) -> None:
         with self._lock:

@@ -1,0 +1,89 @@
+"""One read of everything a resolution looks at: the world, goodbyes, join requests, check-ins.
+
+Lines from peers are parsed as JSON with known fields only; anything malformed is skipped (a
+peer's bytes are never unpickled or trusted beyond their shape).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from zb.elastic import keys
+from zb.elastic.tcpstore import read_many
+from zb.elastic.world import JoinRequest, World
+
+
+@dataclass
+class CheckIn:
+    uid: str
+    token: str
+    failed: bool = False                  # its last collective failed: groups must be rebuilt
+    suspects: list[str] = field(default_factory=list)   # unique ids it blames for the failure
+
+
+@dataclass
+class Snapshot:
+    raw_world: bytes
+    world: World | None
+    gone: set[tuple[str, str]]
+    joins: list[JoinRequest]
+    checkins: list[CheckIn]
+
+
+def read_snapshot(store, round_: int | None) -> Snapshot:
+    """World, goodbyes and joins, plus the check-ins of `round_` (none when None)."""
+    names = [keys.WORLD, keys.GONE, keys.JOINS] + ([keys.checkin(round_)] if round_ is not None else [])
+    raw = read_many(store, names)
+    return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
+                    checkins=_checkins(raw[3]) if len(raw) > 3 else [])
+
+
+def _lines(raw: bytes) -> list[str]:
+    return [line for line in raw.decode(errors="replace").split("\n") if line]
+
+
+def _gone(raw: bytes) -> set[tuple[str, str]]:
+    pairs = (line.split(" ") for line in _lines(raw))
+    return {(p[0], p[1]) for p in pairs if len(p) == 2}
+
+
+def _json_lines(raw: bytes) -> list[dict | None]:
+    """One entry per line (None for a malformed one), so positions stay meaningful."""
+    out: list[dict | None] = []
+    for line in _lines(raw):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            value = None
+        out.append(value if isinstance(value, dict) else None)
+    return out
+
+
+def _joins(raw: bytes) -> list[JoinRequest]:
+    out = []
+    for index, data in enumerate(_json_lines(raw)):
+        try:
+            out.append(JoinRequest(uid=str(data["uid"]), token=str(data["token"]), index=index,
+                                   pref_rank=int(data.get("pref_rank", 0)),
+                                   last_version=int(data.get("last_version", 0)),
+                                   last_rank=int(data.get("last_rank", 0)),
+                                   local_world_size=int(data.get("local_world_size", 1))))
+        except (TypeError, KeyError, ValueError):
+            out.append(JoinRequest(uid="", token="", index=index))   # keeps the cursor counting lines
+    return out
+
+
+def _checkins(raw: bytes) -> list[CheckIn]:
+    out = []
+    for data in _json_lines(raw):
+        try:
+            out.append(CheckIn(uid=str(data["uid"]), token=str(data["token"]), failed=bool(data.get("failed")),
+                               suspects=[str(s) for s in data.get("suspects", [])]))
+        except (TypeError, KeyError, ValueError):
+            continue
+    return out
+
+
+def encode_line(data: dict) -> str:
+    return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"

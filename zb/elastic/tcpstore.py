@@ -1,0 +1,141 @@
+"""The global TCPStore: hosting it, connecting to it, and reading it without blocking.
+
+torch's TCPStore blocks on `get` of a missing key until its timeout; zb never does that: readers
+`check` first and treat a missing key as empty. A store host that went away makes every client
+call fail at once (DistNetworkError); a restarted host starts empty and needs new clients.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import logging
+import socket
+import time
+from datetime import timedelta
+from typing import Sequence
+
+from zb.errors import EnvironmentFailure, InvalidInput
+
+log = logging.getLogger("zb.elastic")
+
+
+class StoreUnreachable(EnvironmentFailure):
+    """No store answers at the address (yet): at start a clear error, later a retry."""
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions meaning "the store is unreachable or too slow" (not a bug)."""
+    import torch.distributed as dist
+
+    return (dist.DistError, OSError, TimeoutError, StoreUnreachable)
+
+
+def _wait_reachable(addr: str, port: int, timeout: float) -> None:
+    """Poll a plain TCP connect until it works, so a dead store gives one clean error (no C++ noise)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((addr, port), timeout=min(2.0, timeout)):
+                return
+        except socket.gaierror as e:
+            raise InvalidInput(f"store address {addr!r} does not resolve ({e.strerror}); check elastic.addr "
+                               "(GLOBAL_ADDR)") from None
+        except OSError as e:
+            last = e
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    reason = getattr(last, "strerror", None) or str(last) or "timed out"
+    raise StoreUnreachable(f"store {addr}:{port} unreachable after {timeout:g} s ({reason}); start it with "
+                             "`zb store`, check elastic.addr/elastic.port (GLOBAL_ADDR/GLOBAL_PORT) or raise "
+                             "elastic.connect_timeout")
+
+
+def connect(addr: str, port: int, connect_timeout: float, op_timeout: float):
+    """A client of the store at addr:port; EnvironmentFailure after `connect_timeout` s if unreachable."""
+    import torch.distributed as dist
+
+    _wait_reachable(addr, port, connect_timeout)
+    try:
+        return dist.TCPStore(addr, port, is_master=False, use_libuv=True,
+                             timeout=timedelta(seconds=max(connect_timeout, op_timeout)))
+    except dist.DistError as e:
+        raise StoreUnreachable(f"store {addr}:{port} refused the client: {str(e).splitlines()[0]}") from None
+
+
+def set_op_timeout(store, seconds: float) -> None:
+    store.set_timeout(timedelta(seconds=seconds))
+
+
+def host(addr: str, port: int):
+    """Host a store at addr:port in this process (libuv backend); one clear error when it cannot bind.
+
+    torch's TCPStore listens on every interface whatever host it is given (the host is only what
+    clients dial), and the store has no authentication: so zb binds the socket to exactly `addr`
+    itself and hands it over (`master_listen_fd`)."""
+    import torch.distributed as dist
+
+    sock = _listen(addr, port)
+    bound_port = sock.getsockname()[1]
+    try:
+        return dist.TCPStore(addr, bound_port, is_master=True, use_libuv=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=30), master_listen_fd=sock.detach())
+    except dist.DistError as e:
+        raise EnvironmentFailure(f"cannot host the store on {addr}:{port}: {str(e).splitlines()[0]}") from None
+
+
+def _listen(addr: str, port: int) -> socket.socket:
+    """A socket listening on exactly addr:port (a plain bind first: torch's error for a taken port is
+    a C++ stack dump)."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise InvalidInput(f"--host {addr!r} is not a valid address ({e.strerror})") from None
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise EnvironmentFailure(_bind_message(addr, port, e)) from None
+    return sock
+
+
+def _bind_message(addr: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {addr} is already in use (another `zb store`?); choose another with --port"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"no permission to bind {addr}:{port} (ports below 1024 need root); choose a port >= 1024"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"{addr} is not an address of this machine; use one of its interface addresses or 0.0.0.0"
+    return f"cannot bind {addr}:{port}: {e.strerror}"
+
+
+def is_public(addr: str) -> bool:
+    """True when `addr` may be reachable from the internet (not loopback, private or link-local)."""
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(addr, None)}
+    except socket.gaierror:
+        return False
+    for ip in ips:
+        parsed = ipaddress.ip_address(ip.split("%")[0])
+        if parsed.is_unspecified or not (parsed.is_loopback or parsed.is_private or parsed.is_link_local):
+            return True
+    return False
+
+
+def read_many(store, keys: Sequence[str]) -> list[bytes]:
+    """Values of `keys` in one round trip when all exist; missing keys read as b"" (never blocks)."""
+    if not keys:
+        return []
+    if store.check(list(keys)):
+        return list(store.multi_get(list(keys)))
+    return [store.get(k) if store.check([k]) else b"" for k in keys]
+
+
+def read_lines(store, key: str) -> list[str]:
+    """The entries of an append-only list key (see zb.elastic.keys)."""
+    raw = read_many(store, [key])[0]
+    return [line for line in raw.decode().split("\n") if line]
