@@ -28,11 +28,11 @@ def build(model_name: str, dim: int, tmp: Path):
     from zb.config_schema import DilocoConfig
     from zb.data import FakeLoader
     from zb.diloco.outer import OuterState
+    from zb.local_world import LocalWorld
     from zb.train.device import pick_placement
-    from zb.train.schedule import build_optimizer, build_scheduler
+    from zb.train.lr_schedule import build_optimizer, build_scheduler
     from zb.train.setup import build_model
     from zb.train.step import Trainer
-    from zb.world import LocalWorld
 
     cfg = load_config([], {"model.name": model_name, "model.dim": str(dim), "train.device": "cpu",
                            "data.seq_length": "128", "ckpt.path": str(tmp / "disk"),
@@ -72,6 +72,7 @@ def sync_save(root: Path, state, step: int) -> float:
 def measure(args) -> dict:
     from zb.ckpt.durable.manager import CheckpointManager, TrainState
     from zb.fingerprint import fingerprint
+    from zb.position import RunPosition
 
     tmp = Path(tempfile.mkdtemp(prefix="zb-bench-ckpt-", dir=args.dir))
     cfg, cfg_dict, model, opt, sched, trainer, loader, outer = build(args.model, args.dim, tmp)
@@ -87,7 +88,7 @@ def measure(args) -> dict:
     manager = CheckpointManager(cfg.ckpt, node_id="bench", local_rank=0, local_world_size=1, sink=sink)
     train(trainer, loader, 2)  # optimizer state exists from here on
     outer.step()
-    state = TrainState(model, opt, sched, {"step": 0, "outer_step": 0, "tokens": 0, "run_tokens": 0},
+    state = TrainState(model, opt, sched, RunPosition(),
                        loader.state_dict(), outer.state_tensors(), cfg_dict, fingerprint(cfg, 1, 259))
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3 + sum(
         t.numel() * t.element_size() for t in state.outer.values())

@@ -12,6 +12,7 @@ import torch
 
 from zb.ckpt.durable.manager import CheckpointManager, TrainState
 from zb.config_schema import CkptConfig, RemoteConfig
+from zb.position import RunPosition
 
 
 class Recorder:
@@ -37,7 +38,7 @@ def small_state(seed: int = 0, width: int = 64) -> TrainState:
         opt.step()
         opt.zero_grad()
         sched.step()
-    return TrainState(model, opt, sched, {"step": 2, "outer_step": 0, "tokens": 8, "run_tokens": 8},
+    return TrainState(model, opt, sched, RunPosition(step=2, tokens=8, run_tokens=8),
                       {"kind": "fake", "batch": 2}, None, {}, {"model.dim": width, "local_world_size": 1})
 
 
@@ -50,7 +51,7 @@ def manager(tmp_path: Path, sink=None, **kw) -> CheckpointManager:
 
 def save_steps(m: CheckpointManager, state: TrainState, steps: list[int]) -> None:
     for step in steps:
-        state.counters["step"] = step
+        state.position = RunPosition(step=step)
         m.save(step, state)
         assert m.wait(30)
 

@@ -98,6 +98,34 @@ def zb_process(*args: str, timeout: float = 150, **env: str) -> subprocess.Compl
                           env=subprocess_env(**env), cwd=REPO)
 
 
+def zb_train(tmp_path: Path, *args: str, timeout: float = 170) -> subprocess.CompletedProcess:
+    """A tiny `zb train` run to its end, staging checkpoints under tmp_path/ram."""
+    return zb_process("train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), *args, timeout=timeout)
+
+
+def zb_train_until_sigterm(tmp_path: Path, event: str, count: int, *args: str) -> tuple[int, str]:
+    """A tiny `zb train` run (metrics under tmp_path/log) sent SIGTERM once its metrics hold `count`
+    `event` lines, as a spot preemption would; returns its exit code and stderr."""
+    import signal
+
+    from zb.metrics import read_metrics
+
+    metrics = tmp_path / "log" / "metrics.jsonl"
+    proc = subprocess.Popen([PYTHON, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), *args,
+                             "--optim.total_steps", "100000", "--log.dir", str(tmp_path / "log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
+    try:
+        wait_until(lambda: metrics.exists() and len(read_metrics(metrics, event)) >= count, 120,
+                   f"{count} {event} events", alive=[proc])
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode, err
+
+
 def load_script(name: str):
     """scripts/<name>.py as a module: benchmarks are importable functions with a main(argv) (scripts/
     goes on sys.path too: some scripts import their siblings)."""

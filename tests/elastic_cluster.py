@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from conftest import REPO, TINY, free_port, subprocess_env, wait_listening, wait_until
+
 from zb.elastic.profiles import SHORT_TIMEOUTS
 from zb.metrics import read_metrics
 
@@ -59,7 +60,7 @@ class Cluster:
     # -- processes --------------------------------------------------------------------------
     def host_store(self) -> None:
         """The store in this process (saves a torch import per test); `zb store` is tested on its own."""
-        from zb.elastic.store import host
+        from zb.elastic.tcpstore import host
 
         self.hosted = host("127.0.0.1", self.port)
 

@@ -21,6 +21,7 @@ from zb.ckpt.format.catalog import verify_snapshot
 from zb.ckpt.format.manifest import snapshot_name
 from zb.config_schema import CkptConfig
 from zb.errors import InvalidInput
+from zb.position import RunPosition
 
 DRIVER = str(Path(__file__).parent / "drivers" / "ckpt_resume.py")
 TIMEOUT = 150
@@ -77,7 +78,7 @@ def test_resume_restores_state_in_place(tmp_path):
     m.close()
     fresh = small_state(seed=1)
     got = manager(tmp_path, resume="latest").resume(fresh)
-    assert got["counters"]["step"] == 2 and got["data_state"] == {"kind": "fake", "batch": 2}
+    assert got.position.step == 2 and got.data_state == {"kind": "fake", "batch": 2}
     for a, b in zip(state.model.parameters(), fresh.model.parameters()):
         assert torch.equal(a, b)
         sa, sb = state.optimizer.state[a], fresh.optimizer.state[b]
@@ -116,7 +117,7 @@ def test_corrupted_latest_is_skipped_and_explicit_bad_path_refused(tmp_path, cap
     bad.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
         got = manager(tmp_path, resume="latest").resume(small_state(seed=1))
-    assert got["counters"]["step"] == 1
+    assert got.position.step == 1
     assert any("sha256" in r.getMessage() for r in caplog.records)
     with pytest.raises(InvalidInput, match="sha256"):
         manager(tmp_path, resume=str(bad.parent.parent)).resume(small_state(seed=1))
@@ -148,7 +149,7 @@ def test_topk_prunes_only_older_than_committed(tmp_path):
 def test_final_checkpoint_goes_straight_to_disk_and_warns_on_inexact_data(tmp_path, caplog):
     m, state = manager(tmp_path), small_state()
     state.data_exact = False
-    state.counters["step"] = 7
+    state.position = RunPosition(step=7)
     m.save(7, state, final=True)
     assert m.wait(30)
     m.close()
@@ -197,7 +198,7 @@ def test_resume_from_the_remote_copy_when_the_disk_is_gone(tmp_path, caplog):
     m = manager(tmp_path, remote=str(remote), resume="latest")
     assert m.committed_steps() == [1, 2]
     fresh = small_state(seed=1)
-    assert m.resume(fresh)["counters"]["step"] == 2 and _same_params(state, fresh)
+    assert m.resume(fresh).position.step == 2 and _same_params(state, fresh)
     assert complete_steps(tmp_path / "disk") == [2]
     verify_snapshot(tmp_path / "disk" / snapshot_name(2) / "rank-0")
 
@@ -205,7 +206,7 @@ def test_resume_from_the_remote_copy_when_the_disk_is_gone(tmp_path, caplog):
     bad = tmp_path / "disk" / snapshot_name(2) / "rank-0" / "optim.safetensors"
     bad.write_bytes(bytes(b ^ 0xFF for b in bad.read_bytes()))
     with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
-        assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1))["counters"]["step"] == 2
+        assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1)).position.step == 2
     assert any("using the remote copy" in r.getMessage() for r in caplog.records)
 
     # Remote only again, with a damaged newest upload: the older one is used, with a warning.
@@ -214,7 +215,7 @@ def test_resume_from_the_remote_copy_when_the_disk_is_gone(tmp_path, caplog):
     part.write_bytes(bytes(b ^ 0xFF for b in part.read_bytes()))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
-        assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1))["counters"]["step"] == 1
+        assert manager(tmp_path, remote=str(remote), resume="latest").resume(small_state(seed=1)).position.step == 1
     assert any("skipping checkpoint step 2" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "disk" / snapshot_name(2) / "rank-0").exists()  # nothing half-downloaded looks committed
 
@@ -231,7 +232,7 @@ def test_resume_from_a_named_remote_step(tmp_path):
     m.close()
     url = f"file://{remote}/n0/{snapshot_name(3)}"
     fresh = small_state(seed=1)
-    assert manager(tmp_path / "elsewhere", resume=url).resume(fresh)["counters"]["step"] == 3
+    assert manager(tmp_path / "elsewhere", resume=url).resume(fresh).position.step == 3
     assert _same_params(state, fresh)
     with pytest.raises(InvalidInput, match="must name its step directory"):
         manager(tmp_path / "x", resume=f"file://{remote}/n0").resume(small_state())
@@ -294,7 +295,7 @@ def test_queued_checkpoint_keeps_its_staging_buffers(tmp_path, monkeypatch):
     for step in (1, 2, 3):
         with torch.no_grad():
             state.model[0].weight.fill_(float(step))
-        state.counters["step"] = step
+        state.position = RunPosition(step=step)
         if step == 3:
             threading.Timer(0.5, gate.set).start()  # save 3 must wait for step 2's RAM write, not step 1's end
         m.save(step, state)

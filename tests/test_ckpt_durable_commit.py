@@ -17,6 +17,7 @@ import zb.ckpt.format.catalog as catalog
 from zb.ckpt.durable.layout import complete_steps
 from zb.ckpt.format.manifest import snapshot_name
 from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
+from zb.position import RunPosition
 
 
 class Killed(BaseException):
@@ -77,7 +78,7 @@ def test_a_kill_at_any_point_of_a_recommit_leaves_a_complete_checkpoint(tmp_path
         assert complete_steps(root) == [3], (k, points)
         leftovers += [(k, n) for n in os.listdir(root / snapshot_name(3)) if n != "rank-0"]
         fresh = small_state(seed=2)
-        assert restarted.resume(fresh)["counters"]["step"] == 3, (k, points)
+        assert restarted.resume(fresh).position.step == 3, (k, points)
         got = fresh.model[0].weight.detach()
         assert any(torch.equal(got, c) for c in candidates), k  # all of one copy, never a mix
         restarted.close()
@@ -122,7 +123,7 @@ def test_the_final_checkpoint_does_not_rewrite_the_step_the_interval_saved(tmp_p
     m, state = manager(tmp_path, sink, remote=str(tmp_path / "remote"), topk=1), small_state()
     m.cfg.remote.interval = 8  # step 4 is not uploaded at the interval: the final save makes up for it
     m._worker.t.remote_interval = 8
-    state.counters["step"] = 4
+    state.position = RunPosition(step=4)
     m.save(4, state)
     part = tmp_path / "disk" / snapshot_name(4) / "rank-0"
     assert m.wait(30)

@@ -16,6 +16,7 @@ from ckpt_states import manager, small_state
 from zb.ckpt.format.manifest import MANIFEST, MARKER, sha256_bytes, snapshot_name
 from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
 from zb.errors import InvalidInput
+from zb.position import RunPosition
 
 
 def _rewrite(part, edit) -> None:
@@ -49,7 +50,7 @@ DAMAGE = {
     "missing-part": (_two_parts, "rank-1 is not a committed snapshot"),
     "no-rng-cpu": (lambda p: _rewrite(p, lambda t, m: t["rng.safetensors"].update(
         {"rng/other": t["rng.safetensors"].pop("rng/cpu")})), "no rng/cpu"),
-    "no-counters": (lambda p: _rewrite(p, lambda t, m: m.pop("counters")), "no counters"),
+    "no-counters": (lambda p: _rewrite(p, lambda t, m: m.pop("counters")), "no run position"),
     "tensor-table": (_edit_manifest, "tensor table differs from the manifest"),
     "wrong-optimizer": (lambda p: _rewrite(p, lambda t, m: t.update({"optim.safetensors": {
         f"other.{k}": v for k, v in t["optim.safetensors"].items()}})), "belongs to no parameter"),
@@ -60,14 +61,14 @@ DAMAGE = {
 def test_latest_skips_a_damaged_checkpoint_with_a_warning_and_a_named_one_is_refused(tmp_path, caplog, kind):
     damage, reason = DAMAGE[kind]
     m, state = manager(tmp_path), small_state()
-    state.counters["step"] = 1
+    state.position = RunPosition(step=1)
     m.save(1, state)
     assert m.wait(30)
     good = [p.detach().clone() for p in state.model.parameters()]
     with torch.no_grad():
         for p in state.model.parameters():
             p.add_(1.0)
-    state.counters["step"] = 2
+    state.position = RunPosition(step=2)
     m.save(2, state)
     assert m.wait(30)
     m.close()
@@ -77,7 +78,7 @@ def test_latest_skips_a_damaged_checkpoint_with_a_warning_and_a_named_one_is_ref
     fresh = small_state(seed=1)
     with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
         got = manager(tmp_path, resume="latest").resume(fresh)
-    assert got["counters"]["step"] == 1
+    assert got.position.step == 1
     assert all(torch.equal(a, b) for a, b in zip(good, fresh.model.parameters()))  # nothing of step 2 applied
     assert fresh.optimizer.state, "the optimizer state of step 1 was loaded"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -90,7 +91,7 @@ def test_latest_skips_a_damaged_checkpoint_with_a_warning_and_a_named_one_is_ref
 def test_an_optimizer_file_of_another_optimizer_is_refused(tmp_path):
     """The saved keys must be the optimizer's own (here: SGD with momentum against AdamW's)."""
     m, state = manager(tmp_path), small_state()
-    state.counters["step"] = 2
+    state.position = RunPosition(step=2)
     m.save(2, state)
     assert m.wait(30)
     m.close()

@@ -155,5 +155,5 @@ def test_without_ckpt_path_the_ram_copies_are_the_checkpoints_and_stay(tmp_path)
     assert os.listdir(tmp_path / "ram" / "n0") == [snapshot_name(1)]  # no owner file: no sweep takes it
     cfg.resume = "latest"
     again = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder())
-    assert again.resume(small_state(seed=1))["counters"]["step"] == 1
+    assert again.resume(small_state(seed=1)).position.step == 1
     again.close()

@@ -8,12 +8,12 @@ import sys
 import time
 
 import pytest
-
 from conftest import free_port, subprocess_env, wait_until, zb_process
+
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.judge import RoundDeadlines, judge
 from zb.elastic.probe import ProbeListener, check_peers
-from zb.elastic.snapshot import CheckIn, Snapshot
+from zb.elastic.store_state import CheckIn, Snapshot
 from zb.elastic.world import JoinRequest, Observation, World, next_world
 from zb.errors import EnvironmentFailure
 
@@ -164,7 +164,7 @@ def test_store_listens_on_exactly_the_address_given():
     authentication, so `zb store --host 127.0.0.1` must not answer on another address."""
     import shutil
 
-    from zb.elastic.store import host
+    from zb.elastic.tcpstore import host
 
     port = free_port()
     store = host("127.0.0.1", port)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zb.config import load_config
-from zb.train.schedule import build_optimizer, build_scheduler, lr_factor, set_schedule_position
+from zb.train.lr_schedule import build_optimizer, build_scheduler, lr_factor, set_schedule_position
 
 
 def _cfg(sched: str):

@@ -5,19 +5,15 @@ durable checkpoint; a ckpt.path that can never work exits 2 at start."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 from ckpt_states import tmpfs
-from conftest import REPO, subprocess_env
-from test_train_resume import TINY
+from conftest import zb_train, zb_train_until_sigterm
 
 from zb.metrics import read_metrics
 
 
 def _train(tmp_path, log: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"),
-                           "--log.dir", str(tmp_path / log), "--elastic.unique_id", "node-a", *args],
-                          capture_output=True, text=True, timeout=170, env=subprocess_env(), cwd=REPO)
+    return zb_train(tmp_path, "--log.dir", str(tmp_path / log), "--elastic.unique_id", "node-a", *args)
 
 
 def _checkpoints(tmp_path, log: str) -> list[tuple[int, bool]]:
@@ -55,20 +51,9 @@ def test_an_unusable_ckpt_path_exits_2_at_start(tmp_path):
 
 def test_sigterm_leaves_nothing_in_ram(tmp_path):
     import signal
-    import time
 
-    args = [sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), "--ckpt.path",
-            str(tmp_path / "ck"), "--ckpt.interval", "2", "--optim.total_steps", "100000", "--log.dir",
-            str(tmp_path / "log")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            cwd=REPO)
-    metrics = tmp_path / "log" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(read_metrics(metrics, "checkpoint")) >= 2):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    code, err = zb_train_until_sigterm(tmp_path, "checkpoint", 2, "--ckpt.path", str(tmp_path / "ck"),
+                                       "--ckpt.interval", "2")
+    assert code == 128 + signal.SIGTERM, err[-2000:]
     assert [p for p in (tmp_path / "ram").rglob("*") if p.is_file()] == [], err[-2000:]
     assert any((tmp_path / "ck").glob("step-*/rank-0/COMMITTED"))

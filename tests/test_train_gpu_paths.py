@@ -104,8 +104,8 @@ def test_one_process_meta_device_init_equals_the_whole_model_cpu_init():
 
 
 def test_cpu_run_hides_gpus_before_anything_opens_a_cuda_context(monkeypatch):
+    from zb.local_world import LocalWorld
     from zb.train.device import pick_placement
-    from zb.world import LocalWorld
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     placement = pick_placement(_cfg(**{"train.device": "cpu"}).train, LocalWorld(rank=0, world_size=1))
@@ -118,8 +118,8 @@ def test_more_local_ranks_than_gpus_is_one_line_not_an_nccl_error(monkeypatch):
     import torch
 
     from zb.errors import InvalidInput
+    from zb.local_world import LocalWorld
     from zb.train.device import pick_placement
-    from zb.world import LocalWorld
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -159,8 +159,7 @@ def test_flash_attention_on_cpu_exits_2_with_one_line(tmp_path):
 def test_attention_neither_repeats_kv_heads_nor_looks_for_flash_per_call(monkeypatch):
     import torch
 
-    from zb.models import Transformer, model_args
-    from zb.models import llama
+    from zb.models import Transformer, llama, model_args
 
     cfg = _cfg(**{"model.type": "llama2", "model.n_kv_heads": 2})
     model = Transformer(model_args(cfg.model, vocab_size=320, max_seq_len=16))
@@ -176,10 +175,9 @@ def test_checkpoint_state_refuses_a_sharded_model_with_gathered_params(monkeypat
     from types import SimpleNamespace
 
     from zb.train import fsdp
-    from zb.train.checkpointing import RunCheckpoints
+    from zb.train.run import TrainingRun
 
-    checkpoints = RunCheckpoints.__new__(RunCheckpoints)
-    checkpoints.run = SimpleNamespace(model=object(), counters=SimpleNamespace())
+    run = SimpleNamespace(model=object())
     monkeypatch.setattr(fsdp, "unsharded_params", lambda model: ["layers.1.attention.wq.weight"])
     with pytest.raises(RuntimeError, match="refusing to checkpoint.*layers.1.attention.wq.weight"):
-        checkpoints.state()
+        TrainingRun.checkpoint_state(run)

@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import zb_train, zb_train_until_sigterm
 from zb.metrics import read_metrics
 
-TINY = ["--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2", "--optim.warmup_steps", "2",
-        "--train.log_interval", "1", "--eval.interval", "-1", "--log.progress", "plain", "--train.device", "cpu"]
 
-
-def _train(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), *args],
-                          capture_output=True, text=True, timeout=170, env=subprocess_env(), cwd=REPO)
 
 
 def _losses(path) -> list[float]:
@@ -30,18 +21,18 @@ def _losses(path) -> list[float]:
 @pytest.mark.parametrize("machine", ["same", "replaced"])
 def test_resume_continues_bit_for_bit(tmp_path, machine):
     """"replaced": the restart runs on a new machine (disk and RAM gone) from the remote copy."""
-    straight = _train(tmp_path, "--optim.total_steps", "16", "--log.dir", str(tmp_path / "a"))
+    straight = zb_train(tmp_path, "--optim.total_steps", "16", "--log.dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-2000:]
     ck = ["--ckpt.path", str(tmp_path / "ck"), "--optim.total_steps", "16", "--log.dir", str(tmp_path / "b")]
     if machine == "replaced":
         ck += ["--ckpt.remote.path", str(tmp_path / "remote"), "--elastic.unique_id", "node-a"]
-    first = _train(tmp_path, *ck, "--train.max_steps", "8")
+    first = zb_train(tmp_path, *ck, "--train.max_steps", "8")
     assert first.returncode == 0, first.stderr[-2000:]
     if machine == "replaced":
         assert (tmp_path / "remote" / "node-a" / "step-000000008" / "rank-0" / "COMMITTED").is_file()
         shutil.rmtree(tmp_path / "ck")
         shutil.rmtree(tmp_path / "ram", ignore_errors=True)
-    second = _train(tmp_path, *ck, "--ckpt.resume", "latest")
+    second = zb_train(tmp_path, *ck, "--ckpt.resume", "latest")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "resumed from" in second.stderr and "settings without effect" not in second.stderr
     assert ("downloaded to" in second.stderr) == (machine == "replaced")
@@ -49,21 +40,12 @@ def test_resume_continues_bit_for_bit(tmp_path, machine):
 
 
 def test_sigterm_writes_a_final_checkpoint(tmp_path):
-    args = [sys.executable, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), "--ckpt.path",
-            str(tmp_path / "ck"), "--optim.total_steps", "100000", "--log.dir", str(tmp_path / "log")]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            cwd=REPO)
+    code, err = zb_train_until_sigterm(tmp_path, "step", 3, "--ckpt.path", str(tmp_path / "ck"))
+    assert code == 128 + signal.SIGTERM, err[-2000:]
     metrics = tmp_path / "log" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and len(read_metrics(metrics, "step")) >= 3):
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     last = read_metrics(metrics, "step")[-1]["step"]
     assert (tmp_path / "ck" / f"step-{last:09d}").is_dir(), err[-2000:]
-    resumed = _train(tmp_path, "--ckpt.path", str(tmp_path / "ck"), "--ckpt.resume", "latest", "--optim.total_steps",
+    resumed = zb_train(tmp_path, "--ckpt.path", str(tmp_path / "ck"), "--ckpt.resume", "latest", "--optim.total_steps",
                      str(last + 2), "--log.dir", str(tmp_path / "log2"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [e["step"] for e in read_metrics(tmp_path / "log2" / "metrics.jsonl", "step")] == [last + 1, last + 2]
@@ -75,14 +57,14 @@ def test_two_rank_final_checkpoint_after_eval_resumes_bit_for_bit(tmp_path):
     # Batches prefetched (on by default only on CUDA): the resume position must still be exact.
     two = ["--nproc-per-node", "2", "--optim.batch_size", "8", "--eval.interval", "5", "--eval.batches", "1",
            "--data.prefetch", "3"]
-    straight = _train(tmp_path, *two, "--optim.total_steps", "12", "--log.dir", str(tmp_path / "a"))
+    straight = zb_train(tmp_path, *two, "--optim.total_steps", "12", "--log.dir", str(tmp_path / "a"))
     assert straight.returncode == 0, straight.stderr[-2000:]
     ck = [*two, "--ckpt.path", str(tmp_path / "ck"), "--ckpt.interval", "5", "--log.dir", str(tmp_path / "b")]
     # Steps 1-8: saves at step 5 (interval) and 8 (final, right after the final eval).
-    first = _train(tmp_path, *ck, "--optim.total_steps", "12", "--train.max_steps", "8")
+    first = zb_train(tmp_path, *ck, "--optim.total_steps", "12", "--train.max_steps", "8")
     assert first.returncode == 0, first.stderr[-2000:]
     assert "eval step 8" in first.stderr
-    second = _train(tmp_path, *ck, "--optim.total_steps", "12", "--ckpt.resume", "latest")
+    second = zb_train(tmp_path, *ck, "--optim.total_steps", "12", "--ckpt.resume", "latest")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "at step 8" in second.stderr
     assert _losses(tmp_path / "b" / "metrics.jsonl") == _losses(tmp_path / "a" / "metrics.jsonl")

@@ -7,20 +7,18 @@ import math
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
-from conftest import REPO, subprocess_env
+from conftest import REPO, subprocess_env, wait_until, zb_process
 from zb.metrics import read_metrics
 
 FAST = ["--train.device", "cpu", "--log.progress", "plain", "--optim.warmup_steps", "5"]
 
 
 def _zb(*args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zb", "train", *FAST, *args], capture_output=True, text=True,
-                          timeout=timeout, env=subprocess_env(), cwd=REPO)
+    return zb_process("train", *FAST, *args, timeout=timeout)
 
 
 def test_default_source_learns_and_metrics_follow_the_schema(tmp_path):
@@ -45,13 +43,8 @@ def test_fake_data_runs(tmp_path):
 
 
 def _wait_for_steps(path, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and len(read_metrics(path, "step")) >= n:
-            return
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.2)
-    raise AssertionError("training did not log steps in time")
+    wait_until(lambda: path.exists() and len(read_metrics(path, "step")) >= n, timeout, f"{n} logged steps",
+               alive=[proc], details=lambda: proc.communicate()[1][-3000:] if proc.poll() is not None else "")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

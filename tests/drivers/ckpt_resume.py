@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,12 +29,13 @@ from zb.config_schema import DilocoConfig
 from zb.data import build_dataloader, build_tokenizer
 from zb.diloco.outer import OuterState
 from zb.fingerprint import fingerprint
+from zb.local_world import local_world
 from zb.metrics import MetricsSink
+from zb.position import RunPosition
 from zb.train.device import close_local_group, init_local_group, pick_placement
-from zb.train.schedule import build_optimizer, build_scheduler
+from zb.train.lr_schedule import build_optimizer, build_scheduler
 from zb.train.setup import build_model, check_batch
 from zb.train.step import Trainer, take
-from zb.world import local_world
 
 OUTER_EVERY = 2
 
@@ -92,10 +94,10 @@ def main() -> None:
                               local_rank=local.rank, local_world_size=local.world_size, seed=cfg.train.seed)
     outer = OuterState(model, DilocoConfig())
     vocab = model.tok_embeddings.num_embeddings
-    counters = {"step": 0, "outer_step": 0, "tokens": 0, "run_tokens": 0}
+    at = RunPosition()
 
     def state() -> TrainState:
-        return TrainState(model, optimizer, scheduler, counters, loader.state_dict(), outer.state_tensors(),
+        return TrainState(model, optimizer, scheduler, at, loader.state_dict(), outer.state_tensors(),
                           to_dict(cfg), fingerprint(cfg, local.world_size, vocab), loader.exact_resume)
 
     sink = MetricsSink(f"{ckpt_dir}/log-{mode}", f"node-{local.rank}", enabled=True)
@@ -104,24 +106,24 @@ def main() -> None:
     end, save_at = 2 * steps, steps
     if mode == "resume":
         resumed = manager.resume(state())
-        counters.update(resumed["counters"])
-        loader.load_state_dict(resumed["data_state"])
-        outer.load_state_tensors(resumed["outer"])
-        end, save_at = 2 * counters["step"], -1
+        at = resumed.position
+        loader.load_state_dict(resumed.data_state)
+        outer.load_state_tensors(resumed.outer)
+        end, save_at = 2 * at.step, -1
     losses = []
-    while counters["step"] < end:
+    while at.step < end:
         losses.append(trainer.train_step(take(loader, accum)).loss)
-        counters["step"] += 1
-        if counters["step"] % OUTER_EVERY == 0:
+        at = replace(at, step=at.step + 1)
+        if at.step % OUTER_EVERY == 0:
             outer_step(outer)
-            counters["outer_step"] += 1
-        if counters["step"] == save_at:
-            manager.save(counters["step"], state())
+            at = replace(at, outer_step=at.outer_step + 1)
+        if at.step == save_at:
+            manager.save(at.step, state())
     # A file per rank: torchrun interleaves the ranks' stdout, even within a line.
-    result = {"rank": local.rank, "losses": losses, "params": params_sha(model), "step": counters["step"]}
+    result = {"rank": local.rank, "losses": losses, "params": params_sha(model), "step": at.step}
     Path(ckpt_dir, f"out-{mode}-{local.rank}.json").write_text(json.dumps(result))
     if die:
-        die_during_next_copy(manager, counters["step"], state())
+        die_during_next_copy(manager, at.step, state())
     manager.close()
     close_local_group()
 

@@ -14,10 +14,10 @@ import sys
 import torch
 
 from zb.config import load_config
+from zb.local_world import local_world
 from zb.train.device import close_local_group, init_local_group, pick_placement
 from zb.train.fsdp import reshard, unsharded_params
 from zb.train.setup import build_model
-from zb.world import local_world
 
 
 def init_differences(model, cfg) -> list[str]:
@@ -55,7 +55,7 @@ def main() -> None:
     out["gathered_after_no_grad_forward"] = unsharded_params(model)
     reshard(model)
     out["gathered_after_reshard"] = unsharded_params(model)
-    if local.is_leader:
+    if local.is_head:
         print(json.dumps(out), flush=True)
     close_local_group()
     sys.stdout.flush()

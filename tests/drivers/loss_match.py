@@ -14,11 +14,11 @@ import sys
 import torch
 
 from zb.config import load_config
+from zb.local_world import local_world
 from zb.train.device import close_local_group, init_local_group, pick_placement
-from zb.train.schedule import build_optimizer, build_scheduler
+from zb.train.lr_schedule import build_optimizer, build_scheduler
 from zb.train.setup import build_model, check_batch
 from zb.train.step import Trainer
-from zb.world import local_world
 
 GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 32, 320, 4
 
@@ -52,7 +52,7 @@ def main() -> None:
         assert len(micro) == accum
         result = trainer.train_step(micro)
         losses.append(result.loss)
-    if local.is_leader:
+    if local.is_head:
         print(json.dumps({"losses": losses, "grad_norm": result.grad_norm, "sync_flags": sync_flags[:accum]}),
               flush=True)
     close_local_group()

@@ -27,6 +27,6 @@
 """
 
 from zb.collectives.allreduce import COMPRESSIONS, AllReduceStats, all_reduce
-from zb.collectives.errors import PeerFailure
+from zb.collectives.peer_failure import PeerFailure
 
 __all__ = ["all_reduce", "AllReduceStats", "PeerFailure", "COMPRESSIONS"]

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zb.collectives.errors import PeerFailure
-from zb.collectives.ring import TransferDeadlines, run_ring
 from zb.collectives.kernels import BLOCK, num_blocks
+from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import split_blocks
+from zb.collectives.ring import TransferDeadlines, run_ring
 from zb.errors import InvalidInput
 
 COMPRESSIONS = ("none", "int8")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zb.collectives import kernels
-from zb.collectives.errors import PeerFailure
+from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import FAILED, OK, POOL, Layout, Piece, views
 from zb.collectives.sender import Sender
 from zb.collectives.watchdog import Watchdog

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zb.collectives.errors import PeerFailure
+from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import BufferPool
 
 _STOP = None

@@ -30,9 +30,10 @@ from zb.ckpt.sidecar.token import read_token
 from zb.config_schema import Config
 from zb.diloco.outer import OuterState
 from zb.elastic import keys
-from zb.elastic.store import read_many
+from zb.elastic.tcpstore import read_many
 from zb.elastic.world import World
 from zb.errors import EnvironmentFailure
+from zb.position import JSON_KEY, RunPosition
 
 log = logging.getLogger("zb.diloco")
 
@@ -68,22 +69,22 @@ class LiveSnapshots:
     def publish_address(self, store) -> None:
         publish_address(store, sidecar_id(self.uid, self.local_rank), self.advertised)
 
-    def publish(self, outer: OuterState, counters: dict[str, int]) -> None:
+    def publish(self, outer: OuterState, position: RunPosition) -> None:
         """Snapshot the outer state in the background (the previous write is awaited first)."""
         self.wait()
         tensors = {name.split("/")[1]: t.detach().clone() for name, t in outer.state_tensors().items()}
-        step, outer_step = counters["step"], counters["outer_step"]
-        self._writer = threading.Thread(target=self._write, args=(tensors, counters, step, outer_step),
-                                        name="zb-live-snapshot", daemon=True)
+        self._writer = threading.Thread(target=self._write, args=(tensors, position), name="zb-live-snapshot",
+                                        daemon=True)
         self._writer.start()
 
-    def _write(self, tensors, counters, step, outer_step) -> None:
+    def _write(self, tensors, position: RunPosition) -> None:
         try:
-            write_snapshot(self.root, {FILE: tensors}, {"counters": counters}, step, outer_step=outer_step,
-                           fingerprint=self.fingerprint, name=snapshot_name(outer_step))
+            write_snapshot(self.root, {FILE: tensors}, {JSON_KEY: position.to_json()}, position.step,
+                           outer_step=position.outer_step, fingerprint=self.fingerprint,
+                           name=snapshot_name(position.outer_step))
             prune(self.root, KEEP)
         except Exception as e:  # noqa: BLE001 - a missed snapshot only means joiners wait for the next one
-            log.warning("live snapshot of outer step %d failed: %s", outer_step, e)
+            log.warning("live snapshot of outer step %d failed: %s", position.outer_step, e)
 
     def wait(self) -> None:
         if self._writer is not None:
@@ -108,7 +109,7 @@ def read_progress(store) -> dict | None:
 
 
 def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fingerprint: str
-            ) -> tuple[dict[str, int], FetchResult] | None:
+            ) -> tuple[RunPosition, FetchResult] | None:
     """Fetch and load the run's current outer state; None when there is nothing to recover from."""
     world = World.decode(read_many(store, [keys.WORLD])[0])
     progress = read_progress(store)
@@ -140,4 +141,4 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
         raise EnvironmentFailure("the recovered outer state does not match this node's model shard")
     outer.load_state_tensors(loaded)
     outer.push_to_model()
-    return meta["counters"], result
+    return RunPosition.from_json(meta.get(JSON_KEY)), result

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -29,9 +29,10 @@ from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.diloco.transfer import StateTransfer, ensure_adam_state
 from zb.elastic import ElasticDeviceMesh, localsync
-from zb.elastic.store import connect, store_errors
+from zb.elastic.tcpstore import connect, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.fingerprint import check_against, encode
+from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")
 
@@ -68,12 +69,12 @@ class DilocoNode:
         self.outer = OuterState(model, cfg.diloco)
         self.local_group = local_group
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
-                                      local_world_size=local.world_size, sink=sink if local.is_leader else None)
+                                      local_world_size=local.world_size, sink=sink if local.is_head else None)
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.store = None
         self.slot = self.num_slots = 0
         self.role = checkin.CONTRIBUTOR
-        self.recovered_counters: dict[str, int] | None = None
+        self.recovered_position: RunPosition | None = None
         self.live = None
         self._fresh_view = False
         if cfg.diloco.compression == "int8":
@@ -88,7 +89,7 @@ class DilocoNode:
     # -- start -------------------------------------------------------------------------------
     def start(self) -> int:
         """Join the run; returns this node's data slot. Refuses (exit 2) a node whose settings differ."""
-        self._agree(self._check_fingerprint if self.local.is_leader else None)
+        self._agree(self._check_fingerprint if self.local.is_head else None)
         self.store = self._connect()
         recovered = self._recover_live() if self.cfg.ckpt.live_recovery and not self.dcfg.blocking_join else False
         view = self.mesh.start()
@@ -107,12 +108,12 @@ class DilocoNode:
         e = self.cfg.elastic
         return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout)
 
-    def _agree(self, leader_fn) -> dict:
-        """Local rank 0 runs `leader_fn` and shares its JSON result; an error there stops every rank."""
+    def _agree(self, head_fn) -> dict:
+        """Local rank 0 runs `head_fn` and shares its JSON result; an error there stops every rank."""
         payload = None
-        if self.local.is_leader:
+        if self.local.is_head:
             try:
-                payload = leader_fn() if leader_fn else {}
+                payload = head_fn() if head_fn else {}
             except Exception as e:  # noqa: BLE001 - told to the other local ranks, then re-raised
                 localsync.broadcast_json(self.local_group, 0, {"error": str(e), "code": getattr(e, "exit_code", 1)})
                 raise
@@ -154,12 +155,12 @@ class DilocoNode:
                         encode(self.fingerprint))
         ok = localsync.all_ok(self.local_group, found is not None)
         if ok:
-            counters, result = found
-            self.recovered_counters = counters
-            if self.local.is_leader:
+            position, result = found
+            self.recovered_position = position
+            if self.local.is_head:
                 self.sink.log("recovery", **result.metrics())
             log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
-                     counters["outer_step"], ", ".join(result.peers), time.perf_counter() - started)
+                     position.outer_step, ", ".join(result.peers), time.perf_counter() - started)
         return ok
 
     def _serve_live(self, uid: str) -> None:
@@ -168,21 +169,22 @@ class DilocoNode:
         self.live = LiveSnapshots(self.cfg, uid, self.local.rank, encode(self.fingerprint))
         self.live.publish_address(self.store)
 
-    def _publish_live(self, counters: list[int], view) -> None:
+    def _publish_live(self, before: RunPosition, view) -> None:
+        """Serve the outer state as it stands after this outer step (no node's own token count)."""
         from zb.diloco.live import publish_progress
 
-        step, outer_step = counters[0], counters[1] + 1
-        self.live.publish(self.outer, {"step": step, "outer_step": outer_step, "run_tokens": counters[3]})
-        if view.global_rank == 0 and self.local.is_leader:
+        after = replace(before, outer_step=before.outer_step + 1, tokens=0)
+        self.live.publish(self.outer, after)
+        if view.global_rank == 0 and self.local.is_head:
             try:
-                publish_progress(self.store, outer_step, step)
+                publish_progress(self.store, after.outer_step, after.step)
             except store_errors() as e:
                 log.warning("could not publish the run's progress: %s", str(e).splitlines()[0])
 
     # -- outer step ----------------------------------------------------------------------------
-    def outer_step(self, counters: list[int], data_state: dict | None) -> tuple[OuterReport, list[int] | None]:
-        """Run one outer step; `counters` = [step, outer_step, tokens, run_tokens] before it.
-        Returns its report and, for a node that received the full state, the donor's counters."""
+    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
+        """Run one outer step from `position` (this node's, before it). Returns its report and, for a
+        node that took over the run's state, the run's position before the step."""
         stats, view, plan, attempts = None, None, None, 0
         digest = checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
@@ -190,8 +192,8 @@ class DilocoNode:
             self._fresh_view = False
             try:
                 plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                        counters[1], counters[0], _deadline(self.cfg), digest)
-                self._note_lagging(view, plan, counters[1])
+                                        position.outer_step, position.step, _deadline(self.cfg), digest)
+                self._note_lagging(view, plan, position.outer_step)
                 stats = self._sync(view, plan)
                 ok = True
             except PeerFailure as e:
@@ -203,16 +205,16 @@ class DilocoNode:
             stats = None
         was_recovered = self.role == checkin.RECOVERED
         report = self._apply(view, plan, stats, attempts)
-        received = self._hand_over_state(view, plan, counters) if plan is not None else None
+        received = self._hand_over_state(view, plan, position) if plan is not None else None
         if was_recovered and report.applied:
             # A recovered joiner applied the run's update: it now stands where the run stands.
-            received = [plan.run_step, plan.run_outer_step, 0, counters[3]]
+            received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
         if self.cfg.train.log_model_hash:
             report.params_hash = self.params_hash()   # after the hand-over: a receiver logs the state it now holds
         if self.live is not None:
-            self._publish_live(received or counters, view)
+            self._publish_live(received or position, view)
         self._save_position(data_state)
-        if self.local.is_leader:
+        if self.local.is_head:
             self._reassert_claims(view)
         return report, received
 
@@ -252,8 +254,8 @@ class DilocoNode:
             self.outer.push_to_model()
             self.optimizer.state.clear()
 
-    def _hand_over_state(self, view, plan: checkin.Plan, counters: list[int]) -> list[int] | None:
-        """Donor -> receivers, after the outer step; returns the counters a receiver got."""
+    def _hand_over_state(self, view, plan: checkin.Plan, position: RunPosition) -> RunPosition | None:
+        """Donor -> receivers, after the outer step; returns the position a receiver got."""
         if not plan.receivers:
             return None
         transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
@@ -261,7 +263,7 @@ class DilocoNode:
             ensure_adam_state(self.optimizer)
             for r in plan.receivers:
                 try:
-                    transfer.send(r, counters)
+                    transfer.send(r, position)
                 except PeerFailure as e:
                     log.warning("could not send state to joiner rank %d: %s", r, e)
                     self.mesh.report_failure(r)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from zb.elastic.store import read_many
+from zb.elastic.tcpstore import read_many
 from zb.errors import EnvironmentFailure
 
 ROOT = "zb/data"

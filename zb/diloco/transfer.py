@@ -1,7 +1,7 @@
 """State for a joiner, sent by a live node over their replica group as raw tensors (no pickles).
 
 What travels: outer params and outer momentum (identical on every node), this rank's shard of the
-inner AdamW state, and the step counters. The joiner keeps its own data position (its data slot).
+inner AdamW state, and the run's position. The joiner keeps its own data position (its data slot).
 A header goes first so the joiner can refuse a donor whose layout differs before reading anything
 else; every transfer is bounded by a deadline from its size and diloco.min_bandwidth_mbps.
 """
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from zb.collectives import PeerFailure
 from zb.diloco.outer import OuterState, local_shard
 from zb.errors import InvalidInput
+from zb.position import RunPosition
 
 TAG = 7_000  # distinct from the all-reduce ring's tags
 HEADER_LEN = 8
@@ -70,10 +71,10 @@ class StateTransfer:
     def __init__(self, pg: dist.ProcessGroup, outer: OuterState, optimizer: torch.optim.Optimizer, bw: float):
         self.pg, self.outer, self.optimizer, self.bw = pg, outer, optimizer, bw
 
-    def _header(self, counters: list[int]) -> torch.Tensor:
+    def _header(self, position: RunPosition) -> torch.Tensor:
         has_momentum = int("outer/momentum" in self.outer.state_tensors())
         values = [self.outer.numel, has_momentum, sum(t.numel() for t in _inner_tensors(self.optimizer)),
-                  _layout_hash(self.outer), *counters]
+                  _layout_hash(self.outer), *position.to_ints()]
         return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
     def _payload(self) -> torch.Tensor:
@@ -83,15 +84,15 @@ class StateTransfer:
         parts.append(torch.stack([s.float().cpu() for s in _steps(self.optimizer)]))
         return torch.cat(parts)
 
-    def send(self, dst: int, counters: list[int]) -> None:
-        header, payload = self._header(counters), self._payload()
+    def send(self, dst: int, position: RunPosition) -> None:
+        header, payload = self._header(position), self._payload()
         for i, t in enumerate((header, self.outer.flat.data, payload)):
             _wait(self.pg.send([t], dst, TAG + i), t.numel() * t.element_size(), self.bw, dst, "send")
 
-    def receive(self, src: int) -> list[int]:
-        """Load the donor's state; returns its counters. InvalidInput if its layout differs."""
+    def receive(self, src: int) -> RunPosition:
+        """Load the donor's state; returns its position. InvalidInput if its layout differs."""
         ensure_adam_state(self.optimizer)
-        mine = self._header([0] * (HEADER_LEN - 4))
+        mine = self._header(RunPosition())
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         _wait(self.pg.recv([header], src, TAG), 8 * HEADER_LEN, self.bw, src, "header")
         theirs, ours = header[:4].tolist(), mine[:4].tolist()
@@ -104,7 +105,7 @@ class StateTransfer:
         payload = torch.empty(momentum * self.outer.numel + int(header[2]) + len(_steps(self.optimizer)))
         _wait(self.pg.recv([payload], src, TAG + 2), 4 * payload.numel(), self.bw, src, "state")
         self._load_payload(payload, momentum)
-        return [int(v) for v in header[4:].tolist()]
+        return RunPosition.from_ints(header[4:].tolist())
 
     @torch.no_grad()
     def _load_payload(self, payload: torch.Tensor, momentum: int) -> None:

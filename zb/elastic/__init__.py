@@ -35,9 +35,10 @@ Waits and the config keys (section `elastic`) that bound them:
 
 Membership events go to the logs and to `sink.log("membership", mesh_version=..., global_world_size=...,
 leader=..., joined=[...], left=[...], died=[...], global_rank=..., new_leader=bool)`.
-Modules: keys (every store key), store (client, host, reads), identity, heartbeat, deathrattle,
-probe (reachability), world (the record and its pure update rule), snapshot, judge (deadlines and
-the acting leader), membership (the protocol), localsync, view, mesh, storehost.
+Modules: keys (every store key), tcpstore (client, host, reads), identity, heartbeat, deathrattle,
+probe (reachability), world (the record and its pure update rule), store_state (one read of the
+store's membership keys), judge (deadlines and the acting leader), membership (the protocol),
+localsync, view, mesh, storehost.
 """
 
 from zb.elastic.mesh import ElasticDeviceMesh, EventSink

@@ -14,7 +14,7 @@ import time
 from zb.elastic import keys
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.probe import refuses
-from zb.elastic.store import read_many
+from zb.elastic.tcpstore import read_many
 
 log = logging.getLogger("zb.elastic")
 

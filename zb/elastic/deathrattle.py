@@ -17,7 +17,7 @@ import threading
 from typing import Callable
 
 from zb.elastic import keys
-from zb.elastic.store import store_errors
+from zb.elastic.tcpstore import store_errors
 
 log = logging.getLogger("zb.elastic")
 

@@ -18,7 +18,7 @@ import time
 from typing import Callable, Iterable
 
 from zb.elastic import keys
-from zb.elastic.store import read_many, store_errors
+from zb.elastic.tcpstore import read_many, store_errors
 
 log = logging.getLogger("zb.elastic")
 

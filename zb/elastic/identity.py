@@ -14,7 +14,7 @@ import socket
 import time
 
 from zb.elastic import keys
-from zb.elastic.store import read_lines, read_many
+from zb.elastic.tcpstore import read_lines, read_many
 from zb.errors import EnvironmentFailure
 
 log = logging.getLogger("zb.elastic")

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zb.elastic.heartbeat import Liveness
-from zb.elastic.snapshot import Snapshot
+from zb.elastic.store_state import Snapshot
 from zb.elastic.world import JoinRequest, Observation, World
 
 

@@ -25,8 +25,8 @@ from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Liveness, observe_counters
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
-from zb.elastic.snapshot import Snapshot, encode_line, read_snapshot
-from zb.elastic.store import StoreUnreachable, store_errors
+from zb.elastic.store_state import Snapshot, encode_line, read_snapshot
+from zb.elastic.tcpstore import StoreUnreachable, store_errors
 from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, LeavingRun
 

@@ -19,8 +19,8 @@ from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_unique_id
 from zb.elastic.membership import Membership
 from zb.elastic.probe import ProbeListener, check_peers
-from zb.elastic.snapshot import Snapshot
-from zb.elastic.store import StoreUnreachable, connect, read_many, store_errors
+from zb.elastic.store_state import Snapshot
+from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
 
@@ -61,7 +61,7 @@ class ElasticDeviceMesh:
     def start(self) -> WorldView:
         """Connect, check the id, heartbeat, join (waiting for the quorum up to elastic.start_timeout),
         build the global groups. Raises ZbError (one clear line) on an expected failure."""
-        payload = self._guarded(self._start_leader) if self.local_rank == 0 else None
+        payload = self._guarded(self._start_head) if self.local_rank == 0 else None
         view = self._follow(payload)
         if self.global_pg is None:       # a peer did not arrive at the first group: resolve again
             self._failed = True
@@ -72,7 +72,7 @@ class ElasticDeviceMesh:
         """Outer-step boundary: admit joiners, drop leavers/dead/late nodes, rebuild groups if needed."""
         for _ in range(REBUILD_ATTEMPTS):
             self._merge_local_failures()
-            payload = self._guarded(self._resolve_leader) if self.local_rank == 0 else None
+            payload = self._guarded(self._resolve_head) if self.local_rank == 0 else None
             view = self._follow(payload)
             if self.global_pg is not None:
                 return view
@@ -103,7 +103,7 @@ class ElasticDeviceMesh:
         client = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self._connect_timeout, self.cfg.store_timeout)
         return client
 
-    def _start_leader(self) -> dict[str, Any]:
+    def _start_head(self) -> dict[str, Any]:
         cfg = self.cfg
         uid, token = cfg.unique_id or new_unique_id(), new_token()
         from zb.log import set_node_id
@@ -138,7 +138,7 @@ class ElasticDeviceMesh:
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
 
-    def _resolve_leader(self) -> dict[str, Any]:
+    def _resolve_head(self) -> dict[str, Any]:
         m = self._membership
         before = m.world
         if self._failed:

@@ -8,7 +8,7 @@ import socket
 import threading
 from typing import Callable
 
-from zb.elastic.store import host, is_public
+from zb.elastic.tcpstore import host, is_public
 
 log = logging.getLogger("zb.elastic")
 

@@ -10,88 +10,68 @@ of them committed, agreed through the store.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
-from zb.config import to_dict
-from zb.train.device import control_group
+from zb.config import source_of
+from zb.config_schema import Config
 
 if TYPE_CHECKING:
-    from zb.train.run import TrainingRun
+    from zb.ckpt.durable.manager import Resumed, TrainState
 
 log = logging.getLogger("zb.train")
 
 
 class RunCheckpoints:
-    def __init__(self, run: "TrainingRun"):
-        self.run, cfg = run, run.cfg.ckpt
-        self.manager = None
-        if cfg.path or cfg.interval or cfg.resume or cfg.remote.path:
-            from zb.ckpt.durable.manager import CheckpointManager
-            from zb.config import source_of
+    """When a run checkpoints, and what it resumes from. It sees the run only through `state_of`
+    (the TrainState to save, or to fill in place at a resume) and hands back what it loaded, so the
+    run applies it; without any ckpt setting it does nothing."""
 
-            if cfg.remote.path and source_of(run.cfg, "elastic.unique_id") == "default" and run.local.is_leader:
+    def __init__(self, cfg: Config, *, node_id: str, local_rank: int, local_world_size: int, is_head: bool,
+                 sink, local_group, state_of: Callable[[], "TrainState"]):
+        self.cfg, self.state_of = cfg, state_of
+        self.manager = None
+        ckpt = cfg.ckpt
+        if ckpt.path or ckpt.interval or ckpt.resume or ckpt.remote.path:
+            from zb.ckpt.durable.manager import CheckpointManager
+
+            if ckpt.remote.path and source_of(cfg, "elastic.unique_id") == "default" and is_head:
                 log.warning("ckpt.remote.path is set but this node's id was generated (%s): set GLOBAL_UNIQUE_ID "
                             "so that a restarted node finds its remote checkpoints under %s/<node id>",
-                            run.cfg.elastic.unique_id, cfg.remote.path.rstrip("/"))
-            self.manager = CheckpointManager(cfg, node_id=run.cfg.elastic.unique_id, local_rank=run.local.rank,
-                                             local_world_size=run.local.world_size, sink=run.sink,
-                                             local_group=control_group())
+                            node_id, ckpt.remote.path.rstrip("/"))
+            self.manager = CheckpointManager(ckpt, node_id=node_id, local_rank=local_rank,
+                                             local_world_size=local_world_size, sink=sink, local_group=local_group)
 
-    def state(self):
-        from zb.ckpt.durable.state import TrainState
-        from zb.train.fsdp import unsharded_params
-
-        run, c = self.run, self.run.counters
-        gathered = unsharded_params(run.model)
-        if gathered:  # a bug: something ran a forward and did not reshard (see zb.train.fsdp.reshard)
-            raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
-        return TrainState(run.model, run.optimizer, run.scheduler,
-                          {"step": c.step, "outer_step": c.outer_step, "tokens": c.tokens, "run_tokens": c.run_tokens},
-                          run.train_loader.state_dict(),
-                          run.diloco.outer.state_tensors() if run.diloco is not None else None,
-                          to_dict(run.cfg), run.fingerprint, data_exact=run.train_loader.exact_resume)
-
-    def resume(self) -> None:
-        run = self.run
-        if self.manager is None or not run.cfg.ckpt.resume:
-            return
-        if run.diloco is not None and run.diloco.joining:
+    def resume(self, *, store=None, joining: bool = False) -> "Resumed | None":
+        """Load per ckpt.resume into the run's state (in place) and return the rest for the run to apply.
+        `store`: the run's global store under DiLoCo, where `latest` is agreed with the other nodes;
+        `joining`: this node joins a running run, whose state comes from a live node instead."""
+        if self.manager is None or not self.cfg.ckpt.resume:
+            return None
+        if joining:
             log.info("joining a running run: its current state comes from a live node, not from ckpt.resume")
-            return
+            return None
         agreed = None
-        if run.diloco is not None and run.cfg.ckpt.resume == "latest":
+        if store is not None and self.cfg.ckpt.resume == "latest":
             from zb.ckpt.durable.agree import agree_on_latest
 
-            agreed = agree_on_latest(run.diloco.store, run.cfg.elastic.unique_id, self.manager.committed_steps(),
-                                     quorum=run.cfg.elastic.world_size, timeout=run.cfg.elastic.start_timeout)
+            agreed = agree_on_latest(store, self.cfg.elastic.unique_id, self.manager.committed_steps(),
+                                     quorum=self.cfg.elastic.world_size, timeout=self.cfg.elastic.start_timeout)
             if agreed is None:
-                return
-        loaded = self.manager.resume(self.state(), agreed_step=agreed)
-        if loaded is not None:
-            self._apply(loaded)
+                return None
+        return self.manager.resume(self.state_of(), agreed_step=agreed)
 
-    def _apply(self, loaded: dict) -> None:
-        run, c = self.run, self.run.counters
-        counters = loaded["counters"]
-        run.move_to(counters["step"], counters["outer_step"], counters.get("run_tokens", 0),
-                    tokens=counters.get("tokens", 0))
-        run.train_loader.load_state_dict(loaded["data_state"])
-        if run.diloco is not None and loaded.get("outer"):
-            run.diloco.outer.load_state_tensors(loaded["outer"])
-        log.info("resumed from %s at step %d (outer step %d)", loaded["path"], c.step, c.outer_step)
+    def maybe_save(self, step: int) -> None:
+        if self.manager is not None and self.manager.due(step):
+            self.manager.save(step, self.state_of())
 
-    def maybe_save(self) -> None:
-        if self.manager is not None and self.manager.due(self.run.counters.step):
-            self.manager.save(self.run.counters.step, self.state())
-
-    def final(self) -> None:
+    def final(self, step: int) -> None:
         """At the normal end or a signalled stop: one last checkpoint, within ckpt.grace_period."""
-        if self.manager is None or not self.run.cfg.ckpt.path or self.run.counters.step == 0:
+        if self.manager is None or not self.cfg.ckpt.path or step == 0:
             return
-        self.manager.save(self.run.counters.step, self.state(), final=True)
-        if not self.manager.wait(self.run.cfg.ckpt.grace_period):
+        self.manager.save(step, self.state_of(), final=True)
+        if not self.manager.wait(self.cfg.ckpt.grace_period):
             log.warning("the final checkpoint did not finish within ckpt.grace_period (%.0f s)",
-                        self.run.cfg.ckpt.grace_period)
+                        self.cfg.ckpt.grace_period)
         self.manager.check_durable()  # the newest checkpoints never reached ckpt.path: exit 1, not a quiet 0
 
     def close(self) -> None:

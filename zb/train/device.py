@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from zb.config_schema import TrainConfig
 from zb.errors import EnvironmentFailure, InvalidInput
-from zb.world import LocalWorld
+from zb.local_world import LocalWorld
 
 log = logging.getLogger("zb.train")
 
@@ -68,7 +68,7 @@ def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
         device, backend = torch.device("cpu"), "gloo"
         reason = "CPU with gloo " + ("(train.device = cpu)" if cfg.device == "cpu" else "(no CUDA device visible)")
     param = cfg.param_dtype if cfg.param_dtype != "auto" else ("bf16" if use_cuda else "fp32")
-    if local.is_leader:
+    if local.is_head:
         log.info("device: %s; params computed in %s", reason, param)
     return Placement(device, backend, DTYPES[param], DTYPES[cfg.reduce_dtype])
 

@@ -11,20 +11,26 @@ import logging
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from zb.config import to_dict
 from zb.config_schema import Config
-from zb.fingerprint import fingerprint
 from zb.errors import LeavingRun
+from zb.fingerprint import fingerprint
+from zb.local_world import LocalWorld, local_world
 from zb.metrics import MetricsSink
+from zb.position import RunPosition
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import (Placement, close_local_group, control_group, control_timeout_s, init_control_group,
                              init_local_group, pick_placement)
+from zb.train.lr_schedule import build_optimizer, build_scheduler, set_schedule_position
 from zb.train.progress import TrainingDisplay, format_step_line
-from zb.train.schedule import build_optimizer, build_scheduler, set_schedule_position
 from zb.train.setup import build_loaders, build_model, check_batch, check_placement, node_identity
 from zb.train.signals import StopRequest
 from zb.train.step import StepResult, Trainer, take
-from zb.world import LocalWorld, local_world
+
+if TYPE_CHECKING:
+    from zb.ckpt.durable.state import TrainState
 
 log = logging.getLogger("zb.train")
 
@@ -33,7 +39,8 @@ SPIKE_FACTOR = 2.0  # a step loss this many times the running mean is logged as 
 
 @dataclass
 class Counters:
-    """Step and token counters; `run_*` count every node of the run, the others this node only."""
+    """The loop's running counters: the run position's fields (counted in place every step), plus
+    the node count and how the run ended."""
 
     step: int = 0
     outer_step: int = 0
@@ -42,6 +49,10 @@ class Counters:
     num_nodes: int = 1
     started: float = field(default_factory=time.perf_counter)
     stop_signal: int | None = None  # set when a signal stopped the run early (exit code 128 + it)
+
+    @property
+    def position(self) -> RunPosition:
+        return RunPosition(self.step, self.outer_step, self.tokens, self.run_tokens)
 
 
 def run(cfg: Config) -> Counters:
@@ -63,11 +74,16 @@ def _warn_unused(cfg: Config, local: LocalWorld, prefix: str, why: str) -> None:
 
     # The node id also names this node's checkpoint directories (RAM, remote): never without effect.
     given = [k for k in KEYS if k.startswith(prefix) and k != "elastic.unique_id" and source_of(cfg, k) != "default"]
-    if given and local.is_leader:
+    if given and local.is_head:
         log.warning("settings without effect (%s): %s", ", ".join(given), why)
 
 
 class TrainingRun:
+    """One node's training run from start to end: builds the model, optimizer and data, joins the
+    other nodes (DiLoCo), resumes, loops over steps with outer steps, evaluations and checkpoints,
+    and stops cleanly on a signal. Owns the counters; `move_to` is the one way to take over a
+    position (a resume, a joiner, live recovery)."""
+
     def __init__(self, cfg: Config, local: LocalWorld, placement: Placement):
         from zb.data import build_tokenizer
         from zb.log import set_node_id
@@ -86,13 +102,15 @@ class TrainingRun:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
                                cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0, cfg.train.reduce_every_micro_batch)
-        self.sink = MetricsSink(cfg.log.dir, cfg.elastic.unique_id, enabled=local.is_leader)
+        self.sink = MetricsSink(cfg.log.dir, cfg.elastic.unique_id, enabled=local.is_head)
         self.counters = Counters()
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
         self.diloco = None
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
-        self.checkpoints = RunCheckpoints(self)
+        self.checkpoints = RunCheckpoints(cfg, node_id=cfg.elastic.unique_id, local_rank=local.rank,
+                                          local_world_size=local.world_size, is_head=local.is_head, sink=self.sink,
+                                          local_group=control_group(), state_of=self.checkpoint_state)
         self.stop = StopRequest()
         self._loss_mean: float | None = None
 
@@ -108,16 +126,16 @@ class TrainingRun:
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
                                                                 data_world)
             self._restore_data_position()
-            self.checkpoints.resume()
-            if self.local.is_leader and self.sink.path is not None:
+            self._resume()
+            if self.local.is_head and self.sink.path is not None:
                 log.info("metrics: %s", self.sink.path)
             # A joiner takes part in the current outer step at once (the state arrives at its end).
             if self.diloco is None or not self.diloco.joining or self._outer_step():
                 with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
-                                     enabled=self.local.is_leader) as display:
+                                     enabled=self.local.is_head) as display:
                     self._loop(display)
             self._final_eval()
-            self.checkpoints.final()
+            self.checkpoints.final(self.counters.step)
         finally:
             if hasattr(getattr(self, "train_loader", None), "close"):
                 self.train_loader.close()  # the prefetch thread
@@ -141,18 +159,45 @@ class TrainingRun:
                                  local_group=control_group())
         slot = self.diloco.start()
         self.counters.num_nodes = self.diloco.mesh.view.global_world_size
-        if self.diloco.recovered_counters is not None:
-            rc = self.diloco.recovered_counters
-            self.move_to(rc["step"], rc["outer_step"], rc.get("run_tokens", 0))
+        if self.diloco.recovered_position is not None:
+            self.move_to(self.diloco.recovered_position)
         return slot, self.diloco.num_slots
 
-    def move_to(self, step: int, outer_step: int, run_tokens: int, tokens: int | None = None) -> None:
-        """Take over the run's position (a joiner, a resume): counters and the LR schedule."""
+    def move_to(self, position: RunPosition, *, own_tokens: bool = False) -> None:
+        """Take over a position: the counters and the LR schedule. A joiner keeps its own token count
+        (the position came from another node); a resume (`own_tokens`) takes it back too."""
         c = self.counters
-        c.step, c.outer_step, c.run_tokens = step, outer_step, run_tokens
-        if tokens is not None:
-            c.tokens = tokens
-        set_schedule_position(self.scheduler, step)
+        c.step, c.outer_step, c.run_tokens = position.step, position.outer_step, position.run_tokens
+        if own_tokens:
+            c.tokens = position.tokens
+        set_schedule_position(self.scheduler, position.step)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint_state(self) -> "TrainState":
+        """What a checkpoint holds, and what a resume fills in place."""
+        from zb.ckpt.durable.state import TrainState
+        from zb.train.fsdp import unsharded_params
+
+        gathered = unsharded_params(self.model)
+        if gathered:  # a bug: something ran a forward and did not reshard (see zb.train.fsdp.reshard)
+            raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
+        return TrainState(self.model, self.optimizer, self.scheduler, self.counters.position,
+                          self.train_loader.state_dict(),
+                          self.diloco.outer.state_tensors() if self.diloco is not None else None,
+                          to_dict(self.cfg), self.fingerprint, data_exact=self.train_loader.exact_resume)
+
+    def _resume(self) -> None:
+        diloco = self.diloco
+        loaded = self.checkpoints.resume(store=diloco.store if diloco is not None else None,
+                                         joining=diloco is not None and diloco.joining)
+        if loaded is None:
+            return
+        self.move_to(loaded.position, own_tokens=True)
+        self.train_loader.load_state_dict(loaded.data_state)
+        if diloco is not None and loaded.outer:
+            diloco.outer.load_state_tensors(loaded.outer)
+        log.info("resumed from %s at step %d (outer step %d)", loaded.path, self.counters.step,
+                 self.counters.outer_step)
 
     def _restore_data_position(self) -> None:
         position = self.diloco.data_position() if self.diloco is not None else None
@@ -179,7 +224,7 @@ class TrainingRun:
             # others no longer count on it.
             if inner_steps and c.step % inner_steps == 0 and not result.stop and not self._outer_step():
                 break
-            self.checkpoints.maybe_save()
+            self.checkpoints.maybe_save(c.step)
             if cfg.eval.interval > 0 and c.step % cfg.eval.interval == 0 and c.step < self.total:
                 self._evaluate()
             if result.stop:
@@ -202,14 +247,12 @@ class TrainingRun:
         step's local stop vote, and its deathrattle already told the others)."""
         c = self.counters
         try:
-            report, received = self.diloco.outer_step([c.step, c.outer_step, c.tokens, c.run_tokens],
-                                                      self.train_loader.state_dict())
+            report, received = self.diloco.outer_step(c.position, self.train_loader.state_dict())
         except LeavingRun:
             self._stopped()
             return False
         if received is not None:
-            # The donor's counters as of the start of this outer step (its tokens are its own).
-            self.move_to(received[0], received[1], received[3])
+            self.move_to(received)  # the run's position as of the start of this outer step
         c.outer_step += 1
         c.num_nodes = report.global_world_size
         fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,

@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from zb.config import fail
 from zb.config_schema import Config
-from zb.train.device import Placement
 from zb.elastic import localsync
+from zb.local_world import LocalWorld
+from zb.train.device import Placement
 from zb.train.fsdp import apply_activation_checkpointing, shard_model
-from zb.world import LocalWorld
 
 log = logging.getLogger("zb.train")
 

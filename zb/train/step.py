@@ -42,6 +42,10 @@ def local_mean(values: list[float] | torch.Tensor, device: torch.device) -> list
 
 
 class Trainer:
+    """One optimizer step of a node's local ranks: micro batches with gradient accumulation under
+    FSDP2 (reduce-scatter at the last micro batch, or after each with reduce_every_micro_batch),
+    max-z-loss, clipping, the LR schedule; and the held-out evaluation. Knows nothing of DiLoCo."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, placement: Placement,
                  grad_clip: float, z_loss_weight: float, reduce_every_micro_batch: bool = False):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler

@@ -1,7 +1,7 @@
 """Durable checkpoints that never stall training: the API the training loop calls.
 
     manager = CheckpointManager(cfg.ckpt, node_id=uid, local_rank=r, local_world_size=n, sink=sink)
-    resumed = manager.resume(state)            # in place; counters/data_state/outer back, or None
+    resumed = manager.resume(state)            # in place; a Resumed (position, data_state, outer) or None
     ... if manager.due(step): manager.save(step, state)
     manager.save(step, state, final=True); manager.wait(cfg.ckpt.grace_period); manager.close()
 
@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,16 +50,34 @@ from zb.ckpt.format.snapshot import load_snapshot
 from zb.config_schema import CkptConfig
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError
 from zb.fingerprint import differences, encode
+from zb.position import JSON_KEY, RunPosition
 
 log = logging.getLogger("zb.ckpt")
 
-__all__ = ["CheckpointManager", "TrainState"]
+
+@dataclass(frozen=True)
+class Resumed:
+    """What a resume loaded besides the state it filled in place (model, optimizer, scheduler, RNG):
+    the caller applies these to the run."""
+
+    path: str
+    position: RunPosition
+    data_state: dict
+    outer: dict[str, torch.Tensor] | None
+    extra: dict
+
+__all__ = ["CheckpointManager", "Resumed", "TrainState"]
 
 # Keys of the fingerprint that may differ between the run that saved and the one that resumes.
 _MAY_DIFFER = ("zb_version",)
 
 
 class CheckpointManager:
+    """The durable checkpoints of one local rank: `save` stages the state in RAM (the only blocking
+    part) and queues the disk and remote copies to a background worker; `resume` finds the newest
+    complete, verified checkpoint (or the named one), loads it in place and returns the rest;
+    `check_durable` turns checkpoints that never reached disk into a failed run, not a quiet one."""
+
     def __init__(self, cfg: CkptConfig, *, node_id: str, local_rank: int, local_world_size: int, sink: Any,
                  local_group: Any = None, attempts: int = 3, retry_delay: float = 1.0):
         self.cfg, self.node_id, self.sink, self.group = cfg, node_id, sink, local_group
@@ -118,7 +136,7 @@ class CheckpointManager:
         # One event per job: an older job finishing must not free the buffers a queued one still reads.
         self._free = threading.Event()
         blocking = time.perf_counter() - t0
-        self._last_job = Job(step, state.counters.get("outer_step"), staged, state.outer if outer_bg else None,
+        self._last_job = Job(step, state.position.outer_step, staged, state.outer if outer_bg else None,
                              meta, encode(state.fingerprint), final, blocking, self._free)
         self._worker.submit(self._last_job)
         log.info("checkpoint step %d staged in %.3f s (%s bytes); copying in the background", step, blocking,
@@ -178,7 +196,7 @@ class CheckpointManager:
         return self.disk_root or self.ram_root
 
     # -- resuming ----------------------------------------------------------------------------
-    def resume(self, state: TrainState, *, agreed_step: int | None = None) -> dict | None:
+    def resume(self, state: TrainState, *, agreed_step: int | None = None) -> Resumed | None:
         """Load per ckpt.resume (or the step agreed with the other nodes) into `state`, in place."""
         spec = self.cfg.resume
         if agreed_step is not None:
@@ -300,9 +318,9 @@ class CheckpointManager:
         load_optimizer(state.model, state.optimizer, loaded[OPTIM], meta["param_groups"])
         load_scheduler(state.scheduler, meta.get("scheduler"))
         load_rng(loaded[RNG])
-        log.info("resumed from %s (step %s)", loaded["path"], meta["counters"].get("step"))
-        return {"path": loaded["path"], "counters": meta["counters"], "data_state": meta["data_state"],
-                "outer": loaded.get(OUTER), "extra": meta.get("extra", {})}
+        position = RunPosition.from_json(meta[JSON_KEY])
+        log.info("resumed from %s (step %d)", loaded["path"], position.step)
+        return Resumed(loaded["path"], position, meta["data_state"], loaded.get(OUTER), meta.get("extra", {}))
 
     def _check_compatible(self, part: Path, meta: dict, state: TrainState) -> None:
         saved = {k: v for k, v in meta.get("fingerprint", {}).items() if k not in _MAY_DIFFER}

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from zb.position import JSON_KEY, RunPosition
+
 MODEL, OPTIM, RNG, OUTER = "model.safetensors", "optim.safetensors", "rng.safetensors", "outer.safetensors"
 SHARED_FILES = (OUTER,)  # identical on every node of a DiLoCo run (per local rank)
 
@@ -29,7 +31,7 @@ class TrainState:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    counters: dict[str, int]                       # step, outer_step, tokens, run_tokens
+    position: RunPosition                          # where the run stands at this save
     data_state: dict                               # this local rank's loader.state_dict() (JSON-able)
     outer: dict[str, torch.Tensor] | None          # OuterState.state_tensors(), None without DiLoCo
     config: dict                                   # zb.config.to_dict(cfg)
@@ -74,7 +76,7 @@ def json_meta(state: TrainState) -> dict[str, Any]:
     """Everything that is not a tensor: numbers and the data position, as plain JSON."""
     groups = [{k: v for k, v in g.items() if k != "params" and _is_number_like(v)}
               for g in state.optimizer.param_groups]
-    return {"counters": dict(state.counters), "data_state": state.data_state, "data_exact": state.data_exact,
+    return {JSON_KEY: state.position.to_json(), "data_state": state.data_state, "data_exact": state.data_exact,
             "scheduler": _scheduler_state(state.scheduler), "param_groups": groups, "config": state.config,
             "fingerprint": state.fingerprint, "threads": torch.get_num_threads(), "extra": state.extra}
 
@@ -162,12 +164,10 @@ def check_rng(tensors: dict[str, torch.Tensor]) -> None:
 
 
 def check_meta(meta: dict, step: int) -> None:
-    """The JSON half of a part: counters (matching the manifest's step), data position, scheduler."""
-    counters = meta.get("counters")
-    if not isinstance(counters, dict) or not all(isinstance(counters.get(k), int) for k in ("step", "outer_step")):
-        raise ValueError("no counters (step, outer_step) in the manifest")
-    if counters["step"] != step:
-        raise ValueError(f"the counters say step {counters['step']}, the manifest step {step}")
+    """The JSON half of a part: the run position (matching the manifest's step), data position, scheduler."""
+    position = RunPosition.from_json(meta.get(JSON_KEY))
+    if position.step != step:
+        raise ValueError(f"the run position says step {position.step}, the manifest step {step}")
     if not isinstance(meta.get("data_state"), dict):
         raise ValueError("no data loader position (data_state) in the manifest")
     if meta.get("scheduler") is not None and not isinstance(meta["scheduler"], dict):
