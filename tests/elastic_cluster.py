@@ -118,7 +118,9 @@ class TrainCluster(Cluster):
     ARGS = [*TINY, "--model.name", "debug", "--diloco.inner_steps", "5", "--train.log_model_hash"]
 
     def __init__(self, tmp: Path, world_size: int, **env: str) -> None:
-        super().__init__(tmp, GLOBAL_WORLD_SIZE=str(world_size), **env)
+        # One thread per node, as torchrun gives each local rank: three nodes with two threads each on
+        # 2 cores ran ~100x slower than one alone and missed the sync deadline (evicted, then rejoined).
+        super().__init__(tmp, GLOBAL_WORLD_SIZE=str(world_size), **{"OMP_NUM_THREADS": "1", **env})
         self.procs: dict[str, subprocess.Popen] = {}
         self.start_store()
 

@@ -108,3 +108,25 @@ def test_fingerprint_names_the_differing_keys():
     with pytest.raises(InvalidInput, match="model.n_layers") as e:
         check_against(b, encode(a))
     assert "optim.lr" not in str(e.value), "the LR may differ per node"
+
+
+def test_live_recovery_that_cannot_catch_up_falls_back_instead_of_failing(monkeypatch, tmp_path):
+    """The run moves on and prunes the step being fetched: each such miss is a try at the newer step;
+    after FETCH_ROUNDS the joiner uses the blocking transfer (None) instead of exiting 1. A run that
+    stands still while no peer serves its step is a real failure."""
+    from zb.diloco import live
+
+    steps = iter([20, 30, 40, 50])
+    monkeypatch.setattr(live, "read_progress", lambda store: (lambda s: {"step": s, "outer_step": s // 10})(next(steps)))
+    asked = []
+
+    def gone(peers, token, dest, *, expect_step, **kw):
+        asked.append(expect_step)
+        raise EnvironmentFailure(f"no peer serves a snapshot of step {expect_step}")
+
+    monkeypatch.setattr(live, "fetch_snapshot", gone)
+    assert live._fetch_current(None, ["p"], "t", tmp_path, {"step": 10, "outer_step": 1}, "fp") is None
+    assert asked == [10, 20, 30]
+    monkeypatch.setattr(live, "read_progress", lambda store: {"step": 10, "outer_step": 1})
+    with pytest.raises(EnvironmentFailure, match="step 10"):
+        live._fetch_current(None, ["p"], "t", tmp_path, {"step": 10, "outer_step": 1}, "fp")

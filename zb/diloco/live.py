@@ -110,7 +110,9 @@ def read_progress(store) -> dict | None:
 
 def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fingerprint: str
             ) -> tuple[RunPosition, FetchResult] | None:
-    """Fetch and load the run's current outer state; None when there is nothing to recover from."""
+    """Fetch and load the run's current outer state. None when there is nothing to recover from, or
+    when the run moves on faster than a snapshot downloads: the node then joins with the blocking
+    state transfer instead of failing."""
     world = World.decode(read_many(store, [keys.WORLD])[0])
     progress = read_progress(store)
     if world is None or not world.nodes or progress is None:
@@ -122,17 +124,11 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
     dest = Path(cfg.ckpt.ram_dir) / "recovered" / uid / f"r{local_rank}"
     claim(dest.parent)
     try:
-        for _ in range(FETCH_ROUNDS):
-            result = fetch_snapshot(peers, token, dest, expect_step=progress["step"], files=[FILE],
-                                    fingerprint=fingerprint, wait_s=30.0, timeout=30.0)
-            now = read_progress(store)
-            if now is not None and now["outer_step"] == result.outer_step:
-                break
-            log.info("the run moved on to outer step %s during the download: fetching again",
-                     now and now["outer_step"])
-            progress = now
-        else:
-            raise EnvironmentFailure("live recovery could not catch up with the run; use diloco.blocking_join")
+        result = _fetch_current(store, peers, token, dest, progress, fingerprint)
+        if result is None:
+            log.warning("live recovery could not catch up with the run (it moves on faster than a snapshot "
+                        "downloads): joining with the blocking state transfer instead")
+            return None
         tensors, meta = load_snapshot(result.path)  # in memory now: the RAM copy has done its job
     finally:
         release(dest.parent, [dest.name])
@@ -142,3 +138,27 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
     outer.load_state_tensors(loaded)
     outer.push_to_model()
     return RunPosition.from_json(meta.get(JSON_KEY)), result
+
+
+def _fetch_current(store, peers: list[str], token: str, dest: Path, progress: dict, fingerprint: str
+                   ) -> FetchResult | None:
+    """The snapshot of the run's current outer step, or None after FETCH_ROUNDS tries to catch up.
+    A step the peers no longer serve (the run moved on and pruned it) counts as a try, not a failure."""
+    for _ in range(FETCH_ROUNDS):
+        try:
+            result = fetch_snapshot(peers, token, dest, expect_step=progress["step"], files=[FILE],
+                                    fingerprint=fingerprint, wait_s=10.0, timeout=30.0)
+        except EnvironmentFailure as e:
+            now = read_progress(store)
+            if now is None or now["step"] == progress["step"]:
+                raise  # the run stands still: the peers really cannot serve it
+            log.info("the run moved on to outer step %s before the download (%s): fetching that one",
+                     now["outer_step"], str(e).splitlines()[0])
+            progress = now
+            continue
+        now = read_progress(store)
+        if now is None or now["outer_step"] == result.outer_step:  # None: a restarted store, nothing newer
+            return result
+        log.info("the run moved on to outer step %s during the download: fetching again", now["outer_step"])
+        progress = now
+    return None

@@ -77,6 +77,7 @@ class DilocoNode:
         self.recovered_position: RunPosition | None = None
         self.live = None
         self._fresh_view = False
+        self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
         if cfg.diloco.compression == "int8":
             from zb.collectives.build import use_cpp
 
@@ -209,8 +210,11 @@ class DilocoNode:
         if was_recovered and report.applied:
             # A recovered joiner applied the run's update: it now stands where the run stands.
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
+        # The outer params stay as they are now until the next outer step: hash them while the inner
+        # steps run, for that step's check-in (and, after the hand-over, a receiver's params_hash).
+        self._digest = drift.BackgroundDigest(self.outer.flat) if self._wants_digest else None
         if self.cfg.train.log_model_hash:
-            report.params_hash = self.params_hash()   # after the hand-over: a receiver logs the state it now holds
+            report.params_hash = self.params_hash()
         if self.live is not None:
             self._publish_live(received or position, view)
         self._save_position(data_state)
@@ -320,9 +324,15 @@ class DilocoNode:
             self.store = None
 
     # -- misc ---------------------------------------------------------------------------------
+    @property
+    def _wants_digest(self) -> bool:
+        return self.dcfg.drift_guard or self.cfg.train.log_model_hash
+
     def _node_digest(self) -> bytes:
-        """sha256 over every local rank's outer-param digest: the same bytes on every local rank."""
-        parts = localsync.all_gather_bytes(self.local_group, drift.digest(self.outer.flat))
+        """sha256 over every local rank's outer-param digest: the same bytes on every local rank. Uses
+        the digest started after the last outer step (nothing has changed the outer params since)."""
+        mine = self._digest.result() if self._digest is not None else drift.digest(self.outer.flat)
+        parts = localsync.all_gather_bytes(self.local_group, mine)
         return hashlib.sha256(b"".join(parts)).digest()
 
     def params_hash(self) -> str:
