@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from elastic_cluster import TrainCluster
+from conftest import REPO, free_port, subprocess_env
+from elastic_cluster import PROFILE, TrainCluster
+
+from zb.metrics import read_metrics
 
 
 @pytest.fixture
@@ -200,3 +205,22 @@ def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run
     assert sum(k[0] > frozen_at for k in shared) >= 3, f"the thawed node did not train with the run: {a} {b}"
     assert [k for k in shared if a[k] != b[k]] == [], "params differ at all-reduces both nodes took"
     assert "receives the run's state" in (run.tmp / "n1.log").read_text()
+
+
+def test_a_node_can_host_the_store_itself(tmp_path):
+    """Prime style (--elastic.host_store): no `zb store`; a second node joins through the first. The
+    host used to check the run fingerprint against the store before it hosted it, and fail."""
+    port = str(free_port())
+    env = subprocess_env(GLOBAL_WORLD_SIZE="2", GLOBAL_PORT=port, OMP_NUM_THREADS="1", **PROFILE)
+    procs = []
+    for uid, extra in (("host", ["--elastic.host_store"]), ("guest", [])):
+        node_env = dict(env, GLOBAL_UNIQUE_ID=uid, GLOBAL_ADDR="127.0.0.1")
+        procs.append(subprocess.Popen([sys.executable, "-m", "zb", "train", *TrainCluster.ARGS, "--optim.total_steps",
+                                       "15", *extra, "--log.dir", str(tmp_path / uid)], env=node_env, cwd=REPO,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    results = [p.communicate(timeout=150) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err[-2000:]
+    host, guest = (read_metrics(tmp_path / u / "metrics.jsonl", "outer_step") for u in ("host", "guest"))
+    assert [e["params_hash"] for e in host] == [e["params_hash"] for e in guest]
+    assert all(e["global_world_size"] == 2 for e in host)

@@ -125,6 +125,7 @@ class DilocoNode:
 
     def _check_fingerprint(self) -> dict:
         """The first node publishes the run's fingerprint; every later node must match it."""
+        self.mesh.host_store_if_asked()  # a node hosting the store (Prime style) checks against itself
         published = self._connect().compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
         check_against(self.fingerprint, published)
         return {}

@@ -99,6 +99,14 @@ class ElasticDeviceMesh:
         self._heartbeat = self._probe = None
 
     # -- local rank 0 --------------------------------------------------------------------------
+    def host_store_if_asked(self) -> None:
+        """With elastic.host_store, host the run's store in this process (once): before anything of
+        this node talks to the store, which it is itself."""
+        if self.cfg.host_store and self._hosted is None:
+            from zb.elastic.storehost import host_in_worker
+
+            self._hosted = host_in_worker(self.cfg.addr or "127.0.0.1", self.cfg.port)
+
     def _connect(self):
         client = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self._connect_timeout, self.cfg.store_timeout)
         return client
@@ -109,10 +117,7 @@ class ElasticDeviceMesh:
         from zb.log import set_node_id
 
         set_node_id(uid)
-        if cfg.host_store:
-            from zb.elastic.storehost import host_in_worker
-
-            self._hosted = host_in_worker(cfg.addr or "127.0.0.1", cfg.port)
+        self.host_store_if_asked()
         store = self._connect()
         ensure_unique(store, uid, cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.polling_interval)
         self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
