@@ -153,3 +153,18 @@ def test_generated_and_usual_unique_ids_are_accepted():
     for uid in (new_unique_id(), "node-1", "gpu_box.eu-west", "A" * 64):
         assert load_config(environ={"GLOBAL_UNIQUE_ID": uid}).elastic.unique_id == uid
         assert NODE_ID.fullmatch(uid)
+
+
+@pytest.mark.parametrize("path", ["configs/debug/normal.toml", "configs/debug/diloco.toml"])
+def test_print_config_loads_back_to_the_same_config(path, tmp_path):
+    """--print-config is TOML that loads back: each table declared once (ckpt.remote used to split
+    [ckpt] in two), values unchanged."""
+    import tomllib
+
+    from zb.config import to_dict
+
+    cfg = load_config([str(REPO / path)])
+    printed = tmp_path / "printed.toml"
+    printed.write_text(describe(cfg))
+    tomllib.loads(printed.read_text())
+    assert to_dict(load_config([str(printed)])) == to_dict(cfg)

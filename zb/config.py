@@ -300,7 +300,8 @@ def describe(cfg: Config) -> str:
     """The resolved config as TOML, each value annotated with its source (for --print-config)."""
     lines: list[str] = []
     current = None
-    for key, spec in KEYS.items():
+    for key in _table_order():
+        spec = KEYS[key]
         section, name = key.rsplit(".", 1)
         if section.split(".")[0] == "diloco" and cfg.diloco is None:
             if current != "diloco":
@@ -314,6 +315,17 @@ def describe(cfg: Config) -> str:
         text = f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}"
         lines.append(text.ljust(44) + f"  # {source_of(cfg, key)}  ({spec.env})")
     return "\n".join(lines).strip() + "\n"
+
+
+def _table_order() -> list[str]:
+    """Keys grouped so that each TOML table is declared once: a section's own keys, then its
+    subsections (ckpt.remote after the rest of ckpt), sections in schema order."""
+    first: dict[str, int] = {}
+    top: dict[str, int] = {}
+    for i, key in enumerate(KEYS):
+        first.setdefault(key.rsplit(".", 1)[0], i)
+        top.setdefault(key.split(".")[0], i)
+    return sorted(KEYS, key=lambda k: (top[k.split(".")[0]], k.count("."), first[k.rsplit(".", 1)[0]]))
 
 
 def _toml_value(value: Any) -> str:
