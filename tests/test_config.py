@@ -61,6 +61,27 @@ def test_unknown_env_var_is_a_warning_not_an_error(caplog):
     assert "ZB_OPTIM_LRR" in caplog.text and "ZB_OPTIM_LR" in caplog.text
 
 
+def test_prime_variables_are_read_or_warned_about(caplog, monkeypatch):
+    """A Prime user's ZERO_BAND_* settings never vanish without a word."""
+    import logging
+
+    from zb.log import quiet_follower_ranks
+
+    env = {"ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS": "7", "ZERO_BAND_LOG_LEVEL": "DEBUG",
+           "ZERO_BAND_LOG_ALL_RANK": "true", "ZERO_BAND_IPERF_PORT": "10101", "ZERO_BAND_OPTIM_LRR": "1"}
+    with caplog.at_level(logging.WARNING, logger="zb.config"):
+        cfg = load_config([], {}, environ=env)
+    assert cfg.elastic.pg_timeout == 7.0
+    assert "ZERO_BAND_IPERF_PORT has no effect in zb" in caplog.text
+    assert "ignoring unknown environment variable ZERO_BAND_OPTIM_LRR" in caplog.text
+    assert "ZERO_BAND_LOG_ALL_RANK" not in caplog.text and "ZERO_BAND_LOG_LEVEL" not in caplog.text
+    monkeypatch.setenv("ZERO_BAND_LOG_ALL_RANK", "true")
+    zb_logger = logging.getLogger("zb")
+    monkeypatch.setattr(zb_logger, "level", logging.INFO)
+    quiet_follower_ranks(1)
+    assert zb_logger.level == logging.INFO, "ZERO_BAND_LOG_ALL_RANK=true keeps a follower rank's info lines"
+
+
 @pytest.mark.parametrize("text, message", [
     ("[optim]\nlrr = 1\n", "unknown key optim.lrr in"),
     ("[optimizer]\nlr = 1\n", "unknown section [optimizer]"),

@@ -32,7 +32,10 @@ else:  # pragma: no cover
 log = logging.getLogger("zb.config")
 
 # ZB_* variables that are not config keys but are read elsewhere (kernel path switch, test knobs).
-KNOWN_ENV = {"ZB_USE_CPP", "ZB_LOG_ALL_RANKS", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE"}
+KNOWN_ENV = {"ZB_USE_CPP", "ZB_LOG_ALL_RANKS", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE",
+             "ZERO_BAND_LOG_LEVEL", "ZERO_BAND_LOG_ALL_RANK"}
+# Prime's variables that zb reads nowhere, and what to use instead: said once, never silently ignored.
+WITHOUT_EFFECT = {"ZERO_BAND_IPERF_PORT": "zb does not measure links at start; run `zb iperf-mesh` (--port) before a run"}
 
 DEFAULT = "default"
 
@@ -205,13 +208,16 @@ def read_toml(path: str) -> dict[str, Any]:
 
 
 def env_values(environ: Mapping[str, str]) -> dict[str, tuple[str, str]]:
-    """{key: (raw value, variable name)} for every env twin that is set; warns on unknown ZB_* names."""
+    """{key: (raw value, variable name)} for every env twin that is set; warns on unknown ZB_* and
+    ZERO_BAND_* names (Prime's prefix: a Prime user's setting must not vanish without a word)."""
     by_env = {spec.env: spec.key for spec in KEYS.values()}
     found = {}
     for name, raw in environ.items():
         if name in by_env:
             found[by_env[name]] = (raw, name)
-        elif name.startswith("ZB_") and name not in KNOWN_ENV:
+        elif name in WITHOUT_EFFECT:
+            log.warning("%s has no effect in zb: %s", name, WITHOUT_EFFECT[name])
+        elif name.startswith(("ZB_", "ZERO_BAND_")) and name not in KNOWN_ENV:
             hint = difflib.get_close_matches(name, list(by_env) + list(KNOWN_ENV), n=1)
             log.warning("ignoring unknown environment variable %s%s", name, f" (did you mean {hint[0]}?)" if hint else "")
     return found

@@ -57,7 +57,9 @@ def retarget_stream(stream) -> None:
 
 
 def quiet_follower_ranks(local_rank: int) -> None:
-    """Local ranks other than 0 log warnings and errors only, unless ZB_LOG_ALL_RANKS=1: a node's
-    ranks train in lockstep, so one rank's info lines tell the node's story."""
-    if local_rank != 0 and os.environ.get("ZB_LOG_ALL_RANKS", "").strip().lower() not in ("1", "true", "yes"):
+    """Local ranks other than 0 log warnings and errors only, unless ZB_LOG_ALL_RANKS (or Prime's
+    ZERO_BAND_LOG_ALL_RANK) is true: a node's ranks train in lockstep, so one rank's info lines tell
+    the node's story."""
+    wanted = os.environ.get("ZB_LOG_ALL_RANKS") or os.environ.get("ZERO_BAND_LOG_ALL_RANK") or ""
+    if local_rank != 0 and wanted.strip().lower() not in ("1", "true", "yes"):
         logging.getLogger("zb").setLevel(max(logging.WARNING, logging.getLogger("zb").level))
