@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
            "old_digest_s": round(old, 4), "exposed_after_overlap_s": round(exposed, 4), "inner_s": args.inner_s,
            "inner_work_beside_hash_vs_alone": round(beside / alone, 3), "digest_vs_memcpy": round(new / memcpy, 2),
            "old_vs_new": round(old / new, 2), "allreduce_s_estimate": round(wire_s, 2),
-           "digest_share_of_allreduce": round(new / wire_s, 4), "exposed_share_of_allreduce": round(exposed / wire_s, 4), "nodes": args.nodes, "mbps": args.mbps,
+           "digest_share_of_allreduce": round(new / wire_s, 4),
+           "exposed_share_of_allreduce": round(exposed / wire_s, 4), "nodes": args.nodes, "mbps": args.mbps,
            "threads": torch.get_num_threads(), "load": round(statistics.mean(_loadavg()), 2)}
     if not args.json:
         print(f"{'shard':>10} {'memcpy':>8} {'digest':>8} {'old digest':>10} {'digest/memcpy':>13} {'old/new':>7} "

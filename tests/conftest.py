@@ -58,7 +58,8 @@ def wait_until(condition: Callable[[], Any], timeout: float, what: str, *, alive
         if result:
             return result
         for proc in alive:
-            assert proc.poll() is None, f"a process exited (code {proc.returncode}) while waiting for {what}\n{details()}"
+            assert proc.poll() is None, (f"a process exited (code {proc.returncode}) while waiting for {what}\n"
+                                         f"{details()}")
         if time.monotonic() >= deadline:
             raise AssertionError(f"{what}: not within {timeout:g} s\n{details()}")
         time.sleep(poll)
@@ -113,7 +114,8 @@ def zb_train_until_sigterm(tmp_path: Path, event: str, count: int, *args: str) -
     metrics = tmp_path / "log" / "metrics.jsonl"
     proc = subprocess.Popen([PYTHON, "-m", "zb", "train", *TINY, "--ckpt.ram_dir", str(tmp_path / "ram"), *args,
                              "--optim.total_steps", "100000", "--log.dir", str(tmp_path / "log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=REPO)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=REPO)
     try:
         wait_until(lambda: metrics.exists() and len(read_metrics(metrics, event)) >= count, 120,
                    f"{count} {event} events", alive=[proc])

@@ -52,20 +52,18 @@ class Prefetcher:
                 torch.cuda.set_device(self.pin_device)
             while not self._stop.is_set():
                 inputs, labels = next(self.loader)
-                item = (self._ready(inputs), self._ready(labels), self.loader.state_dict())
-                while not self._stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._put(q, (self._ready(inputs), self._ready(labels), self.loader.state_dict()))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            while not self._stop.is_set():
-                try:
-                    q.put((_END, e, None), timeout=0.1)
-                    return
-                except queue.Full:
-                    continue
+            self._put(q, (_END, e, None))
+
+    def _put(self, q: queue.Queue, item) -> None:
+        """Queue `item`, waiting for room, unless the consumer stopped this thread meanwhile."""
+        while not self._stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
 
     def _ready(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()

@@ -213,7 +213,7 @@ class DilocoNode:
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
         # The outer params stay as they are now until the next outer step: hash them while the inner
         # steps run, for that step's check-in (and, after the hand-over, a receiver's params_hash).
-        self._digest = drift.BackgroundDigest(self.outer.flat) if self._wants_digest else None
+        self._digest = drift.BackgroundDigest(self.outer.flat) if self.dcfg.drift_guard else None
         if self.cfg.train.log_model_hash:
             report.params_hash = self.params_hash()
         if self.live is not None:
@@ -325,10 +325,6 @@ class DilocoNode:
             self.store = None
 
     # -- misc ---------------------------------------------------------------------------------
-    @property
-    def _wants_digest(self) -> bool:
-        return self.dcfg.drift_guard or self.cfg.train.log_model_hash
-
     def _node_digest(self) -> bytes:
         """sha256 over every local rank's outer-param digest: the same bytes on every local rank. Uses
         the digest started after the last outer step (nothing has changed the outer params since)."""

@@ -66,6 +66,7 @@ class Resumed:
     outer: dict[str, torch.Tensor] | None
     extra: dict
 
+
 __all__ = ["CheckpointManager", "Resumed", "TrainState"]
 
 # Keys of the fingerprint that may differ between the run that saved and the one that resumes.
