@@ -30,6 +30,11 @@ RECOVERED = 2     # loaded the run's outer state from a live snapshot: sends zer
 
 UNKNOWN_DIGEST = 0  # the node did not hash its params (diloco.drift_guard off): not compared
 
+# diloco.overlap: what a node holds of the average launched at the previous boundary.
+ARRIVED_NONE = 0     # nothing was in flight (first boundary, after a resume, blocking mode)
+ARRIVED_OK = 1
+ARRIVED_FAILED = 2
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -39,16 +44,18 @@ class Plan:
     donor: int | None
     run_outer_step: int = 0     # the run's position (the first contributor's counters)
     run_step: int = 0
+    average_ok: bool = False    # overlap: every contributor holds the whole average launched last boundary
 
     def role_of(self, rank: int) -> str:
         return "contributor" if rank in self.contributors else "applier" if rank in self.appliers else "receiver"
 
 
 def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None,
-              digests: list[int] | None = None) -> Plan:
+              digests: list[int] | None = None, arrived: list[int] | None = None) -> Plan:
     n = len(roles)
     steps = steps or [0] * n
     digests = digests or [UNKNOWN_DIGEST] * n
+    arrived = arrived or [ARRIVED_NONE] * n
     contributors = _current([r for r in range(n) if roles[r] == CONTRIBUTOR], outer_steps, digests)
     if not contributors:
         # Nobody trained with the run yet (every earlier node is gone): those holding recovered state
@@ -59,7 +66,11 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     appliers = sorted(set(contributors) | {r for r in range(n) if roles[r] == RECOVERED and outer_steps[r] == run_outer_step
                                            and _same(digests[r], digests[first])})
     receivers = [r for r in range(n) if r not in appliers]
-    return Plan(contributors, appliers, receivers, first if receivers else None, run_outer_step, steps[first])
+    # A transfer can end on some nodes and fail on others (a peer died mid-ring): the average is applied
+    # only when every contributor has it, so no node ever applies what another skips.
+    average_ok = all(arrived[r] == ARRIVED_OK for r in contributors)
+    return Plan(contributors, appliers, receivers, first if receivers else None, run_outer_step, steps[first],
+                average_ok)
 
 
 def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> list[int]:
@@ -87,14 +98,14 @@ def digest_value(digest: bytes) -> int:
 
 
 def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, outer_step: int, step: int,
-             deadline_s: float, digest: int = UNKNOWN_DIGEST) -> Plan:
-    """All-reduce every rank's (role, outer step, step, digest) and derive the plan; PeerFailure if a
-    peer is missing. Each rank writes only its own column, so SUM assembles the table."""
-    table = torch.zeros(4, size, dtype=torch.int64)
-    table[:, rank] = torch.tensor([role, outer_step, step, digest], dtype=torch.int64)
+             deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = ARRIVED_NONE) -> Plan:
+    """All-reduce every rank's (role, outer step, step, digest, arrived) and derive the plan;
+    PeerFailure if a peer is missing. Each rank writes only its own column, so SUM assembles the table."""
+    table = torch.zeros(5, size, dtype=torch.int64)
+    table[:, rank] = torch.tensor([role, outer_step, step, digest, arrived], dtype=torch.int64)
     try:
         pg.allreduce([table]).wait(timedelta(seconds=deadline_s))
     except Exception as e:  # noqa: BLE001 - gloo names an address; the retry resolves the world anyway
         raise PeerFailure(f"outer-step check-in failed: {str(e).splitlines()[0]}", rank=None) from None
-    roles, outer_steps, steps, digests = table.tolist()
-    return make_plan(roles, outer_steps, steps, digests)
+    roles, outer_steps, steps, digests, arrived = table.tolist()
+    return make_plan(roles, outer_steps, steps, digests, arrived)

@@ -25,6 +25,7 @@ from zb.collectives import PeerFailure
 from zb.config_schema import Config
 from zb.diloco import checkin, drift, slots
 from zb.diloco.outer import OuterState, local_shard
+from zb.diloco.overlap import EagerOverlap
 from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.diloco.transfer import StateTransfer, ensure_adam_state
@@ -52,6 +53,9 @@ class OuterReport:
     applied: bool           # False when skipped (non-finite, no peer reachable) or state was received
     attempts: int
     params_hash: str | None = None
+    note: str = ""          # why nothing was applied, when that is expected
+    hidden_s: float = 0.0   # overlap: all-reduce seconds that ran behind compute
+    stall_s: float = 0.0    # overlap: seconds training waited for the all-reduce (blocking: all of it)
 
 
 class DilocoNode:
@@ -71,6 +75,8 @@ class DilocoNode:
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                       local_world_size=local.world_size, sink=sink if local.is_head else None)
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
+        self.overlap = EagerOverlap(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect) \
+            if cfg.diloco.overlap == "eager" else None
         self.store = None
         self.slot = self.num_slots = 0
         self.role = checkin.CONTRIBUTOR
@@ -191,8 +197,10 @@ class DilocoNode:
     def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
         """Run one outer step from `position` (this node's, before it). Returns its report and, for a
         node that took over the run's state, the run's position before the step."""
+        if self.overlap is not None:
+            return self._eager_outer_step(position, data_state)
         stats, view, plan, attempts = None, None, None, 0
-        digest = checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
+        digest = self._checkin_digest()
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self._resolve()
             self._fresh_view = False
@@ -215,17 +223,153 @@ class DilocoNode:
         if was_recovered and report.applied:
             # A recovered joiner applied the run's update: it now stands where the run stands.
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
+        report.stall_s = report.allreduce_s
+        self._after_step(report, view, received or position, data_state)
+        return report, received
+
+    def _after_step(self, report: OuterReport, view, position: RunPosition, data_state: dict | None) -> None:
+        """What follows every outer step, blocking or not; `position` is where this node stood before it."""
         # The outer params stay as they are now until the next outer step: hash them while the inner
         # steps run, for that step's check-in (and, after the hand-over, a receiver's params_hash).
         self._digest = drift.BackgroundDigest(self.outer.flat) if self.dcfg.drift_guard else None
         if self.cfg.train.log_model_hash:
             report.params_hash = self.params_hash()
         if self.live is not None:
-            self._publish_live(received or position, view)
+            self._publish_live(position, view)
         self._save_position(data_state)
         if self.local.is_head:
             self._reassert_claims(view)
+
+    def _checkin_digest(self) -> int:
+        return checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
+
+    # -- overlapped outer step (diloco.overlap = eager) --------------------------------------------
+    def _eager_outer_step(self, position: RunPosition, data_state: dict | None,
+                          closing: bool = False) -> tuple[OuterReport, RunPosition | None]:
+        """One round boundary under the eager rule (zb.diloco.overlap has the steps). The check-in also
+        says who holds the average launched at the last boundary: it is applied only when every
+        contributor does, so a transfer that failed anywhere is skipped everywhere, never half applied."""
+        ov = self.overlap
+        arrival = ov.wait()
+        if arrival is not None and not arrival.ok:
+            self.mesh.report_failure(arrival.error.rank)
+        arrived = checkin.ARRIVED_NONE if arrival is None else checkin.ARRIVED_OK if arrival.ok else checkin.ARRIVED_FAILED
+        if arrival is not None and not localsync.all_ok(self.local_group, arrival.ok):
+            arrived = checkin.ARRIVED_FAILED  # one local rank's transfer failed: the node holds no whole average
+        view, plan, attempts = self._eager_check_in(position, arrived)
+        report = OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
+                             0.0, 0, 0.0, False, attempts)
+        if arrival is None:
+            report.note = " | no average in flight yet"
+        else:
+            report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
+                                                                       round(arrival.mbps, 2))
+            report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
+        if plan is None:
+            # Nobody could be reached: keep training; the next check-in finds where this node stands.
+            log.error("outer step skipped after %d failed check-ins; training goes on and the world is resolved "
+                      "again at the next outer step", attempts)
+            return report, None
+        me = view.global_rank
+        contributing = me in plan.contributors
+        finite = localsync.all_ok(self.local_group, ov.take_fresh(contributing and not closing))
+        was_recovered = self.role == checkin.RECOVERED
+        report.applied = self._eager_apply(view, plan, arrival)
+        if contributing and not closing:
+            if not finite:
+                log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, "
+                            "its inner optimizer state is cleared, and every node skips the average it poisons")
+                self.optimizer.state.clear()
+            ov.own_step(len(plan.contributors), finite)
+        received = self._hand_over_state(view, plan, position)
+        if received is not None or me in plan.receivers or closing:
+            ov.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
+        if was_recovered and me in plan.appliers:
+            received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
+            self.role = checkin.CONTRIBUTOR
+        if closing:
+            self.outer.push_to_model()
+            self._digest = None  # the shared params just changed: hash them anew
+            if self.cfg.train.log_model_hash:
+                report.params_hash = self.params_hash()
+            return report, received
+        ov.launch(view, self.mesh.global_pg, max(1, len(plan.contributors)))
+        ov.push_start()
+        self._after_step(report, view, received or position, data_state)
         return report, received
+
+    def _eager_check_in(self, position: RunPosition, arrived: int):
+        digest = self._checkin_digest()
+        view, plan, attempts = None, None, 0
+        for attempts in range(1, self.dcfg.retry_all_reduce + 2):
+            view = self.mesh.view if self._fresh_view else self._resolve()
+            self._fresh_view = False
+            try:
+                plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
+                                        position.outer_step, position.step, _deadline(self.cfg), digest, arrived)
+                self._note_lagging(view, plan, position.outer_step)
+                ok = True
+            except PeerFailure as e:
+                log.warning("outer-step check-in attempt %d failed: %s", attempts, e)
+                self.mesh.report_failure(e.rank)
+                ok = False
+            if localsync.all_ok(self.local_group, ok):
+                return view, plan, attempts
+            plan = None
+        return view, None, attempts
+
+    def _eager_apply(self, view, plan: checkin.Plan, arrival) -> bool:
+        """The shared step with the average launched last boundary, on every applier or on none. A
+        recovered joiner (its snapshot predates that average) gets the average from the donor."""
+        me = view.global_rank
+        if not plan.average_ok or me not in plan.appliers:
+            if plan.contributors and not plan.average_ok and me in plan.appliers and arrival is not None:
+                log.warning("the average launched at the last outer step did not reach every node: every node "
+                            "skips it")
+            return False
+        late = [r for r in plan.appliers if r not in plan.contributors]
+        donor = plan.contributors[0]
+        average = arrival.buffer if me in plan.contributors else None
+        if late:
+            average = self._share_average(view, donor, late, average)
+            if average is None:
+                return False
+        finite = localsync.all_ok(self.local_group, bool(torch.isfinite(average).all()))
+        if not finite:
+            # The same bits on every node: every node decides alike (the offender reset at launch).
+            log.warning("non-finite average pseudo-gradient: skipped on every node")
+            return False
+        self.overlap.apply_average(average)
+        return True
+
+    def _share_average(self, view, donor: int, late: list[int], average):
+        """Donor -> recovered joiners: the average they did not take part in."""
+        transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
+        if view.global_rank == donor:
+            for r in late:
+                try:
+                    transfer.send_tensor(r, average)
+                except PeerFailure as e:
+                    log.warning("could not send the average to joiner rank %d: %s", r, e)
+                    self.mesh.report_failure(r)
+            return average
+        if view.global_rank not in late:
+            return average
+        buffer = torch.empty_like(self.outer.flat.data)
+        try:
+            transfer.receive_tensor(donor, buffer)
+        except PeerFailure as e:
+            raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive ({e}); "
+                                     "restart this node to join again") from None
+        return buffer
+
+    def close_run(self, position: RunPosition) -> OuterReport | None:
+        """The run's end under overlap (every node reaches it at the same step, optim.total_steps):
+        wait for the last average, apply it on every node alike, and leave the model at the shared
+        params, the consensus model with no node's eager term. None when nothing is in flight."""
+        if self.overlap is None or self.overlap.job is None:
+            return None
+        return self._eager_outer_step(position, None, closing=True)[0]
 
     def _sync(self, view, plan: checkin.Plan) -> SyncStats:
         streams = self.streams.for_view(view, self.store)
@@ -328,6 +472,22 @@ class DilocoNode:
                         str(e).splitlines()[0])
             self.store = None
 
+    # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The outer state in this node's checkpoint: the shared part, plus its eager term under overlap."""
+        out = dict(self.outer.state_tensors())
+        if self.overlap is not None:
+            out.update(self.overlap.state_tensors())
+        return out
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.outer.load_state_tensors(tensors)
+        if self.overlap is not None:
+            self.overlap.load_state_tensors(tensors)
+        elif any(k.startswith("own/") for k in tensors):
+            log.warning("the checkpoint holds this node's eager term (diloco.overlap = eager); with overlap = none "
+                        "it is dropped: the node resumes from its model params and the shared outer params")
+
     # -- misc ---------------------------------------------------------------------------------
     def _node_digest(self) -> bytes:
         """sha256 over every local rank's outer-param digest: the same bytes on every local rank. Uses
@@ -341,6 +501,8 @@ class DilocoNode:
         return self._node_digest().hex()[:16]
 
     def shutdown(self, graceful: bool = True) -> None:
+        if self.overlap is not None:
+            self.overlap.close(grace_s=5.0 if graceful else 0.0)
         if self.live is not None:
             try:
                 self.live.close(self.store)

@@ -71,6 +71,12 @@ class OuterState:
             view.copy_(local_shard(p), non_blocking=False)
 
     @torch.no_grad()
+    def subtract_model(self, out: torch.Tensor) -> None:
+        """out -= the model's current shards (out laid out as the flat buffers, fp32 on CPU)."""
+        for view, p in zip(self._views(out), self.params):
+            view.sub_(local_shard(p).detach().to(device="cpu", dtype=torch.float32))
+
+    @torch.no_grad()
     def pseudo_gradient_of(self, index: int) -> torch.Tensor:
         """Fill and return the pseudo-gradient view of parameter `index`: outer - current."""
         g = self.grad_views[index]
@@ -84,9 +90,11 @@ class OuterState:
         self.optimizer.step()
 
     @torch.no_grad()
-    def push_to_model(self) -> None:
-        """Model shards := outer params, in the model's own dtype and device."""
-        for view, p in zip(self.views, self.params):
+    def push_to_model(self, flat: torch.Tensor | None = None) -> None:
+        """Model shards := outer params (or `flat`, laid out as they are), in the model's own dtype
+        and device."""
+        views = self.views if flat is None else self._views(flat)
+        for view, p in zip(views, self.params):
             local_shard(p).copy_(view, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -3,6 +3,9 @@
 A single TCP connection rarely fills a long, lossy link; the all-reduce splits each bucket over
 `streams` groups of the same replica group. The elastic mesh builds the first one; the others are
 built here, under the same mesh version, and rebuilt whenever the version changes.
+
+The overlapped outer step (diloco.overlap) builds a whole set of its own the same way (tag "ov"):
+its background all-reduce must never share a group with the check-in or a joiner's hand-over.
 """
 
 from __future__ import annotations
@@ -19,24 +22,29 @@ log = logging.getLogger("zb.diloco")
 
 
 class StreamGroups:
-    def __init__(self, streams: int, local_rank: int, pg_timeout_s: float):
-        self.extra, self.local_rank, self.timeout = max(0, streams - 1), local_rank, timedelta(seconds=pg_timeout_s)
+    """Gloo groups of the replica group named `<tag><j>` for j = first .. streams - 1 under the mesh
+    version's prefix. The default: the streams beyond the mesh's own group (its j = 0)."""
+
+    def __init__(self, streams: int, local_rank: int, pg_timeout_s: float, *, tag: str = "s", first: int = 1):
+        self.tag, self.first = tag, first
+        self.extra = max(0, streams - first)
+        self.local_rank, self.timeout = local_rank, timedelta(seconds=pg_timeout_s)
         self.version: int | None = None
         self.groups: list[dist.ProcessGroup] = []
 
     def for_view(self, view, store) -> list[dist.ProcessGroup]:
-        """The extra groups for this world (built once per mesh version; every node builds them together)."""
-        if self.extra == 0 or view.global_world_size == 1:
+        """The groups for this world (built once per mesh version; every node builds them together)."""
+        if self.extra == 0 or (view.global_world_size == 1 and self.first > 0):
             return []
         if self.version != view.mesh_version:
             self.groups, self.version = [], None
             prefix = keys.mesh_prefix(view.mesh_version, self.local_rank)
             try:
-                self.groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/s{j}", store), view.global_rank,
-                                                     view.global_world_size, self.timeout)
-                               for j in range(1, self.extra + 1)]
+                self.groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{self.tag}{j}", store),
+                                                     view.global_rank, view.global_world_size, self.timeout)
+                               for j in range(self.first, self.first + self.extra)]
             except RuntimeError as e:
-                raise PeerFailure(f"building stream groups for mesh v{view.mesh_version} failed: "
+                raise PeerFailure(f"building {self.tag} groups for mesh v{view.mesh_version} failed: "
                                   f"{str(e).splitlines()[0]}", rank=None) from None
             self.version = view.mesh_version
         return self.groups

@@ -89,6 +89,20 @@ class StateTransfer:
         for i, t in enumerate((header, self.outer.flat.data, payload)):
             _wait(self.pg.send([t], dst, TAG + i), t.numel() * t.element_size(), self.bw, dst, "send")
 
+    def send_tensor(self, dst: int, tensor: torch.Tensor) -> None:
+        """One fp32 buffer laid out as the outer params (an average for a late joiner), behind a header."""
+        header = torch.tensor([tensor.numel(), _layout_hash(self.outer)], dtype=torch.int64)
+        for i, t in enumerate((header, tensor)):
+            _wait(self.pg.send([t], dst, TAG + 3 + i), t.numel() * t.element_size(), self.bw, dst, "send")
+
+    def receive_tensor(self, src: int, out: torch.Tensor) -> None:
+        header = torch.empty(2, dtype=torch.int64)
+        _wait(self.pg.recv([header], src, TAG + 3), 16, self.bw, src, "header")
+        if header.tolist() != [out.numel(), _layout_hash(self.outer)]:
+            raise InvalidInput(f"the donor's buffer layout differs from this node's ({header[0].item()} vs "
+                               f"{out.numel()} values): the nodes run different models")
+        _wait(self.pg.recv([out], src, TAG + 4), 4 * out.numel(), self.bw, src, "average")
+
     def receive(self, src: int) -> RunPosition:
         """Load the donor's state; returns its position. InvalidInput if its layout differs."""
         ensure_adam_state(self.optimizer)

@@ -193,7 +193,7 @@ class TrainingRun:
             raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
         return TrainState(self.model, self.optimizer, self.scheduler, self.counters.position,
                           self.train_loader.state_dict(),
-                          self.diloco.outer.state_tensors() if self.diloco is not None else None,
+                          self.diloco.checkpoint_tensors() if self.diloco is not None else None,
                           to_dict(self.cfg), self.fingerprint, data_exact=self.train_loader.exact_resume)
 
     def _resume(self) -> None:
@@ -208,7 +208,7 @@ class TrainingRun:
         else:
             self.train_loader.load_state_dict(loaded.data_state)
         if diloco is not None and loaded.outer:
-            diloco.outer.load_state_tensors(loaded.outer)
+            diloco.load_checkpoint_tensors(loaded.outer)
         log.info("resumed from %s at step %d (outer step %d)", loaded.path, self.counters.step,
                  self.counters.outer_step)
 
@@ -252,6 +252,8 @@ class TrainingRun:
             if result.stop:
                 self._stopped()
                 break
+        if self.diloco is not None and c.step == cfg.optim.total_steps:
+            self._close_overlap()
 
     def _stopped(self) -> None:
         # Another local rank may have received the signal: report SIGINT then.
@@ -275,20 +277,37 @@ class TrainingRun:
             return False
         if received is not None:
             self.move_to(received)  # the run's position as of the start of this outer step
+        self._log_outer(report, " | joined: state received" if received is not None else "")
+        return True
+
+    def _close_overlap(self) -> None:
+        """diloco.overlap: the last average is still in flight; every node applies it and ends on the
+        shared params (see DilocoNode.close_run)."""
+        try:
+            report = self.diloco.close_run(self.counters.position)
+        except LeavingRun:
+            self._stopped()
+            return
+        if report is not None:
+            self._log_outer(report, " | run end: last average applied, model = shared params", closing=True)
+
+    def _log_outer(self, report, note: str, **extra) -> None:
+        c = self.counters
         c.outer_step += 1
         c.num_nodes = report.global_world_size
         fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,
                       global_world_size=report.global_world_size, num_peers=report.num_peers,
                       allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes, wire_mbps=report.wire_mbps,
-                      applied=report.applied, attempts=report.attempts)
+                      applied=report.applied, attempts=report.attempts, hidden_s=report.hidden_s,
+                      stall_s=report.stall_s, **extra)
         if report.params_hash is not None:
             fields["params_hash"] = report.params_hash
         self.sink.log("outer_step", **fields)
-        note = " | joined: state received" if received is not None else "" if report.applied else " | NOT applied"
-        log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes, %.1f Mbit/s%s",
+        note = note or report.note or ("" if report.applied else " | NOT applied")
+        hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" if self.cfg.diloco.overlap != "none" else ""
+        log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s%s, %s bytes, %.1f Mbit/s%s",
                  c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
-                 f"{report.wire_bytes:,}", report.wire_mbps, note)
-        return True
+                 hidden, f"{report.wire_bytes:,}", report.wire_mbps, note)
 
     def _log_step(self, result: StepResult, dt: float) -> None:
         c = self.counters

@@ -1,0 +1,100 @@
+"""The pseudo-gradient all-reduce of one outer step, run in a thread while the next inner steps train
+(diloco.overlap): the buffer is a CPU copy nobody else touches until `wait()` returns, and the
+groups are the overlap's own (built by the main thread at the boundary, every node together), so
+the check-in, joiner hand-overs and heartbeats on the mesh's group never queue behind it.
+
+`wait()` is where training can stall: the seconds it blocks are the stall, the rest of the
+transfer was hidden behind compute. A failure (a peer killed or hung) is kept, never raised in the
+thread: the next boundary's check-in makes every node skip the average alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from zb.collectives import PeerFailure, all_reduce
+from zb.config_schema import DilocoConfig
+from zb.diloco.sync import bucket_ranges
+
+log = logging.getLogger("zb.diloco")
+
+
+@dataclass
+class Arrival:
+    """What the wait for a background all-reduce found."""
+
+    buffer: torch.Tensor | None     # the average (SUM / scale), when ok
+    error: PeerFailure | None       # why it failed, when it did
+    seconds: float = 0.0            # launch to the end of the transfer
+    stall_s: float = 0.0            # how long the caller waited for it
+    wire_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.buffer is not None
+
+    @property
+    def hidden_s(self) -> float:
+        """Transfer seconds that ran behind compute."""
+        return max(0.0, self.seconds - self.stall_s)
+
+    @property
+    def mbps(self) -> float:
+        return 8 * self.wire_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+class BackgroundAllReduce(threading.Thread):
+    """All-reduce `buffer` in place (SUM over the first group `groups()` returns, striped over the
+    others, then divided by `scale`) in buckets, in a daemon thread started at construction. The
+    groups are built inside the thread too: their rendezvous is a round trip to every peer."""
+
+    def __init__(self, buffer: torch.Tensor, groups: Callable[[], Sequence[dist.ProcessGroup]], cfg: DilocoConfig,
+                 scale: int):
+        super().__init__(name="zb-overlap-allreduce", daemon=True)
+        self.buffer, self.groups, self.cfg, self.scale = buffer, groups, cfg, scale
+        self.error: PeerFailure | None = None
+        self.wire_bytes = 0
+        self.started_at = time.perf_counter()
+        self.seconds = 0.0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            group, *streams = self.groups()
+            for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
+                bucket = self.buffer[a:b]
+                stats = all_reduce(bucket, group, op=ReduceOp.SUM, compression=self.cfg.compression,
+                                   streams=streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
+                if self.scale != 1:
+                    bucket.div_(self.scale)
+                self.wire_bytes += stats.wire_bytes
+        except PeerFailure as e:
+            self.error = e
+        except Exception as e:  # noqa: BLE001 - any transfer error is a failed sync, never a crashed thread
+            self.error = PeerFailure(f"background all-reduce failed: {str(e).splitlines()[0] if str(e) else e!r}",
+                                     rank=None)
+        finally:
+            self.seconds = time.perf_counter() - self.started_at
+
+    def wait(self) -> Arrival:
+        t0 = time.perf_counter()
+        self.join()
+        stall = time.perf_counter() - t0
+        if self.error is not None:
+            return Arrival(None, self.error, self.seconds, stall, self.wire_bytes)
+        return Arrival(self.buffer, None, self.seconds, stall, self.wire_bytes)
+
+    def abandon(self, grace_s: float) -> None:
+        """Leaving the run: give the transfer `grace_s` to end (the peers then keep this node's share),
+        then go without it (daemon thread; the peers' transfers fail and they skip the average alike)."""
+        self.join(grace_s)
+        if self.is_alive():
+            log.info("leaving with the background all-reduce still running: the other nodes skip its average")

@@ -1,0 +1,154 @@
+"""diloco.overlap = eager: the outer step's all-reduce runs behind the next round's inner steps.
+
+At each round boundary (zb.diloco.node runs the check-in and the hand-overs around these steps):
+  1. `wait`: the average launched at the previous boundary arrives (the wait is the stall);
+  2. `take_fresh`: this node's pseudo-gradient of the round ending now, from the params it started
+     the round with (shared + own offset), into a buffer of its own;
+  3. `apply_average`: the shared outer params and momentum step with that average, only when the
+     check-in found it arrived whole on every contributor (else every node skips it alike);
+  4. `own_step`: the node's own term applies its fresh share at once and withdraws its stale one
+     (zb.diloco.eager: the paper's eager rule, split exactly into a shared and an own part);
+  5. `launch`: the fresh pseudo-gradient's all-reduce starts in a thread, on the overlap's groups;
+  6. `push_start`: the model takes shared + own offset, and the next round trains from there.
+
+The shared part (OuterState: params and momentum) gets the same bits on every node, so it is what
+the check-in digests and `params_hash` compare, what live snapshots serve and what joiners get. The
+own term differs between nodes by design: each node's params carry its latest eager step.
+
+At the end of the run `close_run` waits for the last average and applies it, and the model takes the
+shared params: the consensus model, with every eager term dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from zb.config_schema import DilocoConfig
+from zb.diloco.background import Arrival, BackgroundAllReduce
+from zb.diloco.eager import OuterSGD, OwnTerm, own_step
+from zb.diloco.outer import OuterState
+from zb.diloco.streams import StreamGroups
+
+log = logging.getLogger("zb.diloco")
+
+class EagerOverlap:
+    """This rank's eager state: its own term, the two CPU buffers (one in flight, one free) and the
+    background all-reduce."""
+
+    def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
+                 connect: Callable[[], object]):
+        self.outer, self.cfg, self._connect = outer, cfg, connect
+        self._store = None  # used by the background thread only
+        self.opt = OuterSGD.of(outer.optimizer)
+        self.own = OwnTerm.zeros_like(outer.flat.data, self.opt)
+        self.fresh = torch.zeros_like(outer.flat.data)
+        self.spare: torch.Tensor | None = outer.flat.grad  # the blocking path's gradient buffer, reused
+        self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
+        self.job: BackgroundAllReduce | None = None
+
+    @property
+    def extra_bytes(self) -> int:
+        """CPU bytes held beside the blocking path's (outer params, momentum, one gradient buffer)."""
+        own = [self.own.offset, self.own.momentum, self.own.last_share, self.fresh]
+        return sum(t.numel() * t.element_size() for t in own if t is not None)
+
+    # -- 1. the previous boundary's average --------------------------------------------------------
+    def wait(self) -> Arrival | None:
+        """The average launched at the last boundary (None: nothing in flight)."""
+        if self.job is None:
+            return None
+        job, self.job = self.job, None
+        arrival = job.wait()
+        self.spare = job.buffer  # the thread has ended: the average (or garbage) is free after this boundary
+        if not arrival.ok:
+            log.warning("the background all-reduce launched at the last outer step failed: %s", arrival.error)
+        return arrival
+
+    # -- 2. this round's pseudo-gradient -------------------------------------------------------------
+    @torch.no_grad()
+    def take_fresh(self, contributing: bool) -> bool:
+        """fresh := (shared + own offset) - the model's params; zeros for a node that does not
+        contribute. Returns whether it is finite (the caller agrees on that over the local ranks)."""
+        if not contributing:
+            self.fresh.zero_()
+            return True
+        torch.add(self.outer.flat.data, self.own.offset, out=self.fresh)
+        self.outer.subtract_model(self.fresh)
+        return bool(torch.isfinite(self.fresh).all())
+
+    # -- 3. the shared step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_average(self, average: torch.Tensor) -> None:
+        """Step the shared outer params and momentum with the average every contributor received."""
+        self.outer.flat.grad = average
+        self.outer.step()
+
+    # -- 4. the node's own term ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def own_step(self, world_size: int, finite: bool) -> None:
+        """Apply the fresh share eagerly, withdraw the stale one. A non-finite pseudo-gradient is not
+        applied here (it still travels, so every node skips that average, as the blocking path does)."""
+        # Non-finite: the stale share is still withdrawn, and the last share becomes zero (nothing of
+        # this node's enters the average, which every node skips).
+        own_step(self.own, self.fresh if finite else torch.zeros_like(self.fresh), world_size, self.opt)
+
+    def reset_own(self) -> None:
+        """A node that received the run's shared state starts with no eager term of its own."""
+        self.own = OwnTerm.zeros_like(self.outer.flat.data, self.opt)
+
+    # -- 5. launch ---------------------------------------------------------------------------------------
+    def launch(self, view, global_pg, scale: int) -> None:
+        """Start the all-reduce of `fresh` (SUM / scale) in the background, on the overlap's groups
+        (built for this world in the thread, over a store client of the overlap's own)."""
+        def groups():
+            if view.global_world_size == 1:
+                return [global_pg]  # nothing travels
+            try:
+                self._store = self._store or self._connect()
+                return self.groups.for_view(view, self._store)
+            except Exception:
+                self._store = None  # the store may have restarted: a fresh client next time
+                raise
+
+        buffer = self.fresh
+        self.fresh = self.spare if self.spare is not None else torch.zeros_like(buffer)
+        self.spare = None  # back with the arrival
+        self.job = BackgroundAllReduce(buffer, groups, self.cfg, scale)
+
+    # -- 6. where the next round starts -----------------------------------------------------------------
+    @torch.no_grad()
+    def push_start(self) -> None:
+        """The model := shared + own offset (built in the free buffer; it is overwritten next boundary)."""
+        torch.add(self.outer.flat.data, self.own.offset, out=self.fresh)
+        self.outer.push_to_model(self.fresh)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The own term, for this node's checkpoint (never for joiners or snapshots: it is per node)."""
+        out = {"own/offset": self.own.offset, "own/last_share": self.own.last_share}
+        if self.own.momentum is not None:
+            out["own/momentum"] = self.own.momentum
+        return out
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Resume the own term; the average that was in flight when the checkpoint was taken is lost
+        (every node resumes with nothing in flight and skips it alike)."""
+        if "own/offset" not in tensors:
+            log.warning("the checkpoint holds no eager term (it was written with diloco.overlap = none): "
+                        "this node resumes from the shared outer params")
+            self.reset_own()
+            self.outer.push_to_model()
+            return
+        self.own.offset.copy_(tensors["own/offset"])
+        self.own.last_share.copy_(tensors["own/last_share"])
+        if self.own.momentum is not None and "own/momentum" in tensors:
+            self.own.momentum.copy_(tensors["own/momentum"])
+
+    def close(self, grace_s: float) -> None:
+        if self.job is not None:
+            self.job.abandon(grace_s)
+            self.job = None
