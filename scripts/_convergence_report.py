@@ -9,6 +9,7 @@ import statistics
 DILOCO_VS_DP = 1.0      # % above data-parallel's held-out loss
 INT8_VS_FP32 = 0.5      # % between int8 and fp32 at the same H
 ELASTIC_VS_STATIC = 2.0  # % above the static run with the same H and compression
+EAGER_VS_BLOCKING = 1.0  # % above blocking DiLoCo with the same H and compression (diloco.overlap)
 COMM_SLACK = 0.95       # reduction >= 0.95 * H (fp32) or 0.95 * 4H (int8): int8 carries scales too
 
 
@@ -74,10 +75,17 @@ def targets(rows: dict[str, dict]) -> dict[str, dict]:
         if kind == "diloco" and comp == "int8" and f"diloco-h{h}-fp32" in loss:
             v = pct(loss[row], loss[f"diloco-h{h}-fp32"])
             found[f"{row}_vs_fp32"] = dict(value=v, limit=INT8_VS_FP32, met=abs(v) <= INT8_VS_FP32)
-        if kind in ("diloco", "elastic") and r["comm_reduction"] is not None:
+        if kind in ("diloco", "elastic", "eager") and r["comm_reduction"] is not None:
             want = h * (4 if comp == "int8" else 1)
             found[f"{row}_comm"] = dict(value=r["comm_reduction"], limit=want,
                                         met=r["comm_reduction"] >= COMM_SLACK * want)
+        if kind == "eager":
+            # Overlap's target: held-out loss within 1% of blocking DiLoCo at equal steps, same bytes.
+            static = f"diloco-h{h}-{comp}"
+            if static in loss:
+                v = pct(loss[row], loss[static])
+                found[f"{row}_vs_blocking"] = dict(value=v, limit=EAGER_VS_BLOCKING, agree=r["agree"],
+                                                   met=v <= EAGER_VS_BLOCKING and bool(r["agree"]))
         if kind == "elastic":
             static = f"diloco-h{h}-{comp}"
             v = pct(loss[row], loss[static]) if static in loss else None

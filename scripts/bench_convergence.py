@@ -11,6 +11,7 @@ Rows (every one a real `zb train` run on the built-in offline data, whose entrop
                   pseudo-gradients sent as C = fp32 or int8
   elastic-hH-C    as diloco-hH-C, but the last node is SIGKILLed after 1/3 of the outer steps and a
                   new node joins at once; ends by checking that all live nodes agree (params_hash)
+  eager-hH-C      as diloco-hH-C with diloco.overlap = eager (the all-reduce behind the next round)
 Single, dp and node 0 of every DiLoCo row train on data shard 0 of N and are evaluated on the same
 held-out shard, so their final held-out losses are comparable. DiLoCo losses are node 0's eval after
 the final outer step (params are identical on all nodes then). Seeds are interleaved (seed 1 of every
@@ -35,7 +36,7 @@ from _convergence_procs import run_nodes, run_single  # noqa: E402
 from _convergence_report import report  # noqa: E402
 
 DEFAULT_ROWS = "single,dp,diloco-h10-fp32,diloco-h10-int8,diloco-h50-fp32,diloco-h50-int8,elastic-h10-fp32"
-ROW = re.compile(r"^(single|dp|(diloco|elastic)-h(\d+)-(fp32|int8))$")
+ROW = re.compile(r"^(single|dp|(diloco|elastic|eager)-h(\d+)-(fp32|int8))$")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,7 +68,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for row in args.rows:
         m = ROW.match(row)
         if m is None:
-            p.error(f"unknown row {row!r}: use single, dp, diloco-h<H>-<fp32|int8> or elastic-h<H>-<fp32|int8>")
+            p.error(f"unknown row {row!r}: use single, dp, or diloco-, elastic- or eager-h<H>-<fp32|int8>")
         if m.group(3) and args.steps % int(m.group(3)):
             p.error(f"--steps {args.steps} is not a multiple of H in {row}")
     return args
@@ -93,7 +94,8 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
     else:
         h, compression = int(m.group(3)), "none" if m.group(4) == "fp32" else "int8"
         diloco = ["--diloco.inner_steps", str(h), "--diloco.compression", compression, "--diloco.outer_lr",
-                  str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum), "--train.log_model_hash"]
+                  str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum), "--train.log_model_hash",
+                  "--diloco.overlap", "eager" if m.group(2) == "eager" else "none"]
         kill_at = max(1, args.steps // h // 3) if m.group(2) == "elastic" else None
         records, live = run_nodes(workdir, [*train_args(args, seed, args.batch), *diloco], args.nodes,
                                   args.timeout, kill_at)

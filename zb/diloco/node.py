@@ -75,8 +75,12 @@ class DilocoNode:
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                       local_world_size=local.world_size, sink=sink if local.is_head else None)
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
-        self.overlap = EagerOverlap(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect) \
-            if cfg.diloco.overlap == "eager" else None
+        self.overlap = None
+        if cfg.diloco.overlap == "eager":
+            self.overlap = EagerOverlap(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect)
+            if local.is_head:
+                log.info("diloco.overlap = eager: %.1f MB more CPU memory per local rank for the eager term and the "
+                         "buffer in flight", self.overlap.extra_bytes / 1e6)
         self.store = None
         self.slot = self.num_slots = 0
         self.role = checkin.CONTRIBUTOR
@@ -265,6 +269,12 @@ class DilocoNode:
             report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
                                                                        round(arrival.mbps, 2))
             report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
+        if plan is None and closing:
+            log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
+                      "shared params without it", attempts)
+            ov.reset_own()
+            self.outer.push_to_model()
+            return report, None
         if plan is None:
             # Nobody could be reached: keep training; the next check-in finds where this node stands.
             log.error("outer step skipped after %d failed check-ins; training goes on and the world is resolved "
@@ -361,6 +371,7 @@ class DilocoNode:
         except PeerFailure as e:
             raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive ({e}); "
                                      "restart this node to join again") from None
+        log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
         return buffer
 
     def close_run(self, position: RunPosition) -> OuterReport | None:

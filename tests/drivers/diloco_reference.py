@@ -1,0 +1,112 @@
+"""Driver for tests/test_diloco_overlap.py: M DiLoCo nodes simulated in one process, written from
+the update rules' definitions (not from zb.diloco's code), with zb's own model, data and inner
+optimizer, so a real multi-process run can be compared with it step loss by step loss.
+
+    python diloco_reference.py NODES RULE ARGS...      (RULE: none | eager; ARGS: zb train flags)
+
+none:  the blocking rule. Every node steps one shared outer SGD with the mean pseudo-gradient
+       theta - x_m, and every node restarts from the shared params.
+eager: the paper's per-worker form (arXiv 2502.12996, as RESEARCH.md gives it): node m keeps a
+       private outer SGD (params and momentum) and steps it with
+         Dbar(r-1) + D_m(r)/M - D_m(r-1)/M,
+       where D_m(r) = theta_m - x_m and Dbar(r-1) is the mean launched one boundary earlier.
+
+Node m trains on data slot m of M, as `zb train` nodes with GLOBAL_RANK m claim. Prints one JSON
+line: {"losses": [[node 0's step losses], ...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from zb.config import load_config
+from zb.local_world import LocalWorld
+from zb.train.device import pick_placement
+from zb.train.lr_schedule import build_optimizer, build_scheduler
+from zb.train.setup import build_loaders, build_model, check_batch
+from zb.train.step import Trainer, take
+
+
+class SimNode:
+    def __init__(self, cfg, tokenizer, placement, slot: int, nodes: int):
+        self.model = build_model(cfg, tokenizer.vocab_size, placement)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
+                               cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0, False)
+        self.loader, _ = build_loaders(cfg, tokenizer, LocalWorld(0, 1), slot, nodes)
+        self.accum = check_batch(cfg, LocalWorld(0, 1))
+        self.losses: list[float] = []
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+
+    @torch.no_grad()
+    def load(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            self.losses.append(self.trainer.train_step(take(self.loader, self.accum)).loss)
+
+
+def outer_sgd(theta: torch.Tensor, dcfg) -> torch.optim.SGD:
+    if dcfg.outer_optimizer == "avg":
+        return torch.optim.SGD([theta], lr=1.0)
+    return torch.optim.SGD([theta], lr=dcfg.outer_lr, momentum=dcfg.outer_momentum,
+                           nesterov=dcfg.nesterov and dcfg.outer_momentum > 0)
+
+
+def step(opt: torch.optim.SGD, grad: torch.Tensor) -> None:
+    opt.param_groups[0]["params"][0].grad = grad
+    opt.step()
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    nodes, rule, flags = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    cfg = load_config([], dict(zip([f[2:] for f in flags[::2]], flags[1::2])), environ={})
+    from zb.data import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.data.tokenizer, retries=0)
+    placement = pick_placement(cfg.train, LocalWorld(0, 1))
+    sims = [SimNode(cfg, tokenizer, placement, m, nodes) for m in range(nodes)]
+    H, total = cfg.diloco.inner_steps, cfg.optim.total_steps
+    thetas = [torch.nn.Parameter(s.flat(), requires_grad=False) for s in sims]
+    if rule == "none":
+        opts = [outer_sgd(thetas[0], cfg.diloco)]
+    else:
+        opts = [outer_sgd(t, cfg.diloco) for t in thetas]
+    last = [torch.zeros_like(thetas[0]) for _ in sims]
+    arrived: torch.Tensor | None = None
+    for _ in range(total // H):
+        for s in sims:
+            s.train(H)
+        deltas = [thetas[m if rule == "eager" else 0].detach() - s.flat() for m, s in enumerate(sims)]
+        mean = torch.stack(deltas).mean(0)
+        if rule == "none":
+            step(opts[0], mean)
+            for s in sims:
+                s.load(thetas[0].detach())
+            continue
+        for m, s in enumerate(sims):
+            g = deltas[m] / nodes - last[m]
+            if arrived is not None:
+                g = g + arrived
+            step(opts[m], g)
+            last[m] = deltas[m] / nodes
+            s.load(thetas[m].detach())
+        arrived = mean
+    for s in sims:
+        s.train(total % H)
+    print(json.dumps({"losses": [s.losses for s in sims]}))
+
+
+if __name__ == "__main__":
+    main()
