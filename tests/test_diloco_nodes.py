@@ -177,15 +177,17 @@ def make_run_dir(run: TrainCluster, uid: str) -> Path:
 
 
 
-@pytest.mark.parametrize("drift_guard", ["true", "false"])
-def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run, drift_guard):
+@pytest.mark.parametrize("drift_guard, overlap", [("true", "none"), ("false", "none"), ("true", "eager")])
+def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run, drift_guard, overlap):
     """SIGSTOP a node past the heartbeat timeout, let the other train alone, SIGCONT it: it is
     admitted again and must hold the run's params at every all-reduce from then on (it used to
     average its stale params in and the two trained apart while both exited 0). Without the
-    check-in digest (drift_guard false) the rejoin alone must send it the state."""
+    check-in digest (drift_guard false) the rejoin alone must send it the state. Under
+    diloco.overlap = eager its background transfer fails too, and it drops its own eager term."""
     run = make_run(2)
     for i in range(2):
-        run.start_train(f"n{i}", "--optim.total_steps", "100000", "--diloco.drift_guard", drift_guard, rank=i)
+        run.start_train(f"n{i}", "--optim.total_steps", "100000", "--diloco.drift_guard", drift_guard,
+                        "--diloco.overlap", overlap, rank=i)
     run.wait_outer("n1", 2)
     os.killpg(run.procs["n1"].pid, signal.SIGSTOP)
     alone = lambda: sum(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step")) >= 2  # noqa: E731

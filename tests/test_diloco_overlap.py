@@ -81,8 +81,11 @@ def test_whole_run_equals_the_single_process_simulation_of_its_rule(make_run, re
 SLOW_TRANSFER = ["--diloco.overlap", "eager", "--diloco.bucket_mb", "0.002"]
 
 
-@pytest.mark.parametrize("sig, compression", [(signal.SIGKILL, "int8"), (signal.SIGTERM, "none")])
+@pytest.mark.parametrize("sig, compression", [(signal.SIGKILL, "int8"), (signal.SIGSTOP, "none"),
+                                               (signal.SIGTERM, "none")])
 def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, sig, compression):
+    """A peer killed, hung (SIGSTOP past the heartbeat timeout) or stopped (SIGTERM) while the
+    transfer it just launched runs: the survivors apply or skip that average alike and go on."""
     run = make_run(3)
     for i in range(3):
         run.start_train(f"n{i}", "--optim.total_steps", "30", *SLOW_TRANSFER, "--diloco.compression", compression,
@@ -97,9 +100,12 @@ def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, sig
     assert [e["applied"] for e in a] == [e["applied"] for e in b], "a node applied an average the other skipped"
     assert run.hashes("n0") == run.hashes("n1")
     skipped = [e for e in a if not e["applied"] and e["outer_step"] > 1]
-    assert skipped, "the average in flight when n2 went away should have been skipped on every node"
     assert a[-1]["global_world_size"] == 2 and a[-1]["applied"], "the run went on without n2"
-    assert "did not reach every node" in (run.tmp / "n0.log").read_text()
+    # SIGTERM: the leaver gives its transfer a few seconds to end, so the others keep its share;
+    # only if that grace ran out (or on SIGKILL) is the average lost, and then on every node.
+    lost = sig != signal.SIGTERM or "still running" in (run.tmp / "n2.log").read_text()
+    assert bool(skipped) == lost, (skipped, lost)
+    assert ("did not reach every node" in (run.tmp / "n0.log").read_text()) == lost
 
 
 def test_eager_joiner_mid_run_ends_identical(make_run):

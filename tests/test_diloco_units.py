@@ -10,7 +10,8 @@ import torch.distributed as dist
 from conftest import free_port
 from zb.config import load_config
 from zb.diloco import slots
-from zb.diloco.checkin import CONTRIBUTOR, NEEDS_STATE, RECOVERED, make_plan
+from zb.diloco.checkin import (ARRIVED_FAILED, ARRIVED_NONE, ARRIVED_OK, CONTRIBUTOR, NEEDS_STATE, RECOVERED,
+                               make_plan)
 from zb.fingerprint import check_against, encode, fingerprint
 from zb.errors import EnvironmentFailure, InvalidInput
 
@@ -31,6 +32,21 @@ def test_plan_recovered_joiner_applies_only_when_current():
     assert current.appliers == [0, 1] and current.receivers == []
     stale = make_plan([CONTRIBUTOR, RECOVERED], [5, 4], [50, 35])
     assert stale.appliers == [0] and stale.receivers == [1] and stale.donor == 0
+
+
+def test_plan_applies_the_average_in_flight_only_when_every_contributor_holds_it():
+    """diloco.overlap: a transfer can end on some nodes and fail on others; nobody applies it then.
+    Non-contributors (a joiner, a receiver) never held it and do not count."""
+    ok = make_plan([CONTRIBUTOR] * 3, [4, 4, 4], arrived=[ARRIVED_OK] * 3)
+    assert ok.average_ok
+    one_failed = make_plan([CONTRIBUTOR] * 3, [4, 4, 4], arrived=[ARRIVED_OK, ARRIVED_FAILED, ARRIVED_OK])
+    assert not one_failed.average_ok
+    first_round = make_plan([CONTRIBUTOR] * 2, [1, 1], arrived=[ARRIVED_NONE] * 2)
+    assert not first_round.average_ok
+    joiner = make_plan([CONTRIBUTOR, CONTRIBUTOR, NEEDS_STATE], [4, 4, 0], arrived=[ARRIVED_OK, ARRIVED_OK, ARRIVED_NONE])
+    assert joiner.average_ok and joiner.receivers == [2]
+    lagging = make_plan([CONTRIBUTOR] * 3, [4, 4, 3], arrived=[ARRIVED_OK, ARRIVED_OK, ARRIVED_FAILED])
+    assert lagging.average_ok and lagging.contributors == [0, 1], "a lagging node's flag is not the run's"
 
 
 def test_plan_without_contributors():
