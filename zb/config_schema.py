@@ -225,6 +225,13 @@ class ElasticConfig:
     connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", check="positive")
     start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", check="positive")
     sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).", check="positive")
+    link_matrix: Optional[str] = knob(None, "A `zb iperf-mesh --json` file: order the ring by its measured links (maximize "
+                                      "the slowest hop). Its rows are matched to nodes by id (iperf-mesh --node-id) or "
+                                      "gloo address; a file without this node is an error.")
+    measure_links: bool = knob(False, "Measure this node's links to the other members in the background after each "
+                                      "membership change (one peer at a time, run-wide) and order the ring by them.")
+    measure_seconds: float = knob(1.0, "Seconds one background link measurement streams (elastic.measure_links).",
+                                  check="positive")
     live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
                                          env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",
