@@ -7,7 +7,8 @@ world (zb.elastic.membership), lists its members in ring order. Every node reads
 record, so every node uses the same ring, and the DiLoCo layer needs no translation of ranks.
 
 The link data is in the store, so any node can lead and derive the same order:
-- keys.links_into(uid): the links into `uid`, timed by `uid` as the receiver (zb.elastic.linkprobe);
+- keys.links_into(uid): the links into `uid` as `uid` timed them as the receiver (the place for
+  measurements taken during the run; zb does not take any yet);
 - keys.LINK_FILE: an `elastic.link_matrix` file (zb iperf-mesh --json), published by nodes given one.
   Its rows are matched to members by unique id or by the address in keys.probe(uid).
 A measured link wins over the file. The solver (zb.net.bottleneck) works on the members sorted by
@@ -119,7 +120,7 @@ class RingPlanner:
         shown = ", ".join(f"{a} -> {b}" for a, b in unknown[:3])
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         log.warning("ring order: no link data for %s%s; keeping rank order until they are measured "
-                    "(elastic.measure_links) or listed in elastic.link_matrix", shown, more)
+                    "(zb iperf-mesh --json on every member, then elastic.link_matrix)", shown, more)
 
 
 def apply_ring_order(old: World, new: World, plan: RingPlan | None) -> World:
