@@ -250,3 +250,14 @@ def test_a_node_missing_from_the_matrix_exits_2(cluster, tmp_path):
     errors = node.events("error")
     assert node.proc.returncode == 2 and len(errors) == 1
     assert "no row is this node (id zed" in errors[0]["message"]
+
+
+def test_backward_rings_count_the_transposed_links():
+    # gloo's fp32 ring sends rank r -> r - 1: order [0, 1, 2] then uses 1 -> 0, 2 -> 1 and 0 -> 2.
+    m = [[None, 100, 20], [100, None, 100], [100, 100, None]]    # 0 -> 2 slow
+    r = solve(m, backward=True)
+    assert r.order == [0, 2, 1] and r.bottleneck_mbps == 100
+    assert bottleneck(m, r.order[::-1]) == 100 and bottleneck(m, [2, 1, 0]) == 20
+    store = store_with(mesh_doc(m, nodes=["a", "b", "c"]))
+    plan = RingPlanner(backward=True).plan(store, ["a", "b", "c"])
+    assert plan.nodes == ["a", "c", "b"] and plan.rank_order_mbps == 20

@@ -36,7 +36,8 @@ log = logging.getLogger("zb.elastic")
 
 class Membership:
     def __init__(self, cfg, uid: str, token: str, local_world_size: int, liveness: Liveness,
-                 connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None) -> None:
+                 connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None,
+                 ring_backward: bool = False) -> None:
         self.cfg, self.uid, self.token, self.lws = cfg, uid, token, local_world_size
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = RoundDeadlines.from_config(cfg)
@@ -45,7 +46,7 @@ class Membership:
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
         self.world: World | None = None
         self.failed, self.suspects = False, set()
-        self.ring = RingPlanner()
+        self.ring = RingPlanner(backward=ring_backward)
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self):

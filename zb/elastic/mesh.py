@@ -36,7 +36,10 @@ class EventSink(Protocol):
 
 class ElasticDeviceMesh:
     def __init__(self, cfg, local_group=None, *, local_rank: int = 0, local_world_size: int = 1,
-                 sink: EventSink | None = None) -> None:
+                 sink: EventSink | None = None, ring_backward: bool = False) -> None:
+        # ring_backward: the all-reduce sends from rank r to r - 1 (gloo's fp32 ring, measured in
+        # BENCHMARKS.md "Ring order") instead of r + 1 (zb's int8 ring); the ring order follows it.
+        self.ring_backward = ring_backward
         if cfg.addr is None and not cfg.host_store and local_rank == 0:
             raise InvalidInput("elastic.addr (GLOBAL_ADDR) is not set: point the node at a `zb store`")
         self.cfg, self.local_group, self.sink = cfg, local_group, sink
@@ -127,7 +130,7 @@ class ElasticDeviceMesh:
         self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
         liveness = Liveness(cfg.heartbeat_timeout)
         self._membership = Membership(cfg, uid, token, self.local_world_size, liveness, self._connect,
-                                      before_join=self._check_reachable)
+                                      before_join=self._check_reachable, ring_backward=self.ring_backward)
         self._membership.store, self._membership.store_epoch = store, 1
         self._start_threads(uid, token, liveness, store)
         try:

@@ -91,7 +91,8 @@ def link_table(nodes: list[str], measured: dict, matrix: LinkMatrix | None,
 class RingPlanner:
     """Used by the acting leader; remembers the last answer so an unchanged world costs one store read."""
 
-    def __init__(self) -> None:
+    def __init__(self, backward: bool = False) -> None:
+        self.backward = backward       # data flows rank r -> r - 1 (gloo's fp32 all-reduce), not r -> r + 1
         self._cache: tuple | None = None
         self._warned: tuple | None = None
 
@@ -107,10 +108,11 @@ class RingPlanner:
             return None
         key = (tuple(members), json.dumps(table))
         if self._cache is None or self._cache[0] != key:
-            self._cache = (key, solve(table))
+            self._cache = (key, solve(table, backward=self.backward))
         solved = self._cache[1]
         order = [members[i] for i in rotate_to(solved.order, members.index(nodes[0]))]
-        old = bottleneck(table, [members.index(u) for u in nodes])
+        old = [members.index(u) for u in nodes]
+        old = bottleneck(table, old[::-1] if self.backward else old)
         return RingPlan(order, solved.bottleneck_mbps, old, solved.exact)
 
     def _warn_unknown(self, members: list[str], unknown: list[tuple[str, str]], have_data: bool) -> None:

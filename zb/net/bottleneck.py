@@ -51,9 +51,12 @@ def _rate(matrix: Sequence[Sequence[float]], a: int, b: int) -> float:
     return float(value) if value is not None and value == value and value > 0 else 0.0  # None, NaN, <= 0: unusable
 
 
-def solve(matrix: Sequence[Sequence[float | None]], budget: int = SEARCH_BUDGET) -> RingOrder:
-    """The cycle through all n nodes maximizing its slowest hop; starts at node 0."""
+def solve(matrix: Sequence[Sequence[float | None]], budget: int = SEARCH_BUDGET, backward: bool = False) -> RingOrder:
+    """The cycle through all n nodes maximizing its slowest hop; starts at node 0. With backward,
+    data flows from order[i + 1] to order[i] (gloo's own ring), so the transposed links count."""
     n = len(matrix)
+    if backward:
+        matrix = [[matrix[b][a] for b in range(n)] for a in range(n)]
     if n <= 2:
         order = list(range(n))
         return RingOrder(order, bottleneck(matrix, order), True)
