@@ -38,7 +38,7 @@ else:  # pragma: no cover
 log = logging.getLogger("zb.config")
 
 # ZB_* variables that are not config keys but are read elsewhere (kernel path switch, test knobs).
-KNOWN_ENV = {"ZB_USE_CPP", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE"}
+KNOWN_ENV = {"ZB_USE_CPP", "ZB_OPENMP", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE"}
 # Prime's variables that zb reads nowhere, and what to use instead: said once, never silently ignored.
 WITHOUT_EFFECT = {"ZERO_BAND_IPERF_PORT": "zb does not measure links at start; run `zb iperf-mesh` (--port) before a run"}
 

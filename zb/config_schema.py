@@ -52,9 +52,9 @@ class ModelConfig:
 class TrainConfig:
     micro_bs: int = knob(8, "Micro batch size per local rank (sequences per forward pass).", check="positive")
     seed: int = knob(1337, "Seed for model init and data order; every node must use the same one.", check="non_negative", run_defining=True)
-    device: str = knob("auto", "auto (CUDA + NCCL when available, else CPU + gloo), cpu or cuda.",
-                       choices=("auto", "cpu", "cuda"))
-    param_dtype: str = knob("auto", "FSDP2 compute dtype of params: auto (bf16 on CUDA, fp32 on CPU), fp32, bf16.",
+    device: str = knob("auto", "auto (CUDA + NCCL when available, else MPS on an Apple-silicon Mac with one local "
+                               "rank, else CPU + gloo), cpu, cuda or mps.", choices=("auto", "cpu", "cuda", "mps"))
+    param_dtype: str = knob("auto", "FSDP2 compute dtype of params: auto (bf16 on CUDA, fp32 on CPU and MPS), fp32, bf16 (MPS: macOS 14+).",
                             choices=("auto", "fp32", "bf16"))
     reduce_dtype: str = knob("fp32", "FSDP2 gradient reduction dtype: fp32, bf16, or param (the params' compute dtype, "
                                      "Prime's reduce_fp32 = false).", choices=("fp32", "bf16", "param"))
@@ -229,6 +229,9 @@ class ElasticConfig:
     connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", check="positive")
     start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", check="positive")
     sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).", check="positive")
+    link_matrix: Optional[str] = knob(None, "A `zb iperf-mesh --json` file: order the ring by its measured links (maximize "
+                                      "the slowest hop). Its rows are matched to nodes by id (iperf-mesh --node-id) or "
+                                      "gloo address; a file without this node is an error.")
     live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
                                          env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",

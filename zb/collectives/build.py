@@ -6,6 +6,12 @@ The first process to need the kernels compiles them (~8 s) into torch's extensio
 lock and load the same build; later processes load it in ~1 s. ZB_USE_CPP selects the path:
 unset or "auto" = C++ if it builds, else the twins (one logged line says why); "0" = twins;
 "1" = C++ or an error.
+
+OpenMP: the kernels split their blocks with at::parallel_for, which needs -fopenmp to use more
+than one thread. macOS's clang has no OpenMP (without Homebrew's libomp), so a probe compiles a
+tiny OpenMP program first; when it fails, the kernels are built without -fopenmp and split their
+blocks over std::threads instead (one logged line; results are bit for bit the same).
+ZB_OPENMP=0 forces that build, ZB_OPENMP=1 makes a compiler without OpenMP an error.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -25,14 +33,62 @@ log = logging.getLogger("zb.collectives")
 
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "zb_quant.cpp"  # package data: in the wheel too
 # No -ffast-math, and no FMA contraction: every rounding is the one the twin performs.
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
-LDFLAGS = ["-fopenmp"]
+BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
+OPENMP_FLAGS = ["-fopenmp"]
+OPENMP_PROBE = "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-def _build_tag() -> str:
+def _flags(openmp: bool) -> tuple[list[str], list[str]]:
+    """(extra_cflags, extra_ldflags)."""
+    return (BASE_CFLAGS + OPENMP_FLAGS, OPENMP_FLAGS) if openmp else (list(BASE_CFLAGS), [])
+
+
+def _openmp_mode() -> str:
+    value = os.environ.get("ZB_OPENMP", "auto").strip().lower()
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("0", "false", "no", "off"):
+        return "0"
+    if value in ("1", "true", "yes", "on"):
+        return "1"
+    raise InvalidInput(f"ZB_OPENMP={value!r}: use 1 (require OpenMP), 0 (build without it) or auto")
+
+
+def compiler_has_openmp(compiler: str) -> tuple[bool, str]:
+    """(True, "") when `compiler` compiles and links an OpenMP program, else (False, why)."""
+    with tempfile.TemporaryDirectory(prefix="zb-omp-") as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(OPENMP_PROBE)
+        try:
+            done = subprocess.run([compiler, *OPENMP_FLAGS, str(src), "-o", str(Path(tmp) / "probe")],
+                                  capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return False, str(e)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return False, lines[0][:160] if lines else f"exit code {done.returncode}"
+    return True, ""
+
+
+def _use_openmp(compiler: str) -> bool:
+    mode = _openmp_mode()
+    if mode == "0":
+        log.info("int8 kernels: building without OpenMP (ZB_OPENMP=0); blocks split over std::threads")
+        return False
+    ok, why = compiler_has_openmp(compiler)
+    if not ok and mode == "1":
+        raise EnvironmentFailure(f"ZB_OPENMP=1 but {compiler} cannot build OpenMP code ({why}); on macOS: "
+                                 "brew install libomp, or unset ZB_OPENMP")
+    if not ok:
+        log.info("int8 kernels: %s has no OpenMP (%s); building without it, blocks split over std::threads",
+                 compiler, why)
+    return ok
+
+
+def _build_tag(cflags: list[str], ldflags: list[str]) -> str:
     """A cache name per (CPU flags, source path and content, flags).
 
     -march=native code must not be shared across CPU models, and two checkouts (or versions) of
@@ -46,7 +102,7 @@ def _build_tag() -> str:
     digest = hashlib.sha1(flags.encode())
     digest.update(str(SOURCE).encode())
     digest.update(SOURCE.read_bytes() if SOURCE.is_file() else b"")
-    digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+    digest.update(" ".join(cflags + ldflags).encode())
     return digest.hexdigest()[:10]
 
 
@@ -70,9 +126,10 @@ def _build() -> None:
         raise FileNotFoundError(f"no C++ compiler ({compiler}) on PATH")
     from torch.utils import cpp_extension
 
-    name = f"zb_quant_{_build_tag()}"
+    cflags, ldflags = _flags(_use_openmp(compiler))
+    name = f"zb_quant_{_build_tag(cflags, ldflags)}"
     with _build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=cflags, extra_ldflags=ldflags,
                            is_python_module=False, verbose=False)
 
 
@@ -116,8 +173,16 @@ def use_cpp() -> bool:
             log.warning("int8 kernels: PyTorch twins (C++ build failed: %s)", str(e).strip().splitlines()[-1:])
             return False
         _state["cpp"] = True
-        log.info("int8 kernels: C++ (torch.ops.zb, %d threads)", _threads())
+        log.info("int8 kernels: C++ (torch.ops.zb, %d threads, %s)", _threads(),
+                 "OpenMP" if torch_ops_openmp() else "std::threads")
         return True
+
+
+def torch_ops_openmp() -> bool:
+    """Whether the loaded kernels were built with OpenMP."""
+    import torch
+
+    return bool(torch.ops.zb.openmp())
 
 
 def _threads() -> int:

@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <thread>
+#include <vector>
 
 namespace {
 
@@ -94,16 +96,35 @@ Blocks check_args(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   return {x.numel(), block, count};
 }
 
-// Runs fn(first_value, length, block_index) over blocks, in parallel.
+// Runs fn(first_value, length, block_index) over blocks, in parallel. Blocks are independent, so
+// the split never changes a result.
 template <typename F>
 void for_blocks(const Blocks& b, F fn) {
   int64_t grain = std::max<int64_t>(1, kGrainValues / b.block);
-  at::parallel_for(0, b.count, grain, [&](int64_t begin, int64_t end) {
+  auto body = [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
       int64_t first = k * b.block;
       fn(first, std::min(b.block, b.n - first), k);
     }
-  });
+  };
+#ifdef _OPENMP
+  at::parallel_for(0, b.count, grain, body);
+#else
+  // Built without OpenMP (macOS clang has none): at::parallel_for would run on one thread here,
+  // so split the blocks over std::threads, as many as torch's intra-op thread count.
+  int64_t tasks = std::min<int64_t>(at::get_num_threads(), (b.count + grain - 1) / grain);
+  if (tasks <= 1) {
+    body(0, b.count);
+    return;
+  }
+  int64_t per = (b.count + tasks - 1) / tasks;
+  std::vector<std::thread> pool;
+  for (int64_t t = 1; t < tasks && t * per < b.count; ++t) {
+    pool.emplace_back(body, t * per, std::min(b.count, (t + 1) * per));
+  }
+  body(0, std::min(b.count, per));
+  for (auto& thread : pool) thread.join();
+#endif
 }
 
 void quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& scales, int64_t block) {
@@ -164,12 +185,22 @@ void reduce_quantize(const at::Tensor& in_codes, const at::Tensor& in_scales, at
 
 }  // namespace
 
+// 1 when the kernels use OpenMP, 0 when they split blocks over std::threads.
+int64_t openmp() {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY(zb, m) {
   m.def("quantize(Tensor x, Tensor(a!) codes, Tensor(b!) scales, int block) -> ()");
   m.def("dequantize(Tensor codes, Tensor scales, Tensor(a!) out, int block) -> ()");
   m.def("dequantize_add(Tensor codes, Tensor scales, Tensor(a!) acc, int block) -> ()");
   m.def("reduce_quantize(Tensor in_codes, Tensor in_scales, Tensor(a!) acc, Tensor(b!) out_codes, "
         "Tensor(c!) out_scales, int block, float divisor, bool write_back) -> ()");
+  m.def("openmp() -> int", &openmp);
 }
 
 TORCH_LIBRARY_IMPL(zb, CPU, m) {

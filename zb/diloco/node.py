@@ -73,7 +73,8 @@ class DilocoNode:
         self.outer = OuterState(model, cfg.diloco)
         self.local_group = local_group
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
-                                      local_world_size=local.world_size, sink=sink if local.is_head else None)
+                                      local_world_size=local.world_size, sink=sink if local.is_head else None,
+                                      ring_backward=cfg.diloco.compression == "none")   # gloo's ring runs r -> r - 1
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.overlap = None
         if cfg.diloco.overlap == "eager":

@@ -98,6 +98,8 @@ class OuterState:
             local_shard(p).copy_(view, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        elif torch.backends.mps.is_available():   # a Mac's GPU: the same asynchronous copy
+            torch.mps.synchronize()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The node-identical outer state as named tensors (for joiners and snapshots)."""

@@ -32,3 +32,11 @@ def probe(uid: str) -> str:
 def mesh_prefix(version: int, local_rank: int) -> str:
     """PrefixStore of the global ProcessGroupGloo of replica group `local_rank` at mesh `version`."""
     return f"{ROOT}/mesh/{version}/r{local_rank}"
+
+
+LINK_FILE = f"{ROOT}/links/file"  # text of an elastic.link_matrix file (zb iperf-mesh --json), set by nodes given one
+
+
+def links_into(uid: str) -> str:
+    """JSON {sender uid: Mbit/s or null} of the links into `uid`, timed and written by `uid` alone."""
+    return f"{ROOT}/links/into/{uid}"

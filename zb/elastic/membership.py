@@ -25,6 +25,7 @@ from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Liveness, observe_counters
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
+from zb.elastic.ring import RingPlanner, apply_ring_order
 from zb.elastic.store_state import Snapshot, encode_line, read_snapshot
 from zb.elastic.tcpstore import StoreUnreachable, store_errors
 from zb.elastic.world import Observation, World, next_world
@@ -35,7 +36,8 @@ log = logging.getLogger("zb.elastic")
 
 class Membership:
     def __init__(self, cfg, uid: str, token: str, local_world_size: int, liveness: Liveness,
-                 connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None) -> None:
+                 connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None,
+                 ring_backward: bool = False) -> None:
         self.cfg, self.uid, self.token, self.lws = cfg, uid, token, local_world_size
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = RoundDeadlines.from_config(cfg)
@@ -44,6 +46,7 @@ class Membership:
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
         self.world: World | None = None
         self.failed, self.suspects = False, set()
+        self.ring = RingPlanner(backward=ring_backward)
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self):
@@ -111,7 +114,7 @@ class Membership:
         joiners = admissible_joiners(base, snap, self.liveness)
         obs = Observation(checked=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
                           join_end=len(snap.joins))
-        new = next_world(base, obs)
+        new = self._in_ring_order(base, next_world(base, obs))
         if self._write(snap.raw_world, new):
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
 
@@ -182,8 +185,11 @@ class Membership:
         self.world = new
         return new
 
+    def _in_ring_order(self, old: World, new: World) -> World:
+        return apply_ring_order(old, new, self.ring.plan(self.store, new.nodes))
+
     def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
-        new = next_world(world, obs)
+        new = self._in_ring_order(world, next_world(world, obs))
         if self._write(snap.raw_world, new):
             if world.round >= 2:
                 self.store.delete_key(keys.checkin(world.round - 2))

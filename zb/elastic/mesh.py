@@ -18,7 +18,8 @@ from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_unique_id
 from zb.elastic.membership import Membership
-from zb.elastic.probe import ProbeListener, check_peers
+from zb.elastic.probe import ProbeListener, check_peers, gloo_address
+from zb.elastic.ring import check_link_matrix, publish_link_matrix
 from zb.elastic.store_state import Snapshot
 from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
 from zb.elastic.view import WorldView
@@ -35,7 +36,10 @@ class EventSink(Protocol):
 
 class ElasticDeviceMesh:
     def __init__(self, cfg, local_group=None, *, local_rank: int = 0, local_world_size: int = 1,
-                 sink: EventSink | None = None) -> None:
+                 sink: EventSink | None = None, ring_backward: bool = False) -> None:
+        # ring_backward: the all-reduce sends from rank r to r - 1 (gloo's fp32 ring, measured in
+        # BENCHMARKS.md "Ring order") instead of r + 1 (zb's int8 ring); the ring order follows it.
+        self.ring_backward = ring_backward
         if cfg.addr is None and not cfg.host_store and local_rank == 0:
             raise InvalidInput("elastic.addr (GLOBAL_ADDR) is not set: point the node at a `zb store`")
         self.cfg, self.local_group, self.sink = cfg, local_group, sink
@@ -117,13 +121,16 @@ class ElasticDeviceMesh:
         from zb.log import set_node_id
 
         set_node_id(uid)
+        matrix = check_link_matrix(cfg.link_matrix, uid, gloo_address()) if cfg.link_matrix else None
         self.host_store_if_asked()
         store = self._connect()
+        if matrix is not None:
+            publish_link_matrix(store, matrix, cfg.link_matrix)
         ensure_unique(store, uid, cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.polling_interval)
         self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
         liveness = Liveness(cfg.heartbeat_timeout)
         self._membership = Membership(cfg, uid, token, self.local_world_size, liveness, self._connect,
-                                      before_join=self._check_reachable)
+                                      before_join=self._check_reachable, ring_backward=self.ring_backward)
         self._membership.store, self._membership.store_epoch = store, 1
         self._start_threads(uid, token, liveness, store)
         try:
@@ -229,12 +236,14 @@ class ElasticDeviceMesh:
 
     def _emit(self, view: WorldView) -> None:
         old_leader = self.view.leader if self.view else None
-        log.info("membership: mesh v%d, world size %d, rank %d, leader %s, joined %s, left %s, died %s",
+        ring = f", ring order by links (slowest hop {view.ring_mbps:.1f} Mbit/s)" if view.ring_mbps is not None else ""
+        log.info("membership: mesh v%d, world size %d, rank %d, leader %s, joined %s, left %s, died %s%s",
                  view.mesh_version, view.global_world_size, view.global_rank, view.leader, view.joined,
-                 view.left, view.died)
+                 view.left, view.died, ring)
         if old_leader is not None and old_leader != view.leader:
             log.warning("new leader: %s (was %s)", view.leader, old_leader)
         if self.sink is not None:
             self.sink.log("membership", mesh_version=view.mesh_version, global_world_size=view.global_world_size,
                           leader=view.leader, joined=view.joined, left=view.left, died=view.died,
-                          global_rank=view.global_rank, new_leader=old_leader is not None and old_leader != view.leader)
+                          global_rank=view.global_rank, new_leader=old_leader is not None and old_leader != view.leader,
+                          nodes=view.nodes, ring_mbps=view.ring_mbps)

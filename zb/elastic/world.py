@@ -24,6 +24,7 @@ class World:
     joined: list[str] = field(default_factory=list)   # new this round and in need of state
     left: list[str] = field(default_factory=list)     # said goodbye (deathrattle)
     died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
+    ring_mbps: float | None = None         # slowest hop of the ring when nodes are in measured ring order (zb.elastic.ring)
 
     @property
     def leader(self) -> str | None:

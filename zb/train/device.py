@@ -1,7 +1,7 @@
 """Pick the device and start the local process groups (the node's own ranks).
 
-CUDA + NCCL when a GPU is there, else CPU + gloo; the reason is logged once so a user who expected
-a GPU sees why they did not get one.
+CUDA + NCCL when a GPU is there, else an Apple GPU (MPS, one local rank), else CPU + gloo; the
+reason is logged once so a user who expected a GPU sees why they did not get one.
 
 Two local groups: the main one (NCCL on GPU) carries FSDP2's collectives; a gloo control group
 carries the small control messages between local ranks (the view, stop votes, checkpoint steps,
@@ -48,30 +48,86 @@ def hide_gpus() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+def mps_available() -> bool:
+    """An Apple GPU through Metal (MPS): torch built with it and a Mac that has it."""
+    mps = getattr(torch.backends, "mps", None)
+    return bool(mps is not None and mps.is_available())
+
+
+def mps_bf16_ok() -> bool:
+    """bf16 on MPS needs macOS 14 (Sonoma) or newer; older Metal versions reject it in kernels."""
+    check = getattr(torch.backends.mps, "is_macos_or_newer", None)
+    return bool(check is not None and check(14, 0))
+
+
 def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
+    """CUDA + NCCL, else MPS (Apple GPUs, one local rank), else CPU + gloo; the reason logged once."""
     if cfg.device == "cpu":
         hide_gpus()
-    has_cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    has_cuda = cfg.device not in ("cpu", "mps") and torch.cuda.is_available()
     if cfg.device == "cuda" and not has_cuda:
         raise InvalidInput("train.device = 'cuda' but no CUDA device is visible; use --train.device cpu or auto")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and has_cuda)
     if use_cuda:
-        gpus = torch.cuda.device_count()
-        if local.world_size > gpus:
-            # Two ranks on one GPU would stop in NCCL with "Duplicate GPU detected".
-            raise InvalidInput(f"{local.world_size} local ranks but {gpus} CUDA device(s) visible: start at most "
-                               f"{gpus} ranks per node (--nproc-per-node {gpus}) or use --train.device cpu")
-        torch.cuda.set_device(local.rank)
-        device, backend = torch.device("cuda", torch.cuda.current_device()), "nccl"
-        reason = f"CUDA device {device.index} ({torch.cuda.get_device_name(device)}), NCCL inside the node"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-        reason = "CPU with gloo " + ("(train.device = cpu)" if cfg.device == "cpu" else "(no CUDA device visible)")
-    param = cfg.param_dtype if cfg.param_dtype != "auto" else ("bf16" if use_cuda else "fp32")
+        return _log(local, *_cuda(local), cfg)
+    use_mps, why_not = _want_mps(cfg, local)
+    if use_mps:
+        return _log(local, torch.device("mps"), "gloo", "Apple GPU (MPS), one local rank", cfg)
+    reason = "CPU with gloo " + ("(train.device = cpu)" if cfg.device == "cpu" else f"({why_not})")
+    return _log(local, torch.device("cpu"), "gloo", reason, cfg)
+
+
+def _cuda(local: LocalWorld) -> tuple[torch.device, str, str]:
+    gpus = torch.cuda.device_count()
+    if local.world_size > gpus:
+        # Two ranks on one GPU would stop in NCCL with "Duplicate GPU detected".
+        raise InvalidInput(f"{local.world_size} local ranks but {gpus} CUDA device(s) visible: start at most "
+                           f"{gpus} ranks per node (--nproc-per-node {gpus}) or use --train.device cpu")
+    torch.cuda.set_device(local.rank)
+    device = torch.device("cuda", torch.cuda.current_device())
+    return device, "nccl", f"CUDA device {device.index} ({torch.cuda.get_device_name(device)}), NCCL inside the node"
+
+
+def _want_mps(cfg: TrainConfig, local: LocalWorld) -> tuple[bool, str]:
+    """(use MPS, why not). A Mac has one GPU and no NCCL: FSDP2 over several processes sharing it
+    would only add gloo copies through the CPU, so MPS means one local rank (a laptop is one node)."""
+    if cfg.device not in ("mps", "auto"):
+        return False, ""
+    if not mps_available():
+        if cfg.device == "mps":
+            raise InvalidInput("train.device = 'mps' but MPS is not available (it needs an Apple-silicon Mac and a "
+                               "torch built with MPS); use --train.device cpu or auto")
+        return False, "no CUDA or MPS device visible"
+    if local.world_size > 1:
+        if cfg.device == "mps":
+            raise InvalidInput(f"train.device = 'mps' runs one local rank per Mac (one GPU, no NCCL) but "
+                               f"{local.world_size} were started: use --nproc-per-node 1, or --train.device cpu")
+        return False, f"MPS takes one local rank and this node has {local.world_size}"
+    if cfg.param_dtype == "bf16" and not mps_bf16_ok():
+        raise InvalidInput("train.param_dtype = 'bf16' on MPS needs macOS 14 or newer; use fp32 (auto) here")
+    return True, ""
+
+
+def _log(local: LocalWorld, device: torch.device, backend: str, reason: str, cfg: TrainConfig) -> Placement:
+    # auto: bf16 where it is fast and safe (CUDA); fp32 on MPS (bf16 support varies by macOS) and CPU.
+    param = cfg.param_dtype if cfg.param_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     if local.is_head:
         log.info("device: %s; params computed in %s", reason, param)
     reduce = param if cfg.reduce_dtype == "param" else cfg.reduce_dtype
     return Placement(device, backend, DTYPES[param], DTYPES[reduce])
+
+
+def stats_dtype(device: torch.device) -> torch.dtype:
+    """Accumulators of logged losses: fp64, except on MPS, which has no fp64 at all."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on an accelerator (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def init_local_group(local: LocalWorld, placement: Placement, timeout_s: float = LOCAL_TIMEOUT_S) -> None:

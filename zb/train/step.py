@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zb.models.loss import LossSpec
-from zb.train.device import Placement
+from zb.train.device import Placement, stats_dtype
 from zb.train.fsdp import autocast, is_sharded, reshard
 
 # (inputs, labels) or zb.data.Batch (inputs, labels, cu_seqlens): where documents start, or None.
@@ -35,7 +35,7 @@ class StepResult:
 def local_mean(values: list[float] | torch.Tensor, device: torch.device) -> list[float]:
     """Mean of each value over the node's local ranks (gloo has no AVG: sum, then divide); a device
     tensor stays on the device until this one read."""
-    t = torch.as_tensor(values, dtype=torch.float64, device=device)
+    t = torch.as_tensor(values, dtype=stats_dtype(device), device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
         t = t / dist.get_world_size()
@@ -70,7 +70,8 @@ class Trainer:
         n = len(micro_batches)
         # Sums stay on the device (fp64): reading them once per step, not per micro batch, keeps
         # a GPU from stalling on a host sync after every forward/backward.
-        sums = torch.zeros(2, dtype=torch.float64, device=self.placement.device)
+        acc = stats_dtype(self.placement.device)   # fp64, or fp32 on MPS (no fp64 there)
+        sums = torch.zeros(2, dtype=acc, device=self.placement.device)
         for i, batch in enumerate(micro_batches):
             if is_sharded(self.model):
                 # Reduce-scatter only after the last micro batch (least traffic), unless asked to after
@@ -78,8 +79,8 @@ class Trainer:
                 self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == n - 1)
             loss, z_loss = self._forward(*batch)
             (loss / n).backward()
-            z = z_loss.detach().double()
-            sums[0] += loss.detach().double() - self.loss.z_loss_weight * z  # log CE alone
+            z = z_loss.detach().to(acc)
+            sums[0] += loss.detach().to(acc) - self.loss.z_loss_weight * z  # log CE alone
             sums[1] += z
         grad_norm = self._clip()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -88,9 +89,8 @@ class Trainer:
         self.scheduler.step()
         # One local all-reduce and one host read per step carry the logged losses, the stop flag and
         # the grad norm (equal on every rank, so its mean is itself) together.
-        stop = torch.tensor([float(stop_requested)], dtype=torch.float64).to(self.placement.device,
-                                                                             non_blocking=True)
-        values = torch.cat([sums / n, stop, grad_norm.detach().double().reshape(1)])
+        stop = torch.tensor([float(stop_requested)], dtype=acc).to(self.placement.device, non_blocking=True)
+        values = torch.cat([sums / n, stop, grad_norm.detach().to(acc).reshape(1)])
         loss, z, stop_mean, norm = local_mean(values, self.placement.device)
         return StepResult(loss=loss, z_loss=z, grad_norm=norm, lr=lr, stop=stop_mean > 0)
 

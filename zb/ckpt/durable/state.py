@@ -63,6 +63,8 @@ def rng_tensors() -> dict[str, torch.Tensor]:
     out = {"rng/cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         out["rng/cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    if torch.backends.mps.is_available():
+        out["rng/mps"] = torch.mps.get_rng_state()
     return out
 
 
@@ -210,3 +212,5 @@ def load_rng(tensors: dict[str, torch.Tensor]) -> None:
         states = list(tensors["rng/cuda"])
         if len(states) == torch.cuda.device_count():
             torch.cuda.set_rng_state_all(states)
+    if "rng/mps" in tensors and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(tensors["rng/mps"])

@@ -1,0 +1,162 @@
+"""Ring order from measured links: the leader orders the members of each new world by their links.
+
+Both all-reduce paths send along global ranks: the int8 ring (zb.collectives.ring) from rank r to
+r + 1, gloo's fp32 ring the same way, and every replica group and stream uses the world's rank
+order. So the order is applied where ranks are made: the acting leader, which writes each new
+world (zb.elastic.membership), lists its members in ring order. Every node reads the same world
+record, so every node uses the same ring, and the DiLoCo layer needs no translation of ranks.
+
+The link data is in the store, so any node can lead and derive the same order:
+- keys.links_into(uid): the links into `uid` as `uid` timed them as the receiver (the place for
+  measurements taken during the run; zb does not take any yet);
+- keys.LINK_FILE: an `elastic.link_matrix` file (zb iperf-mesh --json), published by nodes given one.
+  Its rows are matched to members by unique id or by the address in keys.probe(uid).
+A measured link wins over the file. The solver (zb.net.bottleneck) works on the members sorted by
+unique id, so the cycle depends only on who is in the world and on the data; it is then rotated to
+start at the member that would be rank 0 anyway, so the leader does not change because of it.
+If a member pair has no data at all, the ring keeps rank order (one warning per membership) until
+the missing links are measured: a guess could put an unmeasured slow link in the ring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+
+from zb.elastic import keys
+from zb.elastic.tcpstore import read_many
+from zb.elastic.world import World
+from zb.errors import InvalidInput
+from zb.net.bottleneck import bottleneck, rotate_to, solve
+from zb.net.link_matrix import LinkMatrix, load_link_matrix, parse_link_matrix
+
+log = logging.getLogger("zb.elastic")
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    nodes: list[str]                # members in ring order, starting at the would-be rank 0
+    mbps: float                     # slowest hop of that ring
+    rank_order_mbps: float          # slowest hop of the ring in the order the world had
+    exact: bool                     # the solver proved no order has a faster slowest hop
+
+
+def read_links(store, nodes: list[str]) -> tuple[dict[tuple[str, str], float | None], LinkMatrix | None, dict[str, str]]:
+    """(measured links {(src, dst): Mbit/s}, the published file, {uid: gloo address}) for `nodes`."""
+    raw = read_many(store, [keys.LINK_FILE] + [keys.links_into(u) for u in nodes] + [keys.probe(u) for u in nodes])
+    matrix = None
+    if raw[0]:
+        try:
+            matrix = parse_link_matrix(raw[0].decode(errors="replace"), "(published in the store)")
+        except InvalidInput as e:
+            log.warning("ignoring the link matrix in the store: %s", e)
+    measured: dict[tuple[str, str], float | None] = {}
+    for dst, value in zip(nodes, raw[1:1 + len(nodes)]):
+        for src, mbps in _json_object(value).items():
+            if src in nodes and src != dst and (mbps is None or isinstance(mbps, (int, float))):
+                measured[(src, dst)] = None if mbps is None else float(mbps)
+    addrs = {u: v.decode(errors="replace").rpartition(":")[0] for u, v in zip(nodes, raw[1 + len(nodes):]) if v}
+    return measured, matrix, addrs
+
+
+def _json_object(raw: bytes) -> dict:
+    try:
+        value = json.loads(raw or b"{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def link_table(nodes: list[str], measured: dict, matrix: LinkMatrix | None,
+               addrs: dict[str, str]) -> tuple[list[list[float | None]], list[tuple[str, str]]]:
+    """The Mbit/s matrix over `nodes` (measured first, then the file) and the pairs nobody knows."""
+    rows = {u: matrix.index_of(u, addrs.get(u)) for u in nodes} if matrix else {}
+    table: list[list[float | None]] = [[None] * len(nodes) for _ in nodes]
+    unknown = []
+    for a, src in enumerate(nodes):
+        for b, dst in enumerate(nodes):
+            if a == b:
+                continue
+            if (src, dst) in measured:
+                table[a][b] = measured[(src, dst)]
+            elif rows.get(src) is not None and rows.get(dst) is not None:
+                table[a][b] = matrix.mbps[rows[src]][rows[dst]]
+            else:
+                unknown.append((src, dst))
+    return table, unknown
+
+
+class RingPlanner:
+    """Used by the acting leader; remembers the last answer so an unchanged world costs one store read."""
+
+    def __init__(self, backward: bool = False) -> None:
+        self.backward = backward       # data flows rank r -> r - 1 (gloo's fp32 all-reduce), not r -> r + 1
+        self._cache: tuple | None = None
+        self._warned: tuple | None = None
+
+    def plan(self, store, nodes: list[str]) -> RingPlan | None:
+        """Ring order for `nodes` (in their rank order), or None: keep rank order."""
+        if len(nodes) < 3:
+            return None                # 1 or 2 nodes: every ring is the same ring
+        members = sorted(nodes)
+        measured, matrix, addrs = read_links(store, members)
+        table, unknown = link_table(members, measured, matrix, addrs)
+        if unknown:
+            self._warn_unknown(members, unknown, matrix is not None or bool(measured))
+            return None
+        key = (tuple(members), json.dumps(table))
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, solve(table, backward=self.backward))
+        solved = self._cache[1]
+        order = [members[i] for i in rotate_to(solved.order, members.index(nodes[0]))]
+        old = [members.index(u) for u in nodes]
+        old = bottleneck(table, old[::-1] if self.backward else old)
+        return RingPlan(order, solved.bottleneck_mbps, old, solved.exact)
+
+    def _warn_unknown(self, members: list[str], unknown: list[tuple[str, str]], have_data: bool) -> None:
+        if not have_data or self._warned == tuple(members):
+            return                     # no link data at all: rank order, as without this feature
+        self._warned = tuple(members)
+        shown = ", ".join(f"{a} -> {b}" for a, b in unknown[:3])
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        log.warning("ring order: no link data for %s%s; keeping rank order until they are measured "
+                    "(zb iperf-mesh --json on every member, then elastic.link_matrix)", shown, more)
+
+
+def apply_ring_order(old: World, new: World, plan: RingPlan | None) -> World:
+    """`new` with its members in ring order; the mesh version bumps if only the order changed."""
+    if plan is None:
+        return new
+    fields = {"nodes": plan.nodes, "ring_mbps": round(plan.mbps, 3)}
+    if plan.nodes != new.nodes:
+        if new.version == old.version:
+            fields["version"] = new.version + 1
+        log.info("ring order: %s (slowest hop %.1f Mbit/s%s; rank order's: %.1f Mbit/s)",
+                 " -> ".join(plan.nodes + plan.nodes[:1]), plan.mbps, "" if plan.exact else ", best found",
+                 plan.rank_order_mbps)
+    return dataclasses.replace(new, **fields)
+
+
+def check_link_matrix(path: str, uid: str, addr: str) -> str:
+    """The text of the elastic.link_matrix file, once it is known to hold this node; else InvalidInput.
+
+    A file without this node was measured on other hosts (or before a move): refusing at start costs
+    nothing, while ordering a ring by it would be silently wrong. Nodes that join later and are not
+    in the file are no error: the ring keeps rank order until their links are measured.
+    """
+    matrix, text = load_link_matrix(path)
+    if matrix.index_of(uid, addr) is None:
+        raise InvalidInput(f"elastic.link_matrix {path}: no row is this node (id {uid}, gloo address {addr}); its "
+                           f"hosts are {matrix.describe()}. Measure again on the run's hosts (zb iperf-mesh --json "
+                           "--node-id ID), or unset elastic.link_matrix")
+    return text
+
+
+def publish_link_matrix(store, text: str, path: str) -> None:
+    current = read_many(store, [keys.LINK_FILE])[0]
+    if current and current.decode(errors="replace") != text:
+        log.warning("elastic.link_matrix %s differs from the matrix another node published; this one replaces it "
+                    "(give every node the same file)", path)
+    store.set(keys.LINK_FILE, text)
