@@ -43,7 +43,7 @@ def run_mode(net, mode: str, args: argparse.Namespace, work: Path) -> list[dict]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOBAL_ADDR=net.hosts[0].addr, GLOBAL_PORT=str(PORT),
                GLOBAL_WORLD_SIZE=str(len(net.hosts)))
     py = sys.executable
-    store = net.hosts[0].popen([py, "-m", "zb", "store", "--port", str(PORT)], env=env,
+    store = net.hosts[0].popen([py, "-m", "zb", "store", "--host", "0.0.0.0", "--port", str(PORT)], env=env,
                                stdout=open(os.devnull, "w"), stderr=open(work / f"{mode}-store.log", "w"))
     time.sleep(2)  # the store binds before any node dials (nodes retry anyway, up to elastic.connect_timeout)
     procs = []

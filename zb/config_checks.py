@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from zb.config_schema import Config
+from zb.config_schema import Config, DilocoConfig
 from zb.model_sizes import model_names
 
 
@@ -25,6 +25,15 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "optim.stable_steps", f"is not below optim.total_steps ({cfg.optim.total_steps}): the LR never decays"
     if cfg.data.fake and cfg.data.dataset_ratio is not None:
         yield "data.dataset_ratio", "has no effect with data.fake (random tokens)"
+    if cfg.diloco is not None and cfg.diloco.overlap != "streaming":
+        defaults = DilocoConfig()
+        for key in ("fragments", "fragment_delay", "fragment_alpha"):
+            if getattr(cfg.diloco, key) != getattr(defaults, key):
+                yield f"diloco.{key}", f"has no effect with diloco.overlap = {cfg.diloco.overlap} (streaming only)"
+    if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.optim.total_steps % cfg.diloco.inner_steps:
+        yield "optim.total_steps", (f"is not a multiple of diloco.inner_steps ({cfg.diloco.inner_steps}): with "
+                                    "diloco.overlap the run ends on the shared params, so the inner steps after the "
+                                    "last outer step are dropped from the final model")
 
 
 def problems(cfg: Config) -> Iterator[tuple[str, str]]:
@@ -51,6 +60,18 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "ckpt.remote.path", "needs ckpt.path (remote copies are made from the local checkpoint)"
     if cfg.diloco is not None and cfg.ckpt.interval is not None and cfg.ckpt.interval % cfg.diloco.inner_steps:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
+    if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
+        yield from _streaming_problems(cfg.diloco)
+
+
+def _streaming_problems(d) -> Iterator[tuple[str, str]]:
+    if d.inner_steps % d.fragments:
+        yield "diloco.fragments", f"must divide diloco.inner_steps ({d.inner_steps}): each fragment syncs once a round"
+    elif d.fragment_delay >= d.inner_steps // d.fragments:
+        yield "diloco.fragment_delay", (f"must be below inner_steps / fragments ({d.inner_steps // d.fragments}): a "
+                                        "fragment's all-reduce must end before the next one starts")
+    if not 0.0 <= d.fragment_alpha <= 1.0:
+        yield "diloco.fragment_alpha", "must be between 0 and 1"
 
 
 def dataset_entries(spec: str) -> list[str]:

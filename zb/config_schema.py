@@ -178,10 +178,17 @@ class DilocoConfig:
     bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).", check="positive")
     min_bandwidth_mbps: float = knob(10.0, "Slowest link expected (Mbit/s); bounds each transfer's deadline.", check="positive")
     blocking_join: bool = knob(True, "Joiners fetch state from a live node before the step they join (else live recovery).")
-    overlap: str = knob("none", "Overlap the outer all-reduce with the next inner steps: none (blocking outer step) or "
-                        "eager (the all-reduce runs behind the next round; its average is applied at the next "
-                        "outer step with the eager correction, arXiv 2502.12996).",
-                        choices=("none", "eager"), run_defining=True)
+    overlap: str = knob("none", "Overlap the outer all-reduce with inner steps: none (blocking outer step), eager (the "
+                        "all-reduce runs behind the next round; its average is applied one round later with the eager "
+                        "correction, arXiv 2502.12996) or streaming (diloco.fragments synced in turn, each all-reduce "
+                        "behind diloco.fragment_delay inner steps, arXiv 2501.18512).",
+                        choices=("none", "eager", "streaming"), run_defining=True)
+    fragments: int = knob(1, "Streaming: P, fragments synced in turn (transformer blocks strided over them); "
+                             "diloco.inner_steps must be a multiple of P.", check="positive", run_defining=True)
+    fragment_delay: int = knob(1, "Streaming: tau, inner steps a fragment's all-reduce overlaps (below inner_steps / "
+                                  "fragments; 0 syncs each fragment blocking).", check="non_negative", run_defining=True)
+    fragment_alpha: float = knob(0.5, "Streaming: alpha, merge of a synced fragment: local * alpha + outer * (1 - alpha).",
+                                 run_defining=True)
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
                              "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
 

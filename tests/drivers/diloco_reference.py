@@ -10,6 +10,11 @@ eager: the paper's per-worker form (arXiv 2502.12996, as RESEARCH.md gives it): 
        private outer SGD (params and momentum) and steps it with
          Dbar(r-1) + D_m(r)/M - D_m(r-1)/M,
        where D_m(r) = theta_m - x_m and Dbar(r-1) is the mean launched one boundary earlier.
+streaming: Streaming DiLoCo (torchft's fragment rule): fragment p of P syncs at step (p+1)*H/P of
+       each round; tau steps earlier every node takes D_m = theta_p - x_m,p; at the sync step one
+       outer SGD per fragment (its own momentum) steps theta_p with the mean, and every node merges
+       x_m,p <- alpha * x_m,p + (1 - alpha) * theta_p. The fragments are zb's layout (a separately
+       tested pure function); the rule is written here.
 
 Node m trains on data slot m of M, as `zb train` nodes with GLOBAL_RANK m claim. Prints one JSON
 line: {"losses": [[node 0's step losses], ...]}.
@@ -68,6 +73,33 @@ def step(opt: torch.optim.SGD, grad: torch.Tensor) -> None:
     opt.step()
 
 
+def streaming(sims: list[SimNode], dcfg, total: int) -> None:
+    from zb.diloco.streaming import fragment_of_params
+
+    names, numels = zip(*[(n, p.numel()) for n, p in sims[0].model.named_parameters()])
+    owner = fragment_of_params(list(names), list(numels), dcfg.fragments)
+    starts = [sum(numels[:i]) for i in range(len(numels))]
+    index = [torch.cat([torch.arange(starts[i], starts[i] + numels[i]) for i in range(len(owner)) if owner[i] == p])
+             for p in range(dcfg.fragments)]
+    theta = sims[0].flat()
+    frags = [torch.nn.Parameter(theta[ix].clone(), requires_grad=False) for ix in index]
+    opts = [outer_sgd(f, dcfg) for f in frags]  # one outer SGD (and momentum) per fragment
+    H, per, tau = dcfg.inner_steps, dcfg.inner_steps // dcfg.fragments, dcfg.fragment_delay
+    pending: dict[int, list[torch.Tensor]] = {}
+    for t in range(1, total + 1):
+        for s in sims:
+            s.train(1)
+        for p in range(dcfg.fragments):
+            if t % H == ((p + 1) * per - tau) % H:
+                pending[p] = [frags[p].detach() - s.flat()[index[p]] for s in sims]
+            if t % H == ((p + 1) * per) % H and p in pending:
+                step(opts[p], torch.stack(pending.pop(p)).mean(0))
+                for s in sims:
+                    x = s.flat()
+                    x[index[p]] = dcfg.fragment_alpha * x[index[p]] + (1 - dcfg.fragment_alpha) * frags[p].detach()
+                    s.load(x)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     nodes, rule, flags = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
@@ -85,6 +117,10 @@ def main() -> None:
         opts = [outer_sgd(t, cfg.diloco) for t in thetas]
     last = [torch.zeros_like(thetas[0]) for _ in sims]
     arrived: torch.Tensor | None = None
+    if rule == "streaming":
+        streaming(sims, cfg.diloco, total)
+        print(json.dumps({"losses": [s.losses for s in sims]}))
+        return
     for _ in range(total // H):
         for s in sims:
             s.train(H)

@@ -26,6 +26,7 @@ from zb.config_schema import Config
 from zb.diloco import checkin, drift, slots
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.overlap import EagerOverlap
+from zb.diloco.streaming import StreamingOverlap
 from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.diloco.transfer import StateTransfer, ensure_adam_state
@@ -54,6 +55,7 @@ class OuterReport:
     attempts: int
     params_hash: str | None = None
     note: str = ""          # why nothing was applied, when that is expected
+    fragment: int | None = None  # streaming: the fragment this outer step synced
     hidden_s: float = 0.0   # overlap: all-reduce seconds that ran behind compute
     stall_s: float = 0.0    # overlap: seconds training waited for the all-reduce (blocking: all of it)
 
@@ -77,11 +79,13 @@ class DilocoNode:
                                       ring_backward=cfg.diloco.compression == "none")   # gloo's ring runs r -> r - 1
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.overlap = None
-        if cfg.diloco.overlap == "eager":
-            self.overlap = EagerOverlap(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect)
+        if cfg.diloco.overlap != "none":
+            kind = EagerOverlap if cfg.diloco.overlap == "eager" else StreamingOverlap
+            self.overlap = kind(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect)
             if local.is_head:
-                log.info("diloco.overlap = eager: %.1f MB more CPU memory per local rank for the eager term and the "
-                         "buffer in flight", self.overlap.extra_bytes / 1e6)
+                log.info("diloco.overlap = %s: %.1f MB more CPU memory per local rank (buffers in flight%s)",
+                         cfg.diloco.overlap, self.overlap.extra_bytes / 1e6,
+                         ", the eager term" if cfg.diloco.overlap == "eager" else "")
         self.store = None
         self.slot = self.num_slots = 0
         self.role = checkin.CONTRIBUTOR
@@ -202,8 +206,10 @@ class DilocoNode:
     def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
         """Run one outer step from `position` (this node's, before it). Returns its report and, for a
         node that took over the run's state, the run's position before the step."""
-        if self.overlap is not None:
+        if isinstance(self.overlap, EagerOverlap):
             return self._eager_outer_step(position, data_state)
+        if isinstance(self.overlap, StreamingOverlap):
+            return self._streaming_apply(position, data_state)
         stats, view, plan, attempts = None, None, None, 0
         digest = self._checkin_digest()
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
@@ -256,20 +262,7 @@ class DilocoNode:
         contributor does, so a transfer that failed anywhere is skipped everywhere, never half applied."""
         ov = self.overlap
         arrival = ov.wait()
-        if arrival is not None and not arrival.ok:
-            self.mesh.report_failure(arrival.error.rank)
-        arrived = checkin.ARRIVED_NONE if arrival is None else checkin.ARRIVED_OK if arrival.ok else checkin.ARRIVED_FAILED
-        if arrival is not None and not localsync.all_ok(self.local_group, arrival.ok):
-            arrived = checkin.ARRIVED_FAILED  # one local rank's transfer failed: the node holds no whole average
-        view, plan, attempts = self._eager_check_in(position, arrived)
-        report = OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
-                             0.0, 0, 0.0, False, attempts)
-        if arrival is None:
-            report.note = " | no average in flight yet"
-        else:
-            report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
-                                                                       round(arrival.mbps, 2))
-            report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
+        report, view, plan, attempts, _ = self._agree_on_arrival(position, arrival)
         if plan is None and closing:
             log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
                       "shared params without it", attempts)
@@ -299,15 +292,86 @@ class DilocoNode:
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
             self.role = checkin.CONTRIBUTOR
         if closing:
-            self.outer.push_to_model()
-            self._digest = None  # the shared params just changed: hash them anew
-            if self.cfg.train.log_model_hash:
-                report.params_hash = self.params_hash()
-            return report, received
+            return self._close_on_shared(report), received
         ov.launch(view, self.mesh.global_pg, max(1, len(plan.contributors)))
         ov.push_start()
         self._after_step(report, view, received or position, data_state)
         return report, received
+
+    # -- streaming (diloco.overlap = streaming) ------------------------------------------------------
+    def sync_points(self, step: int) -> tuple[int | None, int | None]:
+        """(fragment to launch, fragment to apply) after inner step `step`: the outer step is the
+        apply; without streaming there is one whole-model outer step every H steps."""
+        if isinstance(self.overlap, StreamingOverlap):
+            return self.overlap.sync_points(step)
+        return None, (0 if step % self.dcfg.inner_steps == 0 else None)
+
+    def launch_fragment(self, fragment: int) -> None:
+        """Start the fragment's all-reduce over the current world. No check-in: roles change only at
+        an outer step (joiners are admitted there), so every node of the world sends; a node whose
+        world is stale (it was frozen) fails its transfer and is sorted out at the outer step."""
+        self.overlap.launch(fragment, self.mesh.view, self.mesh.global_pg, self.role == checkin.CONTRIBUTOR)
+        log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.overlap.numel(fragment))
+
+    def _streaming_apply(self, position: RunPosition, data_state: dict | None,
+                         closing: bool = False) -> tuple[OuterReport, RunPosition | None]:
+        """A fragment's outer step: the average launched tau steps ago, applied on every node or on
+        none, then the merge; joiners are admitted and handed the state here (nothing is in flight)."""
+        ov = self.overlap
+        arrival = ov.wait()
+        report, view, plan, attempts, arrived = self._agree_on_arrival(position, arrival)
+        report.fragment = ov.fragment
+        if plan is None:
+            log.error("outer step skipped after %d failed check-ins; training goes on", attempts)
+            if closing:
+                self.outer.push_to_model()
+            return report, None
+        me = view.global_rank
+        was_recovered = self.role == checkin.RECOVERED
+        finite = localsync.all_ok(self.local_group, not (arrival is not None and ov.non_finite))
+        report.applied = self._eager_apply(view, plan, arrival)  # a recovered joiner takes the average here
+        if not finite:
+            log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, "
+                        "its inner optimizer state is cleared, and every node skips the average it poisons")
+            self.optimizer.state.clear()
+            self.outer.push_to_model()
+        elif report.applied and me in plan.contributors and not closing:
+            ov.merge(self.dcfg.fragment_alpha)
+        received = self._hand_over_state(view, plan, position)
+        if was_recovered and me in plan.appliers:
+            self.outer.push_to_model()  # a recovered joiner holds no progress of its own yet
+            received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
+            self.role = checkin.CONTRIBUTOR
+        if closing:
+            return self._close_on_shared(report), received
+        self._after_step(report, view, received or position, data_state)
+        return report, received
+
+    def _agree_on_arrival(self, position: RunPosition, arrival):
+        """Tell the check-in what this node holds of the average in flight; the report so far."""
+        if arrival is not None and not arrival.ok:
+            self.mesh.report_failure(arrival.error.rank)
+        arrived = checkin.ARRIVED_NONE if arrival is None else checkin.ARRIVED_OK if arrival.ok else checkin.ARRIVED_FAILED
+        if arrival is not None and not localsync.all_ok(self.local_group, arrival.ok):
+            arrived = checkin.ARRIVED_FAILED  # one local rank's transfer failed: the node holds no whole average
+        view, plan, attempts = self._eager_check_in(position, arrived)
+        report = OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
+                             0.0, 0, 0.0, False, attempts)
+        if arrival is None:
+            report.note = " | no average in flight yet"
+        else:
+            report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
+                                                                       round(arrival.mbps, 2))
+            report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
+        return report, view, plan, attempts, arrived
+
+    def _close_on_shared(self, report: OuterReport) -> OuterReport:
+        """The run ends on the shared params: the consensus model, the same on every node."""
+        self.outer.push_to_model()
+        self._digest = None  # the shared params may just have changed: hash them anew
+        if self.cfg.train.log_model_hash:
+            report.params_hash = self.params_hash()
+        return report
 
     def _eager_check_in(self, position: RunPosition, arrived: int):
         digest = self._checkin_digest()
@@ -366,7 +430,7 @@ class DilocoNode:
             return average
         if view.global_rank not in late:
             return average
-        buffer = torch.empty_like(self.outer.flat.data)
+        buffer = torch.empty(self.overlap.average_numel())
         try:
             transfer.receive_tensor(donor, buffer)
         except PeerFailure as e:
@@ -377,10 +441,16 @@ class DilocoNode:
 
     def close_run(self, position: RunPosition) -> OuterReport | None:
         """The run's end under overlap (every node reaches it at the same step, optim.total_steps):
-        wait for the last average, apply it on every node alike, and leave the model at the shared
-        params, the consensus model with no node's eager term. None when nothing is in flight."""
-        if self.overlap is None or self.overlap.job is None:
+        wait for the average in flight, apply it on every node alike, and leave the model at the
+        shared params, the consensus model with no node's eager term or merge residue. None when
+        nothing was in flight."""
+        if self.overlap is None:
             return None
+        if self.overlap.job is None:
+            self.outer.push_to_model()
+            return None
+        if isinstance(self.overlap, StreamingOverlap):
+            return self._streaming_apply(position, None, closing=True)[0]
         return self._eager_outer_step(position, None, closing=True)[0]
 
     def _sync(self, view, plan: checkin.Plan) -> SyncStats:

@@ -95,6 +95,10 @@ class EagerOverlap:
         # this node's enters the average, which every node skips).
         own_step(self.own, self.fresh if finite else torch.zeros_like(self.fresh), world_size, self.opt)
 
+    def average_numel(self) -> int:
+        """Values in an average (what a late joiner receives from the donor)."""
+        return self.outer.numel
+
     def reset_own(self) -> None:
         """A node that received the run's shared state starts with no eager term of its own."""
         self.own = OwnTerm.zeros_like(self.outer.flat.data, self.opt)

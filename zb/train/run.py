@@ -221,7 +221,6 @@ class TrainingRun:
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self, display: TrainingDisplay) -> None:
         cfg, c, stop = self.cfg, self.counters, self.stop
-        inner_steps = cfg.diloco.inner_steps if cfg.diloco is not None else 0
         debug = log.isEnabledFor(logging.DEBUG)
         while c.step < self.total:
             t0 = time.perf_counter()
@@ -242,8 +241,12 @@ class TrainingRun:
             display.update(c.step, result.loss, self.tokens_per_step / dt)
             # A stopping node skips the outer step: its deathrattle went out with the signal, so the
             # others no longer count on it.
-            if inner_steps and c.step % inner_steps == 0 and not result.stop and not self._outer_step():
-                break
+            if self.diloco is not None and not result.stop:
+                launch, apply = self.diloco.sync_points(c.step)
+                if launch is not None:
+                    self.diloco.launch_fragment(launch)  # streaming: the all-reduce runs behind the next steps
+                if apply is not None and not self._outer_step():
+                    break
             if self.checkpoints.maybe_save(c.step) or not self.checkpoints.periodic:
                 # The newest position a restart can resume from: streamed files behind it may be evicted.
                 self.train_loader.release(self.train_loader.state_dict())
@@ -302,9 +305,13 @@ class TrainingRun:
                       stall_s=report.stall_s, **extra)
         if report.params_hash is not None:
             fields["params_hash"] = report.params_hash
+        if report.fragment is not None:
+            fields["fragment"] = report.fragment
         self.sink.log("outer_step", **fields)
         note = note or report.note or ("" if report.applied else " | NOT applied")
         hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" if self.cfg.diloco.overlap != "none" else ""
+        if report.fragment is not None:
+            note = f" | fragment {report.fragment}{note}"
         log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s%s, %s bytes, %.1f Mbit/s%s",
                  c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
                  hidden, f"{report.wire_bytes:,}", report.wire_mbps, note)

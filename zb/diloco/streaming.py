@@ -1,0 +1,182 @@
+"""diloco.overlap = streaming: Streaming DiLoCo (Douillard et al., arXiv 2501.18512), the params
+split into P fragments synced in turn, each all-reduce overlapping tau inner steps.
+
+Fragments are strided over the transformer blocks (block i -> fragment i mod P, the paper's better
+layout); the other params (embeddings, final norm, output) go one by one to the lightest fragment.
+Fragment p is synced once every H steps, at step (p + 1) * H/P of each round, so the payload of a
+sync is one fragment (about 1/P of the model). For fragment p:
+
+  1. at its sync step minus tau (`launch`): its pseudo-gradient, shared params minus the model's,
+     goes into an all-reduce in a background thread; training goes on for tau steps;
+  2. at its sync step (zb.diloco.node, `apply`): the average arrives (the stall, if it is late), the
+     check-in agrees that every contributor holds it (else every node skips it), the shared outer
+     params and momentum of the fragment step with it, and the node's fragment merges:
+         model_p <- alpha * model_p + (1 - alpha) * shared_p
+     (torchft's `lerp`; alpha = 0 replaces the local fragment, the paper uses 0.5).
+
+The shared outer params and momentum are the same bits on every node (stepped only with averages),
+so the check-in digest, params_hash, snapshots and joiners work on them as for blocking DiLoCo.
+The models differ by the merge residue alpha * (model - shared), which enters the fragment's next
+pseudo-gradient. Between one fragment's sync and the next launch nothing is in flight (tau < H/P):
+joiners are admitted and checkpoints are taken there. tau = 0 syncs each fragment blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Callable
+
+import torch
+
+from zb.config_schema import DilocoConfig
+from zb.diloco.background import Arrival, BackgroundAllReduce
+from zb.diloco.eager import OuterSGD
+from zb.diloco.outer import OuterState, local_shard
+from zb.diloco.streams import StreamGroups
+
+log = logging.getLogger("zb.diloco")
+
+_BLOCK = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def fragment_of_params(names: list[str], numels: list[int], fragments: int) -> list[int]:
+    """The fragment of every param: blocks strided (block i -> i mod P), the rest greedily onto the
+    lightest fragment, largest first. A pure function of names and sizes: the same on every node."""
+    out, load = [-1] * len(names), [0] * fragments
+    for i, name in enumerate(names):
+        m = _BLOCK.search(name)
+        if m:
+            out[i] = int(m.group(1)) % fragments
+            load[out[i]] += numels[i]
+    for i in sorted((i for i in range(len(names)) if out[i] < 0), key=lambda i: (-numels[i], i)):
+        out[i] = min(range(fragments), key=lambda f: (load[f], f))
+        load[out[i]] += numels[i]
+    return out
+
+
+class StreamingOverlap:
+    """This rank's streaming state: the fragments' ranges in the flat outer buffers, the fragment in
+    flight and its background all-reduce."""
+
+    def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
+                 connect: Callable[[], object]):
+        self.outer, self.cfg, self._connect = outer, cfg, connect
+        self.opt = OuterSGD.of(outer.optimizer)
+        self.momentum = self._momentum_buffer()
+        owner = fragment_of_params(outer.names, outer.numels, cfg.fragments)
+        self.params_of = [[i for i, f in enumerate(owner) if f == p] for p in range(cfg.fragments)]
+        ranges = outer.param_ranges()
+        self.ranges = [[ranges[i] for i in ps] for ps in self.params_of]
+        self.per = cfg.inner_steps // cfg.fragments
+        self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
+        self._store = None
+        self.job: BackgroundAllReduce | None = None
+        self.fragment: int | None = None   # the fragment in flight (or last launched)
+        self.non_finite = False            # this node's launched pseudo-gradient was non-finite
+
+    def _momentum_buffer(self) -> torch.Tensor | None:
+        """The shared momentum, created up front (zeros = torch's first step), so each fragment can
+        step its own slice of it and checkpoints, snapshots and joiners carry all of it."""
+        if self.opt.momentum == 0:
+            return None
+        state = self.outer.optimizer.state[self.outer.flat]
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(self.outer.flat.data)
+        return state["momentum_buffer"]
+
+    @property
+    def extra_bytes(self) -> int:
+        """CPU bytes beside blocking DiLoCo's: the largest fragment's send buffer."""
+        return 4 * max(sum(b - a for a, b in r) for r in self.ranges)
+
+    def numel(self, fragment: int) -> int:
+        return sum(b - a for a, b in self.ranges[fragment])
+
+    # -- when -----------------------------------------------------------------------------------
+    def sync_points(self, step: int) -> tuple[int | None, int | None]:
+        """(fragment to launch, fragment to apply) after inner step `step` (1-based), or None."""
+        delay, H = self.cfg.fragment_delay, self.cfg.inner_steps
+        launch = apply = None
+        for p in range(self.cfg.fragments):
+            at = (p + 1) * self.per
+            if step % H == at % H:
+                apply = p
+            if step % H == (at - delay) % H:
+                launch = p
+        return launch, apply
+
+    # -- launch ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def launch(self, fragment: int, view, global_pg, contributing: bool) -> bool:
+        """Start the fragment's all-reduce (shared - model, or zeros) in the background over the
+        world `view` (every node in it sends); returns whether this node's part was finite."""
+        buffer = torch.zeros(self.numel(fragment))
+        if contributing:
+            self._gather(fragment, self.outer.flat.data, buffer)
+            offset = 0
+            for i in self.params_of[fragment]:
+                n = self.outer.numels[i]
+                buffer[offset:offset + n].sub_(local_shard(self.outer.params[i]).detach().reshape(-1).to(
+                    device="cpu", dtype=torch.float32))
+                offset += n
+        finite = bool(torch.isfinite(buffer).all())
+        self.non_finite = not finite
+
+        def groups():
+            if view.global_world_size == 1:
+                return [global_pg]
+            try:
+                self._store = self._store or self._connect()
+                return self.groups.for_view(view, self._store)
+            except Exception:
+                self._store = None
+                raise
+
+        self.fragment = fragment
+        self.job = BackgroundAllReduce(buffer, groups, self.cfg, max(1, view.global_world_size))
+        return finite
+
+    def wait(self) -> Arrival | None:
+        if self.job is None:
+            return None
+        job, self.job = self.job, None
+        arrival = job.wait()
+        if not arrival.ok:
+            log.warning("the background all-reduce of fragment %s failed: %s", self.fragment, arrival.error)
+        return arrival
+
+    # -- apply -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_average(self, average: torch.Tensor) -> None:
+        """Step the fragment's shared outer params and momentum with its average (in place, per param)."""
+        offset = 0
+        for i in self.params_of[self.fragment]:
+            (a, b), n = self.outer.param_ranges()[i], self.outer.numels[i]
+            self.opt.step(self.outer.flat.data[a:b], None if self.momentum is None else self.momentum[a:b],
+                          average[offset:offset + n])
+            offset += n
+
+    @torch.no_grad()
+    def merge(self, alpha: float) -> None:
+        """model_p <- alpha * model_p + (1 - alpha) * shared_p for the fragment just applied."""
+        for i in self.params_of[self.fragment]:
+            shared = self.outer.views[i]
+            p = local_shard(self.outer.params[i])
+            p.copy_(torch.lerp(shared, p.detach().to(device="cpu", dtype=torch.float32), alpha), non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def average_numel(self) -> int:
+        return self.numel(self.fragment)
+
+    def _gather(self, fragment: int, flat: torch.Tensor, out: torch.Tensor) -> None:
+        offset = 0
+        for a, b in self.ranges[fragment]:
+            out[offset:offset + b - a].copy_(flat[a:b])
+            offset += b - a
+
+    def close(self, grace_s: float) -> None:
+        if self.job is not None:
+            self.job.abandon(grace_s)
+            self.job = None
