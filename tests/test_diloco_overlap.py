@@ -89,19 +89,22 @@ def test_whole_run_equals_the_single_process_simulation_of_its_rule(make_run, re
 
 # Small buckets make the background transfer last about a second on loopback (hundreds of small
 # all-reduces, an honest setting, no sleep): a signal sent when a node logs its outer step lands
-# while the transfer it just launched is still running.
-SLOW_TRANSFER = ["--diloco.overlap", "eager", "--diloco.bucket_mb", "0.002"]
+# while the transfer it just launched (eager) or its next one (streaming) runs.
+SLOW_TRANSFER = ["--diloco.bucket_mb", "0.002"]
+MODES = ["eager", "streaming"]  # streaming: 1 fragment, all-reduce behind 1 inner step, merge 0.5
 
 
-@pytest.mark.parametrize("sig, compression", [(signal.SIGKILL, "int8"), (signal.SIGSTOP, "none"),
-                                               (signal.SIGTERM, "none")])
-def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, sig, compression):
-    """A peer killed, hung (SIGSTOP past the heartbeat timeout) or stopped (SIGTERM) while the
-    transfer it just launched runs: the survivors apply or skip that average alike and go on."""
+@pytest.mark.parametrize("mode, sig, compression", [("eager", signal.SIGKILL, "int8"), ("eager", signal.SIGSTOP, "none"),
+                                                     ("eager", signal.SIGTERM, "none"),
+                                                     ("streaming", signal.SIGKILL, "int8"),
+                                                     ("streaming", signal.SIGTERM, "none")])
+def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mode, sig, compression):
+    """A peer killed, hung (SIGSTOP past the heartbeat timeout) or stopped (SIGTERM) while a
+    background transfer runs: the survivors apply or skip that average alike and go on."""
     run = make_run(3)
     for i in range(3):
-        run.start_train(f"n{i}", "--optim.total_steps", "30", *SLOW_TRANSFER, "--diloco.compression", compression,
-                        rank=i)
+        run.start_train(f"n{i}", "--optim.total_steps", "30", "--diloco.overlap", mode, *SLOW_TRANSFER,
+                        "--diloco.compression", compression, rank=i)
     run.wait_outer("n2", 2)
     os.killpg(run.procs["n2"].pid, sig)
     for uid in ("n0", "n1"):
@@ -113,26 +116,30 @@ def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, sig
     assert run.hashes("n0") == run.hashes("n1")
     skipped = [e for e in a if not e["applied"] and e["outer_step"] > 1]
     assert a[-1]["global_world_size"] == 2 and a[-1]["applied"], "the run went on without n2"
-    # SIGTERM: the leaver gives its transfer a few seconds to end, so the others keep its share;
-    # only if that grace ran out (or on SIGKILL) is the average lost, and then on every node.
-    lost = sig != signal.SIGTERM or "still running" in (run.tmp / "n2.log").read_text()
-    assert bool(skipped) == lost, (skipped, lost)
-    assert ("did not reach every node" in (run.tmp / "n0.log").read_text()) == lost
+    # SIGKILL and SIGSTOP: n2 cannot finish its part, so an average is lost, on every node alike.
+    # SIGTERM: n2's deathrattle may reach the others before they launch their next transfer (then
+    # none includes it), and a leaver gives its own transfer a few seconds to end: either outcome is
+    # right as long as it is the same on every node.
+    if sig != signal.SIGTERM:
+        assert skipped, "the average in flight when n2 went away should have been skipped on every node"
+    assert ("did not reach every node" in (run.tmp / "n0.log").read_text()) == bool(skipped)
 
 
-def test_eager_joiner_mid_run_ends_identical(make_run):
+@pytest.mark.parametrize("mode", MODES)
+def test_joiner_mid_run_ends_identical(make_run, mode):
     run = make_run(2)
-    _join_late(run, "--diloco.overlap", "eager")
+    _join_late(run, "--diloco.overlap", mode)
     _agree_with_joiner(run)
     assert "received the run's state from rank" in (run.tmp / "late.log").read_text()
 
 
-def test_eager_live_recovery_joiner_takes_the_average_in_flight(make_run):
+@pytest.mark.parametrize("mode", MODES)
+def test_live_recovery_joiner_takes_the_average_in_flight(make_run, mode):
     """The snapshot a joiner downloads predates the average in flight: the donor sends it that
     average at its first outer step, and from then on it holds the run's shared params."""
     run = make_run(2)
     run.env["ZB_CKPT_TOKEN"] = "test-token-0123456789abcdef"
-    _join_late(run, "--diloco.overlap", "eager", "--ckpt.live_recovery", "--diloco.blocking_join", "false",
+    _join_late(run, "--diloco.overlap", mode, "--ckpt.live_recovery", "--diloco.blocking_join", "false",
                "--ckpt.ram_dir", str(run.tmp / "shm"), "--diloco.inner_steps", "60")
     assert run.metrics("late", "recovery")
     _agree_with_joiner(run)
@@ -142,30 +149,33 @@ def test_eager_live_recovery_joiner_takes_the_average_in_flight(make_run):
     assert ("took the average in flight from rank" in log) != ("received the run's state from rank" in log)
 
 
-def test_eager_non_finite_pseudo_gradient_is_skipped_everywhere(make_run):
+@pytest.mark.parametrize("mode", MODES)
+def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run, mode):
     run = make_run(2)
-    run.start_train("n0", "--optim.total_steps", "10", "--diloco.overlap", "eager", rank=0)
-    run.start_train("bad", "--optim.total_steps", "10", "--diloco.overlap", "eager", "--optim.lr", "1e30", rank=1)
+    run.start_train("n0", "--optim.total_steps", "10", "--diloco.overlap", mode, rank=0)
+    run.start_train("bad", "--optim.total_steps", "10", "--diloco.overlap", mode, "--optim.lr", "1e30", rank=1)
     for uid in ("n0", "bad"):
         assert run.finish(uid) == 0, run.log(uid)
     outer = run.metrics("n0", "outer_step")
-    assert len(outer) == 3 and not any(e["applied"] for e in outer), "a NaN average must be skipped on every node"
+    assert len(outer) >= 2 and not any(e["applied"] for e in outer), "a NaN average must be skipped on every node"
     assert all(isinstance(s["loss"], float) for s in run.metrics("n0", "step")), "the healthy node stayed finite"
     assert "pseudo-gradient is non-finite" in (run.tmp / "bad.log").read_text()
     assert run.hashes("n0") == {} or run.hashes("n0") == run.hashes("bad")
 
 
-def test_checkpoint_with_a_transfer_in_flight_resumes_each_node_where_it_stood(make_run):
-    """A checkpoint holds the shared outer state and the node's own eager term, not the average in
-    flight: after a whole-run restart the first round trains exactly as the uninterrupted run did
-    (same params, same inner optimizer state), and the lost average is skipped on every node."""
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_resumes_each_node_where_it_stood(make_run, mode):
+    """Eager: a checkpoint holds the shared outer state and the node's own eager term, not the
+    average in flight: after a whole-run restart the first round trains exactly as the
+    uninterrupted run did, and the lost average is skipped on every node. Streaming: checkpoints
+    fall where nothing is in flight, so the restarted run is the uninterrupted one, bit for bit."""
     def ck(uid):
         return ["--ckpt.path", str(run.tmp / "ckpt" / uid), "--ckpt.interval", "5", "--ckpt.ram_dir",
-                str(run.tmp / "shm"), "--diloco.overlap", "eager", "--optim.total_steps", "20"]
+                str(run.tmp / "shm"), "--diloco.overlap", mode, "--optim.total_steps", "20"]
 
     whole = make_run(2)
     for i in range(2):
-        whole.start_train(f"w{i}", "--optim.total_steps", "20", "--diloco.overlap", "eager", rank=i)
+        whole.start_train(f"w{i}", "--optim.total_steps", "20", "--diloco.overlap", mode, rank=i)
     for i in range(2):
         assert whole.finish(f"w{i}") == 0, whole.log(f"w{i}")
     whole.close()
@@ -179,13 +189,14 @@ def test_checkpoint_with_a_transfer_in_flight_resumes_each_node_where_it_stood(m
     restart.tmp = run.tmp
     for i in range(2):
         restart.start_train(f"n{i}", *ck(f"n{i}"), "--ckpt.resume", "latest", rank=i)
+    same_until = 15 if mode == "eager" else 20
     for i in range(2):
         assert restart.finish(f"n{i}") == 0, restart.log(f"n{i}")
         steps = {e["step"]: e["loss"] for e in restart.metrics(f"n{i}", "step")}
         reference = {e["step"]: e["loss"] for e in whole.metrics(f"w{i}", "step")}
-        # Steps 11-15 start from the checkpoint: bit for bit the uninterrupted run's.
-        assert [steps[s] for s in range(11, 16)] == [reference[s] for s in range(11, 16)]
+        # The steps after the checkpoint start from it: bit for bit the uninterrupted run's.
+        assert [steps[s] for s in range(11, same_until + 1)] == [reference[s] for s in range(11, same_until + 1)]
     events = restart.metrics("n0", "outer_step")
     resumed = [e for e in events if e["step"] == 15][-1]
-    assert not resumed["applied"], "the average in flight at the checkpoint is lost on every node"
+    assert resumed["applied"] == (mode == "streaming"), "eager: the average in flight at the checkpoint is lost"
     assert restart.hashes("n0") == restart.hashes("n1")

@@ -176,6 +176,14 @@ class StreamingOverlap:
             out[offset:offset + b - a].copy_(flat[a:b])
             offset += b - a
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Nothing beyond the shared outer state: periodic checkpoints fall where nothing is in flight,
+        and a checkpoint taken on a signal mid-flight loses that fragment's average (skipped alike)."""
+        return {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        return None
+
     def close(self, grace_s: float) -> None:
         if self.job is not None:
             self.job.abandon(grace_s)
