@@ -75,11 +75,11 @@ def targets(rows: dict[str, dict]) -> dict[str, dict]:
         if kind == "diloco" and comp == "int8" and f"diloco-h{h}-fp32" in loss:
             v = pct(loss[row], loss[f"diloco-h{h}-fp32"])
             found[f"{row}_vs_fp32"] = dict(value=v, limit=INT8_VS_FP32, met=abs(v) <= INT8_VS_FP32)
-        if kind in ("diloco", "elastic", "eager") and r["comm_reduction"] is not None:
+        if kind in ("diloco", "elastic", "eager", "streaming") and r["comm_reduction"] is not None:
             want = h * (4 if comp == "int8" else 1)
             found[f"{row}_comm"] = dict(value=r["comm_reduction"], limit=want,
                                         met=r["comm_reduction"] >= COMM_SLACK * want)
-        if kind == "eager":
+        if kind in ("eager", "streaming"):
             # Overlap's target: held-out loss within 1% of blocking DiLoCo at equal steps, same bytes.
             static = f"diloco-h{h}-{comp}"
             if static in loss:

@@ -35,7 +35,9 @@ def node_args(args: argparse.Namespace, mode: str, log_dir: Path) -> list[str]:
             "--train.log_interval", "1", "--log.progress", "plain", "--train.device", "cpu", "--log.dir", str(log_dir),
             "--diloco.inner_steps", str(args.inner_steps), "--diloco.compression", args.compression,
             "--diloco.outer_lr", str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum),
-            "--diloco.overlap", mode, "--train.log_model_hash", "--diloco.min_bandwidth_mbps", "1"]
+            "--diloco.overlap", mode, "--train.log_model_hash", "--diloco.min_bandwidth_mbps", "1",
+            *(["--diloco.fragments", str(args.fragments), "--diloco.fragment_delay", str(args.fragment_delay)]
+              if mode == "streaming" else [])]
 
 
 def run_mode(net, mode: str, args: argparse.Namespace, work: Path) -> list[dict]:
@@ -77,6 +79,7 @@ def summarize(path: Path, args: argparse.Namespace) -> dict:
                 allreduce_s=round(sum(e["allreduce_s"] for e in outer), 2),
                 stall_s=round(sum(e["stall_s"] for e in outer), 2), hidden_s=round(sum(e["hidden_s"] for e in outer), 2),
                 wire_bytes=sum(e["wire_bytes"] for e in outer), transfers=sum(e["wire_bytes"] > 0 for e in outer),
+                peak_sync_bytes=max(e["wire_bytes"] for e in outer),
                 final_hash=outer[-1].get("params_hash"), loss=evals[-1]["loss"] if evals else None)
 
 
@@ -93,7 +96,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--modes", default="none,eager")
+    p.add_argument("--modes", default="none,eager,streaming")
+    p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of the streaming row.")
+    p.add_argument("--fragment-delay", type=int, default=1, help="diloco.fragment_delay of the streaming row.")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--keep", metavar="DIR", help="Keep logs and metrics under DIR.")
     args = p.parse_args(argv)
@@ -110,12 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
                steps=args.steps, inner_steps=args.inner_steps, compression=args.compression, seed=args.seed,
                modes={m: dict(nodes=r, utilization=sum(n["utilization"] for n in r) / len(r),
                               agree=len({n["final_hash"] for n in r}) == 1) for m, r in results.items()})
-    if "none" in results and "eager" in results:
+    for mode in [m for m in results if m != "none" and "none" in results]:
         base = doc["modes"]["none"]
-        doc["eager_vs_none"] = dict(
-            utilization=round(doc["modes"]["eager"]["utilization"] / base["utilization"], 3),
-            wall=round(sum(n["wall_s"] for n in results["eager"]) / sum(n["wall_s"] for n in results["none"]), 3),
-            bytes=round(sum(n["wire_bytes"] for n in results["eager"]) / sum(n["wire_bytes"] for n in results["none"]), 4))
+        doc[f"{mode}_vs_none"] = dict(
+            utilization=round(doc["modes"][mode]["utilization"] / base["utilization"], 3),
+            wall=round(sum(n["wall_s"] for n in results[mode]) / sum(n["wall_s"] for n in results["none"]), 3),
+            bytes=round(sum(n["wire_bytes"] for n in results[mode]) / sum(n["wire_bytes"] for n in results["none"]), 4),
+            loss=round(sum(n["loss"] for n in results[mode]) / sum(n["loss"] for n in results["none"]), 4))
     print_table(doc)
     print(json.dumps(doc))
     return doc
@@ -128,13 +134,13 @@ def print_table(doc: dict) -> None:
     t = Table(title=f"{doc['hosts']} hosts, tbf {doc['rate_mbit']:g} Mbit/s, {doc['model']}, H={doc['inner_steps']}, "
                     f"{doc['compression']}, {doc['steps']} steps")
     for col in ("mode", "node", "utilization", "wall s", "inner s", "all-reduce s", "stall s", "hidden s",
-                "wire MB", "transfers", "held-out loss", "agree"):
+                "wire MB", "peak sync MB", "transfers", "held-out loss", "agree"):
         t.add_column(col, justify="right")
     for mode, m in doc["modes"].items():
         for i, n in enumerate(m["nodes"]):
             t.add_row(mode, str(i), f"{n['utilization']:.1%}", f"{n['wall_s']:.1f}", f"{n['inner_s']:.1f}",
                       f"{n['allreduce_s']:.1f}", f"{n['stall_s']:.1f}", f"{n['hidden_s']:.1f}",
-                      f"{n['wire_bytes'] / 1e6:.2f}", str(n["transfers"]),
+                      f"{n['wire_bytes'] / 1e6:.2f}", f"{n['peak_sync_bytes'] / 1e6:.3f}", str(n["transfers"]),
                       f"{n['loss']:.4f}" if n["loss"] is not None else "-", "yes" if m["agree"] else "NO")
     Console(stderr=True).print(t)
 

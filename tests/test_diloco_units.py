@@ -164,3 +164,43 @@ def test_progress_is_published_after_the_store_client_was_dropped():
     node.outer, node.local = None, SimpleNamespace(is_head=True)
     node._publish_live(RunPosition(step=20, outer_step=1), SimpleNamespace(global_rank=0))
     assert node.store is not None and any('"outer_step": 2' in v for v in written.values())
+
+
+def test_fragments_stride_the_blocks_and_balance_the_rest():
+    from zb.diloco.streaming import fragment_of_params
+
+    names = ["tok_embeddings.weight", *[f"layers.{i}.attention.wq.weight" for i in range(4)], "norm.weight",
+             "output.weight"]
+    numels = [1000, 10, 10, 10, 10, 1, 1000]
+    owner = fragment_of_params(names, numels, 2)
+    assert owner[1:5] == [0, 1, 0, 1], "block i goes to fragment i mod P"
+    assert owner[0] != owner[6], "the two large non-block params go to different fragments"
+    assert fragment_of_params(names, numels, 2) == owner, "a pure function: every node gets the same layout"
+    assert set(fragment_of_params(names, numels, 1)) == {0}
+
+
+def test_streaming_sync_points_launch_tau_steps_before_each_fragment_syncs():
+    from types import SimpleNamespace
+
+    from zb.diloco.streaming import StreamingOverlap
+
+    sched = SimpleNamespace(cfg=SimpleNamespace(inner_steps=12, fragments=3, fragment_delay=2), per=4)
+    points = {s: StreamingOverlap.sync_points(sched, s) for s in range(1, 25)}
+    launches = [s for s, (launch, _) in points.items() if launch is not None]
+    applies = [s for s, (_, apply) in points.items() if apply is not None]
+    assert launches == [2, 6, 10, 14, 18, 22] and applies == [4, 8, 12, 16, 20, 24]
+    assert [points[s][1] for s in applies] == [0, 1, 2, 0, 1, 2]
+    assert [points[s][0] for s in launches] == [0, 1, 2, 0, 1, 2]
+    blocking = SimpleNamespace(cfg=SimpleNamespace(inner_steps=4, fragments=1, fragment_delay=0), per=4)
+    assert StreamingOverlap.sync_points(blocking, 8) == (0, 0), "tau = 0: launch and apply at the same step"
+
+
+def test_streaming_settings_are_checked():
+    with pytest.raises(InvalidInput, match="diloco.fragments"):
+        load_config([], {"diloco.overlap": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "3"},
+                    environ={})
+    with pytest.raises(InvalidInput, match="diloco.fragment_delay"):
+        load_config([], {"diloco.overlap": "streaming", "diloco.inner_steps": "10", "diloco.fragments": "2",
+                         "diloco.fragment_delay": "5"}, environ={})
+    with pytest.raises(InvalidInput, match="diloco.fragment_alpha"):
+        load_config([], {"diloco.overlap": "streaming", "diloco.fragment_alpha": "1.5"}, environ={})
