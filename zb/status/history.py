@@ -1,8 +1,9 @@
 """The dashboard's memory: longer curves than the store keeps, by merging what each refresh reads.
 
 Each node's store history holds only its last few points (zb.status.record); the serving process
-merges every refresh into bounded per-node series (`points` per series), so a dashboard left open
-draws the whole run at a growing stride, and one opened late still starts with the recent past.
+merges every refresh into bounded per-node series (at most `points` each: past that, every other point
+goes), so a dashboard left open draws the whole run at a growing stride, and one opened late still
+starts with the recent past.
 Membership changes are merged by mesh version, from the nodes' histories and from what the
 dashboard itself saw change.
 """
@@ -12,13 +13,44 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-SERIES = {"steps": 1, "outer": 1, "eval": 1}   # series name -> index of its ordering key (step / outer step)
+SERIES = ("steps", "outer", "eval")   # each row starts with the node's time, then its step or outer step
+
+
+class _Series:
+    """One node's curve: points newer than the last one kept, every `stride`-th of them; past `limit`
+    points every other one goes and the stride doubles, so the whole run stays drawn evenly."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.rows, self.stride, self.seen = limit, [], 1, 0
+        self.tail: list | None = None        # the newest point when the stride skipped it (drawn anyway)
+        self.newest: tuple = (float("-inf"), float("-inf"))
+
+    def points(self) -> list[list]:
+        return self.rows + ([self.tail] if self.tail is not None else [])
+
+    def add(self, rows: list[list]) -> None:
+        for row in sorted(rows, key=_order):
+            if _order(row) <= self.newest:
+                continue             # already seen (each refresh reads the node's last points again)
+            self.newest = _order(row)
+            self.seen += 1
+            self.tail = None if self.seen % self.stride == 0 else row
+            if self.tail is None:
+                self.rows.append(row)
+        if len(self.rows) > self.limit:
+            self.rows = self.rows[::2]
+            self.stride *= 2
+
+
+def _order(row: list) -> tuple:
+    return (row[0] if isinstance(row[0], (int, float)) else float("-inf"),
+            row[1] if isinstance(row[1], (int, float)) else float("-inf"))
 
 
 class RunHistory:
     def __init__(self, points: int = 2000, changes: int = 500) -> None:
         self.points, self.changes = points, changes
-        self._series: dict[str, dict[str, dict[tuple, list]]] = {}    # uid -> series -> {(time, key): row}
+        self._series: dict[str, dict[str, _Series]] = {}
         self._membership: dict[int, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -26,27 +58,15 @@ class RunHistory:
         """Fold one document in; returns it with the merged history and membership timeline."""
         with self._lock:
             for uid, hist in (doc.get("history") or {}).items():
-                series = self._series.setdefault(uid, {name: {} for name in SERIES})
-                for name, key_index in SERIES.items():
-                    rows = series[name]
-                    for row in hist.get(name, []):
-                        rows[(row[0], row[key_index])] = row
-                    if len(rows) > self.points:
-                        self._thin(rows)
+                series = self._series.setdefault(uid, {name: _Series(self.points) for name in SERIES})
+                for name in SERIES:
+                    series[name].add(hist.get(name, []))
                 for change in hist.get("membership", []):
                     self._add_change(change)
             self._note_world(doc)
-            merged = {uid: {name: sorted(rows.values(), key=_time_key) for name, rows in series.items()}
-                      for uid, series in self._series.items()}
+            merged = {uid: {name: s.points() for name, s in series.items()} for uid, series in self._series.items()}
             timeline = [self._membership[v] for v in sorted(self._membership)]
         return dict(doc, history=merged, membership=timeline)
-
-    def _thin(self, rows: dict[tuple, list]) -> None:
-        """Drop every other point of the older half: recent points stay dense, the whole run stays drawn."""
-        ordered = sorted(rows, key=lambda k: (k[0] is None, k[0] or 0))
-        old = ordered[: len(ordered) // 2]
-        for key in old[1::2]:
-            del rows[key]
 
     def _add_change(self, change: dict[str, Any]) -> None:
         version = change.get("mesh_version")
@@ -64,6 +84,3 @@ class RunHistory:
                                          "world_size": run.get("world_size"), "leader": run.get("leader"),
                                          "joined": [], "left": [], "died": [], "from_nodes": False}
 
-
-def _time_key(row: list) -> tuple:
-    return (row[0] is None, row[0] or 0, row[1] or 0)

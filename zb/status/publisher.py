@@ -4,7 +4,9 @@ The training loop keeps logging its metrics events as before; `publish_status` w
 that every event also updates the node's record in memory (a dict under a lock: microseconds). A
 thread of its own, with its own store client, writes the record every `elastic.status_interval`
 seconds, and at once after an outer step or a change of membership. A slow or unreachable store
-delays only that thread; failures are logged once per outage and retried, never raised.
+delays only that thread; failures are logged once per outage and retried, never raised. (A store
+that accepts connections and never answers holds torch's client, and so this thread, without end:
+the node's exit waits for it at most CLOSE_TIMEOUT_S.)
 """
 
 from __future__ import annotations

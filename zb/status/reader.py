@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from typing import Any, Iterator
 
@@ -53,13 +54,25 @@ def open_store(host: str, port: int, timeout: float):
     if failed is not None:
         raise EnvironmentFailure(f"store {host}:{port} unreachable after {timeout:g} s "
                                  f"({failed.strerror or failed}); is `zb store` running there? check --store")
-    try:
-        with _quiet_stderr():
-            return dist.TCPStore(host, port, is_master=False, use_libuv=True, wait_for_workers=False,
-                                 timeout=timedelta(seconds=timeout))
-    except dist.DistError as e:
-        raise EnvironmentFailure(f"{host}:{port} answers but not as a TCPStore ({str(e).splitlines()[0][:120]}); "
-                                 "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)") from None
+    result: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            result["store"] = dist.TCPStore(host, port, is_master=False, use_libuv=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=timeout))
+        except dist.DistError as e:
+            result["error"] = str(e).splitlines()[0][:120]
+
+    # torch's client waits without end for a peer that accepts and never answers (a hung store): bounded here.
+    with _quiet_stderr():
+        thread = threading.Thread(target=client, name="zb-status-connect", daemon=True)
+        thread.start()
+        thread.join(timeout + 1.0)
+    if "store" in result:
+        return result["store"]
+    why = result.get("error") or f"no answer within {timeout:g} s: hung?"
+    raise EnvironmentFailure(f"{host}:{port} accepts connections but does not answer as a TCPStore ({why}); "
+                             "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)")
 
 
 class RunReader:

@@ -139,6 +139,11 @@ class NodeStatus:
     def _steps_per_s(self) -> float | None:
         """Steps per second over the kept history, outer steps included (what an ETA needs)."""
         points = [p for p in self._steps if isinstance(p[0], (int, float)) and isinstance(p[1], int)]
+        # Only the newest run of increasing steps: a joiner or a resume jumps to another position.
+        start = len(points) - 1
+        while start > 0 and points[start - 1][1] < points[start][1]:
+            start -= 1
+        points = points[start:]
         if len(points) < 2 or points[-1][0] <= points[0][0]:
             return None
         return round((points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0]), 4)
