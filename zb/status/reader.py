@@ -1,8 +1,9 @@
 """Reading a run from its store: one document with every node's state and figures, and the run's.
 
-Read-only: the reader never writes a key. One refresh costs six round trips whatever the number of
-nodes (a check and a multi_get for the membership keys, the index, then every record and heartbeat
-counter at once; more only while keys are missing); see scripts/bench_status.py. Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this
+Read-only: the reader never writes a key. One refresh costs ten store operations whatever the
+number of nodes (checks and multi_gets for the membership keys, the index, then every record and
+heartbeat counter at once; a few more only while keys are missing); a dashboard's refresh adds two
+for the histories that changed, at most `history_budget` of them (see scripts/bench_status.py). Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this
 process's own clock, by when a node's heartbeat counter was last seen changing; so a reader that
 has watched for less than a heartbeat interval cannot know an age yet (`sample` watches for one).
 """
@@ -78,8 +79,10 @@ def open_store(host: str, port: int, timeout: float):
 class RunReader:
     """Reads the run; remembers heartbeat counters across refreshes to judge liveness on its own clock."""
 
-    def __init__(self, store, where: str) -> None:
-        self.store, self.where = store, where
+    def __init__(self, store, where: str, history_budget: int = 64) -> None:
+        self.store, self.where, self.history_budget = store, where, history_budget
+        self._hist_seen: dict[str, int | None] = {}    # uid -> history_version last read
+        self._hist_read: dict[str, float] = {}         # uid -> when it was last read (monotonic)
         self._beats: dict[str, tuple[bytes, float | None, float]] = {}   # uid -> (value, changed at, first seen)
 
     # -- heartbeats ------------------------------------------------------------------------------
@@ -124,19 +127,32 @@ class RunReader:
             self._no_run(snap.raw_world, indexed)
         pending = [j.uid for j in snap.joins[world.join_cursor:] if j.uid] if world else []
         uids = list(dict.fromkeys([*(world.nodes if world else []), *pending, *indexed]))
-        names = [keys.status(u) for u in uids] + [keys.heartbeat(u) for u in uids]
-        if with_history:
-            names += [keys.status_history(u) for u in uids]
-        raw = self._read(names)
+        raw = self._read([keys.status(u) for u in uids] + [keys.heartbeat(u) for u in uids])
         n = len(uids)
         records = {u: decode_record(r) for u, r in zip(uids, raw[:n])}
-        self._observe(uids, raw[n:2 * n])
+        self._observe(uids, raw[n:])
         nodes = [self._node(u, records[u], world, snap.gone, pending) for u in uids]
         nodes.sort(key=_order)
         doc = {"source": self.where, "time": round(time.time(), 3), "nodes": nodes, "run": _run(world, nodes, records)}
         if with_history:
-            doc["history"] = {u: h for u, h in ((u, decode_history(r)) for u, r in zip(uids, raw[2 * n:])) if h}
+            doc["history"] = self._histories(records)
         return doc
+
+    def _histories(self, records: dict[str, dict | None]) -> dict[str, dict]:
+        """The histories that changed since this reader last read them, the longest unread first, at most
+        `history_budget` per call: a dashboard's refresh stays bounded however many nodes there are."""
+        changed = [u for u, rec in records.items() if rec is not None and
+                   (rec.get("history_version") is None or rec.get("history_version") != self._hist_seen.get(u))]
+        changed.sort(key=lambda u: self._hist_read.get(u, float("-inf")))
+        chosen = changed[:self.history_budget]
+        now = time.monotonic()
+        out = {}
+        for uid, raw in zip(chosen, self._read([keys.status_history(u) for u in chosen])):
+            self._hist_seen[uid], self._hist_read[uid] = records[uid].get("history_version"), now
+            history = decode_history(raw)
+            if history is not None:
+                out[uid] = history
+        return out
 
     def _no_run(self, raw_world: bytes, indexed: list[str]) -> None:
         if raw_world:

@@ -36,7 +36,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "tokens": (int,), "tokens_per_s": (float, int), "run_tokens": (int,), "allreduce_s": (float, int),
     "wire_mbps": (float, int), "wire_bytes": (int,), "num_peers": (int,), "started": (float, int),
     "time": (float, int), "heartbeat_interval": (float, int), "heartbeat_timeout": (float, int),
-    "steps_per_s": (float, int),
+    "steps_per_s": (float, int), "history_version": (int,),
 }
 
 
@@ -75,7 +75,7 @@ class NodeStatus:
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any], int]:
         """(record, history, history_version): JSON-able dicts stamped with the current time."""
         with self._lock:
-            record = dict(self._record, time=round(time.time(), 3))
+            record = dict(self._record, time=round(time.time(), 3), history_version=self.history_version)
             rate = self._steps_per_s()
             if rate is not None:
                 record["steps_per_s"] = rate
@@ -164,11 +164,17 @@ def encode(value: dict[str, Any]) -> bytes:
     return json.dumps(finite(value), separators=(",", ":"), allow_nan=False).encode()
 
 
+def _finite_float(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
 def _load(raw: bytes) -> dict | None:
     if not raw or len(raw) > MAX_BYTES:
         return None
     try:
-        data = finite(json.loads(raw))
+        # NaN, Infinity and 1e999 become None as they are parsed (JSON has no such values; browsers refuse them).
+        data = json.loads(raw, parse_constant=lambda _: None, parse_float=_finite_float)
     except (ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
