@@ -164,18 +164,23 @@ def test_a_store_that_never_answers_never_blocks_the_loop():
 def test_an_unreachable_store_is_logged_once_and_retried(caplog, store):
     from zb.elastic.tcpstore import connect
 
-    port = [free_port()]
+    port = [store.port]
     publisher = StatusPublisher(_status("n3"), lambda: connect("127.0.0.1", port[0], 0.1, 1.0), interval=0.05)
     caplog.set_level(logging.INFO, logger="zb.status")
     publisher.start()
+    wait_until(lambda: store.check([keys.status("n3")]), 30, "the first record")
+    port[0] = free_port()                # the store went away (a new client fails at once, as after a restart)
+    publisher._store = None
     wait_until(lambda: "could not publish" in caplog.text, 30, "the failure logged")
     time.sleep(0.3)
-    port[0] = store.port                 # the store is back (at another address: the same for the publisher)
+    port[0] = store.port                 # the store is back
+    store.delete_key(keys.status("n3"))
     wait_until(lambda: store.check([keys.status("n3")]), 30, "a record once the store answers")
     publisher.close()
-    mine = [r.getMessage() for r in caplog.records if r.thread == publisher.ident]
-    assert sum("could not publish" in m for m in mine) == 1, "one warning per outage, not one per attempt"
-    assert any("publishing to the store again" in m for m in mine)
+    mine = [r for r in caplog.records if r.thread == publisher.ident]
+    failures = [r for r in mine if "could not publish" in r.getMessage()]
+    assert len(failures) == 1 and failures[0].levelno == logging.WARNING, "one warning per outage, not per attempt"
+    assert any("publishing to the store again" in r.getMessage() for r in mine)
 
 
 # -- the reader ----------------------------------------------------------------------------------

@@ -116,5 +116,8 @@ class StatusPublisher(threading.Thread):
             self._store = None
             if self._outage_since is None:
                 self._outage_since = time.monotonic()
-                log.warning("status: could not publish this node's status to the store (%s); training goes on, "
-                            "retrying every %g s", str(e).splitlines()[0][:160], self.interval)
+                # Before the first record the node itself is still reaching the store (or about to host it,
+                # elastic.host_store) and says so if it cannot: no second voice then.
+                level = logging.WARNING if self.published else logging.DEBUG
+                log.log(level, "status: could not publish this node's status to the store (%s); training goes on, "
+                        "retrying every %g s", str(e).splitlines()[0][:160], self.interval)
