@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -458,3 +459,24 @@ def test_something_that_is_not_a_store_is_one_line():
         server.close()
     assert proc.returncode == 1 and "does not answer as a TCPStore" in proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
+
+
+def test_zb_store_serves_the_dashboard_on_its_own_address():
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    proc = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(free_port()), "--http-port", "0",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                            cwd=REPO)
+    try:
+        info = json.loads(proc.stdout.readline())
+        assert info["dashboard"].startswith("http://127.0.0.1:"), info
+        status, body, _ = _get(info["dashboard"] + "api/status")
+        assert status == 200 and "no run on the store" in json.loads(body)["error"]
+        assert _get(info["dashboard"])[0] == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "dashboard (read-only): http://127.0.0.1:" in err, err
