@@ -384,6 +384,12 @@ def test_report_from_metrics_files(tmp_path):
     assert 'id="zb-data"' in html and "zb run report" in html
 
 
+def test_a_long_run_makes_a_light_report(tmp_path):
+    _write_metrics(tmp_path / "a", "a", 5000)
+    steps = build_report([str(tmp_path)])["history"]["a"]["steps"]
+    assert len(steps) <= 2001 and steps[0][1] == 1 and steps[-1][1] == 5000
+
+
 def test_report_data_cannot_close_its_script_element():
     html = render({"nodes": [{"uid": "</script><script>alert(1)</script>"}], "run": {}, "history": {}})
     data = html.split('<script id="zb-data" type="application/json">', 1)[1].split("</script>", 1)[0]
@@ -411,6 +417,11 @@ def test_report_refusals(tmp_path):
     (["--out", "x.html", "--store", "127.0.0.1:1"], 2, "--out and --force go with --from"),
     (["--watch", "--serve", "--store", "127.0.0.1:1"], 2, "give one"),
     (["--from", "/nonexistent/logs"], 2, "no such file or directory"),
+    (["--from", "tests", "--out", "/nonexistent/r.html"], 2, "directory /nonexistent does not exist"),
+    (["--store", "127.0.0.1:1", "--bind", "0.0.0.0"], 2, "--bind goes with --serve"),
+    (["--store", "127.0.0.1:1", "--interval", "5"], 2, "--interval goes with --watch or --serve"),
+    (["--from", "tests", "--timeout", "5"], 2, "--timeout has no effect with --from"),
+    (["--from", "tests", "--json", "--out", "r.html"], 2, "--out and --force have no effect with --json"),
 ])
 def test_bad_invocations_are_one_line(args, code, message):
     args = [a.replace("PORT", str(free_port())) for a in args]

@@ -47,6 +47,7 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
     """Show a run: every node's id, host, rank, device, state, heartbeat age, step, loss, tokens/s and
     last all-reduce, and the run's mesh version, leader, tokens/s and ETA, read from the run's store."""
     _check_combination(store, watch, serve, http_port, from_paths, out, force)
+    _check_given(watch, serve, from_paths, as_json, out, force)
     if from_paths:
         return _report(from_paths, out or "report.html", force, as_json)
     host, port = _store_address(store)
@@ -80,6 +81,28 @@ def _check_combination(store, watch, serve, http_port, from_paths, out, force) -
         raise InvalidInput("--http-port goes with --serve (the dashboard); without --serve there is no server")
     if watch and serve:
         raise InvalidInput("--watch and --serve: give one (the dashboard refreshes itself)")
+
+
+def _check_given(watch: bool, serve: bool, from_paths, as_json: bool, out, force: bool) -> None:
+    """Options given explicitly where they can have no effect: refused, not silently ignored."""
+    from click.core import ParameterSource
+
+    from zb.errors import InvalidInput
+
+    ctx = click.get_current_context()
+    given = {name for name in ("bind", "interval", "timeout")
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    useless = []
+    if "bind" in given and not serve:
+        useless.append("--bind goes with --serve")
+    if "interval" in given and not (watch or serve):
+        useless.append("--interval goes with --watch or --serve")
+    if "timeout" in given and from_paths:
+        useless.append("--timeout has no effect with --from (no store is read)")
+    if from_paths and as_json and (out is not None or force):
+        useless.append("--out and --force have no effect with --json (the document goes to stdout)")
+    if useless:
+        raise InvalidInput("; ".join(useless))
 
 
 def _store_address(store: str | None) -> tuple[str, int]:
@@ -190,13 +213,16 @@ def _report(paths: tuple[str, ...], out: str, force: bool, as_json: bool) -> Non
     from zb.status.page import render
     from zb.status.report import build_report
 
+    target = Path(out)
+    if not as_json:      # refused before the files are read
+        if not target.parent.is_dir():
+            raise InvalidInput(f"--out {out}: directory {target.parent} does not exist")
+        if target.exists() and not force:
+            raise InvalidInput(f"--out {out} exists; pass --force to overwrite it, or choose another file")
     doc = build_report(paths)
     if as_json:
         print_json(doc)
         return
-    target = Path(out)
-    if target.exists() and not force:
-        raise InvalidInput(f"--out {out} exists; pass --force to overwrite it, or choose another file")
     tmp = target.with_name(f".{target.name}.tmp")
     try:
         tmp.write_text(render(doc), encoding="utf-8")

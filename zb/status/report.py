@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from zb.errors import InvalidInput
 
 METRICS = "metrics.jsonl"
+POINTS = 2000        # per node and curve, as the live dashboard keeps
 
 
 def find_metrics(paths: Iterable[str]) -> list[Path]:
@@ -138,4 +139,13 @@ def build_report(paths: Iterable[str]) -> dict[str, Any]:
                     "outer_step": max((r.get("outer_step") or 0 for r in rows), default=None), "total_steps": None,
                     "tokens_per_s": round(sum(tps), 1) if tps else None, "eta_s": None,
                     "states": {"ended": len(rows)}},
-            "history": {n.uid: {"steps": n.steps, "outer": n.outer, "eval": n.evals} for n in nodes.values()}}
+            "history": {n.uid: {"steps": _even(n.steps), "outer": _even(n.outer), "eval": _even(n.evals)}
+                        for n in nodes.values()}}
+
+
+def _even(rows: list[list], limit: int = POINTS) -> list[list]:
+    """At most about `limit` evenly spaced rows, the last one included (a long run stays a light page)."""
+    if len(rows) <= limit:
+        return rows
+    stride = -(-len(rows) // limit)
+    return rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
