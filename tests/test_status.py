@@ -468,7 +468,7 @@ def test_something_that_is_not_a_store_is_one_line():
         stop.set()
         thread.join()
         server.close()
-    assert proc.returncode == 1 and "does not answer as a TCPStore" in proc.stderr
+    assert proc.returncode == 1 and "does not answer as a TCPStore" in proc.stderr, proc.stderr
     assert proc.stderr.strip().count("\n") == 0, proc.stderr
 
 

@@ -48,6 +48,9 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
     last all-reduce, and the run's mesh version, leader, tokens/s and ETA, read from the run's store."""
     _check_combination(store, watch, serve, http_port, from_paths, out, force)
     _check_given(watch, serve, from_paths, as_json, out, force)
+    # torch's store client logs C++ stack frames while it retries an address that is not a store (also from
+    # a thread still retrying after we gave up): this command only reads, and says what failed in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if from_paths:
         return _report(from_paths, out or "report.html", force, as_json)
     host, port = _store_address(store)

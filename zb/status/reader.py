@@ -68,10 +68,10 @@ def open_store(host: str, port: int, timeout: float):
     with _quiet_stderr():
         thread = threading.Thread(target=client, name="zb-status-connect", daemon=True)
         thread.start()
-        thread.join(timeout + 1.0)
+        thread.join(2 * timeout + 2.0)      # its own retries can overrun `timeout` on a busy machine
     if "store" in result:
         return result["store"]
-    why = result.get("error") or f"no answer within {timeout:g} s: hung?"
+    why = result.get("error") or f"no answer within {2 * timeout + 2:g} s: hung?"
     raise EnvironmentFailure(f"{host}:{port} accepts connections but does not answer as a TCPStore ({why}); "
                              "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)")
 
