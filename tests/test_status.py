@@ -140,6 +140,27 @@ def test_publisher_writes_the_record_and_says_goodbye(store):
     assert store.get(keys.STATUS_INDEX) == b"n1\n"
 
 
+def test_a_node_that_fails_before_its_run_owns_the_sink_still_says_goodbye(store):
+    import subprocess
+    import sys
+
+    from conftest import REPO, subprocess_env
+
+    code = f"""
+from zb.config import load_config
+from zb.metrics import MetricsSink
+from zb.status.publisher import publish_status
+cfg = load_config(flags={{"diloco.inner_steps": 5, "elastic.addr": "127.0.0.1", "elastic.port": {store.port},
+                          "elastic.unique_id": "early"}}, environ={{}})
+sink = publish_status(MetricsSink(None, "early"), cfg, is_head=True)
+raise SystemExit("failed while building the model")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(), cwd=REPO)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert decode_record(store.get(keys.status("early")))["state"] == "left"
+
+
 def test_a_store_that_never_answers_never_blocks_the_loop():
     """The store accepts connections and never replies (torch's client then waits without end): logging
     goes on, and closing the sink is bounded."""

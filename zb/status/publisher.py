@@ -11,6 +11,7 @@ the node's exit waits for it at most CLOSE_TIMEOUT_S.)
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -32,6 +33,10 @@ def publish_status(sink, cfg, *, is_head: bool):
     elastic.status_interval > 0; else `sink` itself."""
     if cfg.diloco is None or not is_head or cfg.elastic.status_interval <= 0:
         return sink
+    # The thread's store client needs torch.distributed: imported here, since a first import from the
+    # thread while the interpreter shuts down (the atexit goodbye below) fails.
+    import torch.distributed  # noqa: F401
+
     e = cfg.elastic
     first = "recovering" if cfg.ckpt.live_recovery and not cfg.diloco.blocking_join else "joining"
     status = NodeStatus(e.unique_id, state=first, total_steps=cfg.train.max_steps or cfg.optim.total_steps,
@@ -40,6 +45,8 @@ def publish_status(sink, cfg, *, is_head: bool):
     publisher = StatusPublisher(status, lambda: connect(addr, port, min(2.0, e.status_interval), OP_TIMEOUT_S),
                                 e.status_interval)
     publisher.start()
+    # A node that fails before its training run owns the sink (building the model, say) still says "left".
+    atexit.register(publisher.close)
     return StatusSink(sink, publisher)
 
 
@@ -90,6 +97,8 @@ class StatusPublisher(threading.Thread):
 
     def close(self) -> None:
         """Publish the record once more as "left" and stop (bounded: a dead store cannot hold the exit)."""
+        if self._closing.is_set():
+            return
         self.status.set_state("left")
         self._closing.set()
         self._wake.set()
