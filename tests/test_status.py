@@ -38,7 +38,8 @@ def store():
 
 def _status(uid: str = "a", **kw) -> NodeStatus:
     return NodeStatus(uid, state=kw.pop("state", "joining"), total_steps=kw.pop("total_steps", 100),
-                      heartbeat_interval=kw.pop("heartbeat_interval", 0.05), heartbeat_timeout=kw.pop("heartbeat_timeout", 0.5))
+                      heartbeat_interval=kw.pop("heartbeat_interval", 0.05),
+                      heartbeat_timeout=kw.pop("heartbeat_timeout", 0.5))
 
 
 def _step(step: int, t: float, loss: float = 2.0, tps: float = 1000.0) -> dict:
@@ -56,7 +57,8 @@ def test_record_follows_the_events_and_stays_bounded():
         assert not s.observe(_step(i, 2.0 + i * 0.5)), "a step waits for the next interval"
     assert s.observe({"event": "outer_step", "time": 900.0, "outer_step": 3, "step": 15, "mesh_version": 1,
                       "global_world_size": 2, "num_peers": 2, "allreduce_s": 0.25, "wire_bytes": 10, "wire_mbps": 3.2})
-    s.observe({"event": "step", "time": 2.0 + 3 * HISTORY_POINTS * 0.5, "step": 3 * HISTORY_POINTS, "loss": float("nan")})
+    last = 3 * HISTORY_POINTS
+    s.observe({"event": "step", "time": 2.0 + last * 0.5, "step": last, "loss": float("nan")})
     record, history, version = s.snapshot()
     assert record["host"] == "h1" and record["device"] == "cpu" and record["local_world_size"] == 2
     assert record["state"] == "training" and record["leader"] == "b" and record["global_rank"] == 1

@@ -77,7 +77,8 @@ def _check_combination(store, watch, serve, http_port, from_paths, out, force) -
     if from_paths:
         given = [name for name, on in (("--store", store), ("--watch", watch), ("--serve", serve)) if on]
         if given:
-            raise InvalidInput(f"--from reads metrics files; {', '.join(given)} read a live store: give one or the other")
+            raise InvalidInput(f"--from reads metrics files; {', '.join(given)} read a live store: give one or the "
+                               "other")
     elif out is not None or force:
         raise InvalidInput("--out and --force go with --from (a report of a finished run)")
     if http_port is not None and not serve:
@@ -270,7 +271,9 @@ def status_table(doc: dict):
     from rich.table import Table
 
     run = doc.get("run") or {}
-    step = f"{_cell(run.get('step'))}/{_cell(run.get('total_steps'))}" if run.get("total_steps") else _cell(run.get("step"))
+    step = _cell(run.get("step"))
+    if run.get("total_steps"):
+        step += f"/{_cell(run['total_steps'])}"
     mesh = f"v{run['mesh_version']}" if run.get("mesh_version") is not None else "—"
     title = (f"run on {doc.get('source')}: mesh {mesh}, {run.get('world_size') or 0} node(s), leader "
              f"{run.get('leader') or '—'}, step {step}, outer step {_cell(run.get('outer_step'))}, "

@@ -19,7 +19,8 @@ on a private network (WireGuard, Tailscale) and bind the store to that network's
               help="TCP port to listen on. Workers reach it as GLOBAL_PORT.")
 @click.option("--http-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve the run's live dashboard (read-only) on this port of --host (0: a free one).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (address, port, env) on stdout once listening.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document (address, port, env) on stdout once listening.")
 def store(host: str, port: int, http_port: int | None, as_json: bool) -> None:
     """Host the global store that nodes of a run coordinate through (heartbeats, joins, the world)."""
     from zb.cli.terminal import print_json, stderr, warn

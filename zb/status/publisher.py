@@ -12,6 +12,7 @@ the node's exit waits for it at most CLOSE_TIMEOUT_S.)
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import threading
 import time
@@ -35,7 +36,7 @@ def publish_status(sink, cfg, *, is_head: bool):
         return sink
     # The thread's store client needs torch.distributed: imported here, since a first import from the
     # thread while the interpreter shuts down (the atexit goodbye below) fails.
-    import torch.distributed  # noqa: F401
+    importlib.import_module("torch.distributed")
 
     e = cfg.elastic
     first = "recovering" if cfg.ckpt.live_recovery and not cfg.diloco.blocking_join else "joining"

@@ -3,9 +3,10 @@
 Read-only: the reader never writes a key. One refresh costs ten store operations whatever the
 number of nodes (checks and multi_gets for the membership keys, the index, then every record and
 heartbeat counter at once; a few more only while keys are missing); a dashboard's refresh adds two
-for the histories that changed, at most `history_budget` of them (see scripts/bench_status.py). Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this
-process's own clock, by when a node's heartbeat counter was last seen changing; so a reader that
-has watched for less than a heartbeat interval cannot know an age yet (`sample` watches for one).
+for the histories that changed, at most `history_budget` of them (see scripts/bench_status.py).
+Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this process's own clock, by
+when a node's heartbeat counter was last seen changing; so a reader that has watched for less than
+a heartbeat interval cannot know an age yet (`sample` watches for one).
 """
 
 from __future__ import annotations

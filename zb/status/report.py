@@ -78,8 +78,8 @@ class _Node:
             self.first = t if self.first is None else min(self.first, t)
             self.last = t if self.last is None else max(self.last, t)
         if kind == "run_start":
-            self.row.update(host=e.get("host"), device=e.get("device"), local_world_size=_num(e.get("local_world_size")),
-                            pid=_num(e.get("pid")))
+            self.row.update(host=e.get("host"), device=e.get("device"),
+                            local_world_size=_num(e.get("local_world_size")), pid=_num(e.get("pid")))
         elif kind == "step":
             self.steps.append([t, _num(e.get("step")), _num(e.get("loss")), _num(e.get("tokens_per_s"))])
             self.row.update(step=_num(e.get("step")), outer_step=_num(e.get("outer_step")), loss=_num(e.get("loss")),

@@ -45,7 +45,8 @@ def listen(bind: str, port: int, option: str = "--http-port") -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise EnvironmentFailure(f"{option} {port}: port already in use on {bind}; choose another") from None
         if e.errno in (errno.EACCES, errno.EPERM):
-            raise EnvironmentFailure(f"{option} {port}: no permission to bind it (ports below 1024 need root)") from None
+            raise EnvironmentFailure(f"{option} {port}: no permission to bind it (ports below 1024 need root)") \
+                from None
         raise EnvironmentFailure(f"cannot serve the dashboard on {bind}:{port}: {e.strerror or e}") from None
     return sock
 
