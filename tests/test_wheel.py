@@ -75,6 +75,7 @@ def test_wheel_ships_kernel_source_man_pages_and_license(tmp_path):
     wheel = _build_wheel(tmp_path, env)
     names = zipfile.ZipFile(wheel).namelist()
     assert "zb/csrc/zb_quant.cpp" in names and "zb/man/zb-train.1" in names
+    assert "zb/status/page.html" in names, "the dashboard's page (zb status --serve, --from) is package data"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
     venv, outside = _venv(tmp_path, wheel, env), tmp_path / "elsewhere"

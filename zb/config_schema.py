@@ -243,6 +243,8 @@ class ElasticConfig:
                                          env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",
                                          env="ZERO_BAND_LIVE_RECO_PORT")
+    status_interval: float = knob(5.0, "Seconds between this node's status records in the store (for `zb status` and its "
+                                  "dashboard; also after every outer step); 0 publishes none.", check="non_negative")
 
 
 @dataclass

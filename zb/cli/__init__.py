@@ -18,6 +18,7 @@ from zb import __version__
 COMMANDS: dict[str, str] = {
     "train": "zb.cli.train:train",
     "store": "zb.cli.store:store",
+    "status": "zb.cli.status:status",
     "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
     "subset-data": "zb.cli.subset_data:subset_data",
     "bench-allreduce": "zb.cli.bench_allreduce:bench_allreduce",

@@ -1,4 +1,5 @@
-"""`zb store`: host the global TCPStore of a run as its own process, until SIGINT/SIGTERM."""
+"""`zb store`: host the global TCPStore of a run as its own process, until SIGINT/SIGTERM; with
+--http-port, also the run's dashboard (as `zb status --serve` does)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import click
 from zb.cli.types import TEXT
 
 EPILOG = """The store and gloo have no authentication: across the internet, run nodes and the store
-on a private network (WireGuard, Tailscale) and bind the store to that network's address."""
+on a private network (WireGuard, Tailscale) and bind the store to that network's address. The dashboard
+(--http-port) is read-only and listens on the same address as the store."""
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
@@ -15,20 +17,50 @@ on a private network (WireGuard, Tailscale) and bind the store to that network's
               help="Address to bind (0.0.0.0 for every interface). Workers reach it as GLOBAL_ADDR.")
 @click.option("--port", type=click.IntRange(1, 65535), default=29600, show_default=True,
               help="TCP port to listen on. Workers reach it as GLOBAL_PORT.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document (address, port, env) on stdout once listening.")
-def store(host: str, port: int, as_json: bool) -> None:
+@click.option("--http-port", type=click.IntRange(0, 65535), default=None,
+              help="Also serve the run's live dashboard (read-only) on this port of --host (0: a free one).")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document (address, port, env) on stdout once listening.")
+def store(host: str, port: int, http_port: int | None, as_json: bool) -> None:
     """Host the global store that nodes of a run coordinate through (heartbeats, joins, the world)."""
     from zb.cli.terminal import print_json, stderr, warn
     from zb.elastic.storehost import serve
+
+    # Bound before the store, so a taken port fails before anything listens.
+    http_sock = None
+    if http_port is not None:
+        from zb.status.server import listen
+
+        http_sock = listen(host, http_port)
+    boards = []
 
     def ready(info: dict) -> None:
         if info["public"]:
             warn(f"{host} may be reachable from the internet: the store and gloo have no authentication; "
                  "put the run on a private network (WireGuard/Tailscale) and bind to its address")
+        if http_sock is not None:
+            boards.append(_dashboard(http_sock, info))
+            info["dashboard"] = boards[0].url
         if as_json:
             print_json(info)
         stderr.print(f"zb store listening on {info['host']}:{info['port']} (Ctrl-C to stop). Point workers at it:")
         stderr.print("  " + "  ".join(f"{k}={v}" for k, v in info["env"].items()))
         stderr.print(f"  or: zb train --elastic.addr {info['addr']} --elastic.port {info['port']}")
+        if boards:
+            stderr.print(f"  dashboard (read-only): {boards[0].url}", markup=False)
 
-    serve(host, port, ready)
+    try:
+        serve(host, port, ready)
+    finally:
+        for board in boards:
+            board.close()
+
+
+def _dashboard(sock, info: dict):
+    """The dashboard, reading this process's own store through a client of it."""
+    from zb.status.reader import RunReader, open_store
+    from zb.status.server import Dashboard
+
+    dial = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else "::1" if info["host"] == "::" else info["host"]
+    where = f"{info['addr']}:{info['port']}"
+    return Dashboard(sock, lambda: RunReader(open_store(dial, info["port"], 10.0), where), 2.0, where).start()

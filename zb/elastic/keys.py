@@ -40,3 +40,18 @@ LINK_FILE = f"{ROOT}/links/file"  # text of an elastic.link_matrix file (zb iper
 def links_into(uid: str) -> str:
     """JSON {sender uid: Mbit/s or null} of the links into `uid`, timed and written by `uid` alone."""
     return f"{ROOT}/links/into/{uid}"
+
+
+# What `zb status` and the dashboard read (zb.status): one bounded record and one bounded history per
+# node, overwritten in place, and an index of the unique ids that ever published one.
+STATUS_INDEX = f"{ROOT}/status/index"   # append-only: one unique id per line, per publishing process
+
+
+def status(uid: str) -> str:
+    """JSON of the node's status record (zb.status.record), a few hundred bytes."""
+    return f"{ROOT}/status/node/{uid}"
+
+
+def status_history(uid: str) -> str:
+    """JSON of the node's recent steps, outer steps and membership changes (bounded)."""
+    return f"{ROOT}/status/history/{uid}"

@@ -22,6 +22,7 @@ from zb.errors import LeavingRun
 from zb.fingerprint import fingerprint
 from zb.local_world import LocalWorld, local_world
 from zb.position import RunPosition
+from zb.status.publisher import publish_status
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import (Placement, close_local_group, control_group, control_timeout_s, init_control_group,
                              init_local_group, pick_placement)
@@ -99,6 +100,8 @@ class TrainingRun:
         cfg.elastic.unique_id = node_identity(cfg, local)
         set_node_id(cfg.elastic.unique_id)
         self.sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=local.is_head)
+        # DiLoCo nodes also publish a status record for `zb status` (a thread; never blocks a step).
+        self.sink = publish_status(self.sink, cfg, is_head=local.is_head)
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, retries=cfg.data.retries)
         self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
         from zb.models import count_params

@@ -1,0 +1,292 @@
+"""`zb status`: the run as a table, live (--watch), as JSON, as a dashboard in the browser (--serve),
+or, for a finished run, as a static HTML report from its metrics files (--from)."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from zb.cli.types import TEXT, FiniteFloatRange
+
+EPILOG = """Examples: zb status --store 10.0.0.1:29600 (one table); zb status --watch (refreshing; the store
+from GLOBAL_ADDR/GLOBAL_PORT); zb status --serve --http-port 8600 (a dashboard at http://127.0.0.1:8600/);
+zb status --from logs/sim/run1 --out run1.html (a report). States: training, joining (admitted or
+waiting to be, receiving the run's state), recovering (fetching a live-recovery snapshot), leaving (said
+goodbye), left, silent (no heartbeat for two intervals), dead (none for the heartbeat timeout, or
+dropped by the run). Heartbeat ages are measured on this machine's clock: a one-shot status watches
+the counters for up to two heartbeat intervals first. Exit codes: 0 shown; 1 the store is unreachable,
+holds no run or is not a zb store, or the port is in use; 2 invalid options or unreadable --from files."""
+
+DEFAULT_HTTP_PORT = 8600
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
+@click.option("--store", type=TEXT, default=None, metavar="HOST:PORT",
+              help="The run's store (`zb store`) [default: GLOBAL_ADDR:GLOBAL_PORT from the environment].")
+@click.option("--watch", is_flag=True, help="Refresh the table every --interval seconds until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON document on stdout (with --watch, one line per refresh).")
+@click.option("--serve", is_flag=True, help="Serve a live dashboard (one self-contained page) over HTTP until Ctrl-C.")
+@click.option("--http-port", type=click.IntRange(0, 65535), default=None,
+              help=f"Port of the dashboard (with --serve; 0 picks a free one) [default: {DEFAULT_HTTP_PORT}].")
+@click.option("--bind", type=TEXT, default="127.0.0.1", show_default=True,
+              help="Address the dashboard listens on (with --serve; 0.0.0.0 for every interface).")
+@click.option("--interval", type=FiniteFloatRange(min=0.2, max=3600), default=2.0, show_default=True,
+              help="Seconds between refreshes (--watch, --serve).")
+@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True, max=3600), default=10.0, show_default=True,
+              help="Seconds to wait for the store to answer.")
+@click.option("--from", "from_paths", type=TEXT, multiple=True, metavar="PATH",
+              help="A finished run's metrics: metrics.jsonl files or directories holding them (repeatable). "
+                   "Writes an HTML report instead of reading a store.")
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="With --from: the report's file [default: report.html].")
+@click.option("--force", is_flag=True, help="With --from: overwrite --out if it exists.")
+def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port: int | None, bind: str,
+           interval: float, timeout: float, from_paths: tuple[str, ...], out: str | None, force: bool) -> None:
+    """Show a run: every node's id, host, rank, device, state, heartbeat age, step, loss, tokens/s and
+    last all-reduce, and the run's mesh version, leader, tokens/s and ETA, read from the run's store."""
+    _check_combination(store, watch, serve, http_port, from_paths, out, force)
+    _check_given(watch, serve, from_paths, as_json, out, force)
+    # torch's store client logs C++ stack frames while it retries an address that is not a store (also from
+    # a thread still retrying after we gave up): this command only reads, and says what failed in one line.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    if from_paths:
+        return _report(from_paths, out or "report.html", force, as_json)
+    host, port = _store_address(store)
+    where = f"{host}:{port}"
+    if serve:
+        return _serve(host, port, where, bind, DEFAULT_HTTP_PORT if http_port is None else http_port, interval,
+                      timeout, as_json)
+    from zb.status.reader import RunReader, open_store, sample_window
+
+    reader = RunReader(open_store(host, port, timeout), where)
+    if watch:
+        return _watch(reader, host, port, where, interval, timeout, as_json)
+    doc = reader.read()
+    live = [n["uid"] for n in doc["nodes"] if n["state"] not in ("left", "dead")]
+    if live:
+        reader.sample(live, sample_window(doc))
+        doc = reader.read()
+    _show(doc, as_json)
+
+
+def _check_combination(store, watch, serve, http_port, from_paths, out, force) -> None:
+    from zb.errors import InvalidInput
+
+    if from_paths:
+        given = [name for name, on in (("--store", store), ("--watch", watch), ("--serve", serve)) if on]
+        if given:
+            raise InvalidInput(f"--from reads metrics files; {', '.join(given)} read a live store: give one or the "
+                               "other")
+    elif out is not None or force:
+        raise InvalidInput("--out and --force go with --from (a report of a finished run)")
+    if http_port is not None and not serve:
+        raise InvalidInput("--http-port goes with --serve (the dashboard); without --serve there is no server")
+    if watch and serve:
+        raise InvalidInput("--watch and --serve: give one (the dashboard refreshes itself)")
+
+
+def _check_given(watch: bool, serve: bool, from_paths, as_json: bool, out, force: bool) -> None:
+    """Options given explicitly where they can have no effect: refused, not silently ignored."""
+    from click.core import ParameterSource
+
+    from zb.errors import InvalidInput
+
+    ctx = click.get_current_context()
+    given = {name for name in ("bind", "interval", "timeout")
+             if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    useless = []
+    if "bind" in given and not serve:
+        useless.append("--bind goes with --serve")
+    if "interval" in given and not (watch or serve):
+        useless.append("--interval goes with --watch or --serve")
+    if "timeout" in given and from_paths:
+        useless.append("--timeout has no effect with --from (no store is read)")
+    if from_paths and as_json and (out is not None or force):
+        useless.append("--out and --force have no effect with --json (the document goes to stdout)")
+    if useless:
+        raise InvalidInput("; ".join(useless))
+
+
+def _store_address(store: str | None) -> tuple[str, int]:
+    from zb.errors import InvalidInput
+    from zb.net.iperf import parse_host_port
+
+    if store is None:
+        addr, port = os.environ.get("GLOBAL_ADDR"), os.environ.get("GLOBAL_PORT", "29600")
+        if not addr:
+            raise InvalidInput("no store given: pass --store HOST:PORT (the address of `zb store`) or set GLOBAL_ADDR")
+        store = f"{addr}:{port}"
+    try:
+        return parse_host_port(store, "--store")
+    except ValueError as e:
+        raise InvalidInput(str(e)) from None
+
+
+def _show(doc: dict, as_json: bool) -> None:
+    from zb.cli.terminal import print_json
+
+    if as_json:
+        print_json(doc)
+    else:
+        _print_table(doc)
+
+
+def _print_table(doc: dict) -> None:
+    """On a terminal at its width; into a pipe or file wide enough that no column is cut."""
+    from rich.console import Console
+
+    from zb.cli.terminal import stdout
+
+    console = stdout if stdout.is_terminal else Console(width=200, highlight=False, soft_wrap=True)
+    console.print(status_table(doc))
+
+
+def _watch(reader, host: str, port: int, where: str, interval: float, timeout: float, as_json: bool) -> None:
+    """Refresh until Ctrl-C (exit 0); a store that goes away is shown and reconnected to."""
+    import time
+
+    from rich.live import Live
+
+    from zb.cli.terminal import interactive, print_json, stderr, stdout
+    from zb.elastic.tcpstore import store_errors
+    from zb.errors import EnvironmentFailure
+    from zb.status.reader import RunReader, open_store
+
+    live = Live(console=stdout, auto_refresh=False) if interactive() and not as_json else None
+    try:
+        if live:
+            live.start()
+        while True:
+            try:
+                if reader is None:
+                    reader = RunReader(open_store(host, port, timeout), where)
+                doc = reader.read()
+                if as_json:
+                    print_json(doc)
+                elif live:
+                    live.update(status_table(doc), refresh=True)
+                else:
+                    _print_table(doc)
+            except (*store_errors(), EnvironmentFailure) as e:
+                reader = None
+                stderr.print(f"store {where}: {str(e).splitlines()[0][:200]}; retrying in {interval:g} s", markup=False)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live:
+            live.stop()
+
+
+def _serve(host: str, port: int, where: str, bind: str, http_port: int, interval: float, timeout: float,
+           as_json: bool) -> None:
+    import signal
+    import threading
+
+    from zb.cli.terminal import print_json, stderr
+    from zb.status.reader import RunReader, open_store
+    from zb.status.server import Dashboard, listen
+
+    sock = listen(bind, http_port)     # before the store: a taken port fails at once
+    board = Dashboard(sock, lambda: RunReader(open_store(host, port, timeout), where), interval, where).start()
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        if as_json:
+            print_json({"url": board.url, "store": where, "bind": bind, "port": sock.getsockname()[1]})
+        stderr.print(f"zb status: dashboard of the run on {where} at {board.url} (read-only; Ctrl-C to stop)",
+                     markup=False)
+        error = board.document().get("error")
+        if error:
+            stderr.print(f"warning: {error}", markup=False)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        board.close()
+
+
+def _report(paths: tuple[str, ...], out: str, force: bool, as_json: bool) -> None:
+    from pathlib import Path
+
+    from zb.cli.terminal import print_json, stderr
+    from zb.errors import EnvironmentFailure, InvalidInput
+    from zb.status.page import render
+    from zb.status.report import build_report
+
+    target = Path(out)
+    if not as_json:      # refused before the files are read
+        if not target.parent.is_dir():
+            raise InvalidInput(f"--out {out}: directory {target.parent} does not exist")
+        if target.exists() and not force:
+            raise InvalidInput(f"--out {out} exists; pass --force to overwrite it, or choose another file")
+    doc = build_report(paths)
+    if as_json:
+        print_json(doc)
+        return
+    tmp = target.with_name(f".{target.name}.tmp")
+    try:
+        tmp.write_text(render(doc), encoding="utf-8")
+        tmp.replace(target)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise EnvironmentFailure(f"cannot write the report to {out}: {e.strerror or e}") from None
+    skipped = f"; {doc['skipped_lines']} unreadable line(s) skipped" if doc.get("skipped_lines") else ""
+    stderr.print(f"report of {len(doc['nodes'])} node(s) written to {target}{skipped}", markup=False)
+
+
+def _cell(value, digits: int | None = None) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and digits is not None:
+        return f"{value:.{digits}f}"
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}" if isinstance(value, float) else str(value)
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "—"
+    s = int(round(seconds))
+    h, m = divmod(s // 60, 60)
+    return f"{h}h {m:02d}m" if h else f"{m}m {s % 60:02d}s" if m else f"{s}s"
+
+
+STATE_STYLE = {"training": "green", "joining": "cyan", "recovering": "cyan", "leaving": "yellow", "silent": "yellow",
+               "dead": "red", "left": "dim", "ended": "dim"}
+
+
+def _heartbeat(node: dict) -> str:
+    if node.get("heartbeat_age_s") is not None:
+        return f"{node['heartbeat_age_s']:.1f} s"
+    watched = node.get("heartbeat_watched_s")
+    return f"> {watched:.1f} s" if watched else "—"
+
+
+def status_table(doc: dict):
+    """The rich table of a status document (nodes, with the run in the title)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    run = doc.get("run") or {}
+    step = _cell(run.get("step"))
+    if run.get("total_steps"):
+        step += f"/{_cell(run['total_steps'])}"
+    mesh = f"v{run['mesh_version']}" if run.get("mesh_version") is not None else "—"
+    title = (f"run on {doc.get('source')}: mesh {mesh}, {run.get('world_size') or 0} node(s), leader "
+             f"{run.get('leader') or '—'}, step {step}, outer step {_cell(run.get('outer_step'))}, "
+             f"{_cell(run.get('tokens_per_s'))} tok/s, ETA {_duration(run.get('eta_s'))}")
+    table = Table(title=escape(title), title_justify="left")
+    for name in ("node", "host", "rank", "device", "state", "heartbeat", "step", "outer", "loss", "tok/s",
+                 "all-reduce s", "Mbit/s"):
+        table.add_column(name, justify="left" if name in ("node", "host", "state") else "right")
+    for n in doc.get("nodes", []):
+        device = f"{n['device']}×{n.get('local_world_size') or 1}" if n.get("device") else "—"
+        style = STATE_STYLE.get(n["state"], "")
+        table.add_row(escape(n["uid"]), escape(n.get("host") or "—"), _cell(n.get("global_rank")), device,
+                      f"[{style}]{n['state']}[/]" if style else n["state"], _heartbeat(n), _cell(n.get("step")),
+                      _cell(n.get("outer_step")), _cell(n.get("loss"), 4), _cell(n.get("tokens_per_s")),
+                      _cell(n.get("allreduce_s"), 2), _cell(n.get("wire_mbps")))
+    return table

@@ -1,0 +1,254 @@
+"""Reading a run from its store: one document with every node's state and figures, and the run's.
+
+Read-only: the reader never writes a key. One refresh costs ten store operations whatever the
+number of nodes (checks and multi_gets for the membership keys, the index, then every record and
+heartbeat counter at once; a few more only while keys are missing); a dashboard's refresh adds two
+for the histories that changed, at most `history_budget` of them (see scripts/bench_status.py).
+Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this process's own clock, by
+when a node's heartbeat counter was last seen changing; so a reader that has watched for less than
+a heartbeat interval cannot know an age yet (`sample` watches for one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+from zb.elastic import keys
+from zb.elastic.store_state import read_snapshot
+from zb.elastic.tcpstore import read_lines, store_errors
+from zb.errors import EnvironmentFailure
+from zb.status.record import decode_history, decode_record
+
+DEFAULT_HB_INTERVAL, DEFAULT_HB_TIMEOUT = 2.0, 10.0
+
+
+class NoRun(EnvironmentFailure):
+    """The store answers but holds no zb run (yet), or another program's keys."""
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """torch's store client prints C++ stack frames to fd 2 while it retries: hide them (one line follows)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def open_store(host: str, port: int, timeout: float):
+    """A read-only client of the store at host:port; one EnvironmentFailure line when nothing (or not a
+    store) answers within `timeout` s; an address that does not resolve is invalid input (exit 2)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.dial import wait_listening
+
+    failed = wait_listening(host, port, timeout, "--store")
+    if failed is not None:
+        raise EnvironmentFailure(f"store {host}:{port} unreachable after {timeout:g} s "
+                                 f"({failed.strerror or failed}); is `zb store` running there? check --store")
+    result: dict[str, Any] = {}
+
+    def client() -> None:
+        try:
+            result["store"] = dist.TCPStore(host, port, is_master=False, use_libuv=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=timeout))
+        except dist.DistError as e:
+            result["error"] = str(e).splitlines()[0][:120]
+
+    # torch's client waits without end for a peer that accepts and never answers (a hung store): bounded here.
+    with _quiet_stderr():
+        thread = threading.Thread(target=client, name="zb-status-connect", daemon=True)
+        thread.start()
+        thread.join(2 * timeout + 2.0)      # its own retries can overrun `timeout` on a busy machine
+    if "store" in result:
+        return result["store"]
+    why = result.get("error") or f"no answer within {2 * timeout + 2:g} s: hung?"
+    raise EnvironmentFailure(f"{host}:{port} accepts connections but does not answer as a TCPStore ({why}); "
+                             "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)")
+
+
+class RunReader:
+    """Reads the run; remembers heartbeat counters across refreshes to judge liveness on its own clock."""
+
+    def __init__(self, store, where: str, history_budget: int = 64) -> None:
+        self.store, self.where, self.history_budget = store, where, history_budget
+        self._hist_seen: dict[str, int | None] = {}    # uid -> history_version last read
+        self._hist_read: dict[str, float] = {}         # uid -> when it was last read (monotonic)
+        self._beats: dict[str, tuple[bytes, float | None, float]] = {}   # uid -> (value, changed at, first seen)
+
+    # -- heartbeats ------------------------------------------------------------------------------
+    def _observe(self, uids: list[str], values: list[bytes]) -> None:
+        now = time.monotonic()
+        for uid, value in zip(uids, values):
+            old = self._beats.get(uid)
+            if old is None:
+                self._beats[uid] = (value, None, now)
+            elif old[0] != value:
+                self._beats[uid] = (value, now, old[2])
+
+    def sample(self, uids: list[str], window: float, poll: float = 0.1) -> None:
+        """Watch the counters of `uids` for up to `window` s, until each was seen changing."""
+        deadline = time.monotonic() + window
+        while True:
+            self._observe(uids, self._read([keys.heartbeat(u) for u in uids]))
+            waiting = [u for u in uids if self._beats[u][1] is None]
+            if not waiting or time.monotonic() >= deadline:
+                return
+            time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+    def heartbeat(self, uid: str) -> tuple[float | None, float]:
+        """(seconds since the counter was seen changing or None, seconds this reader has watched it)."""
+        value, changed, first = self._beats.get(uid, (b"", None, time.monotonic()))
+        now = time.monotonic()
+        return (None if changed is None else now - changed), now - first
+
+    # -- the document ----------------------------------------------------------------------------
+    def _read(self, names: list[str]) -> list[bytes]:
+        return read_present(self.store, names)
+
+    def uids(self) -> list[str]:
+        return list(dict.fromkeys(read_lines(self.store, keys.STATUS_INDEX)))
+
+    def read(self, with_history: bool = False) -> dict[str, Any]:
+        """The run as one JSON-able document; NoRun when the store holds no zb run."""
+        snap = read_snapshot(self.store, None)
+        indexed = self.uids()
+        world = snap.world
+        if world is None:
+            self._no_run(snap.raw_world, indexed)
+        pending = [j.uid for j in snap.joins[world.join_cursor:] if j.uid] if world else []
+        uids = list(dict.fromkeys([*(world.nodes if world else []), *pending, *indexed]))
+        raw = self._read([keys.status(u) for u in uids] + [keys.heartbeat(u) for u in uids])
+        n = len(uids)
+        records = {u: decode_record(r) for u, r in zip(uids, raw[:n])}
+        self._observe(uids, raw[n:])
+        nodes = [self._node(u, records[u], world, snap.gone, pending) for u in uids]
+        nodes.sort(key=_order)
+        doc = {"source": self.where, "time": round(time.time(), 3), "nodes": nodes, "run": _run(world, nodes, records)}
+        if with_history:
+            doc["history"] = self._histories(records)
+        return doc
+
+    def _histories(self, records: dict[str, dict | None]) -> dict[str, dict]:
+        """The histories that changed since this reader last read them, the longest unread first, at most
+        `history_budget` per call: a dashboard's refresh stays bounded however many nodes there are."""
+        changed = [u for u, rec in records.items() if rec is not None and
+                   (rec.get("history_version") is None or rec.get("history_version") != self._hist_seen.get(u))]
+        changed.sort(key=lambda u: self._hist_read.get(u, float("-inf")))
+        chosen = changed[:self.history_budget]
+        now = time.monotonic()
+        out = {}
+        for uid, raw in zip(chosen, self._read([keys.status_history(u) for u in chosen])):
+            self._hist_seen[uid], self._hist_read[uid] = records[uid].get("history_version"), now
+            history = decode_history(raw)
+            if history is not None:
+                out[uid] = history
+        return out
+
+    def _no_run(self, raw_world: bytes, indexed: list[str]) -> None:
+        if raw_world:
+            raise NoRun(f"the store at {self.where} holds a '{keys.WORLD}' key that is not a zb world record: "
+                        "another program's store, or a zb of another version; check --store")
+        if indexed:
+            return          # nodes are starting: they published a record but no world exists yet
+        try:
+            count = self.store.num_keys()
+        except store_errors():
+            count = 0
+        if count:
+            raise NoRun(f"the store at {self.where} holds {count} key(s) but no zb run (no '{keys.WORLD}'): "
+                        "another program's store? check --store")
+        raise NoRun(f"no run on the store at {self.where} yet: no node has joined it (start nodes with "
+                    "GLOBAL_ADDR/GLOBAL_PORT pointing at it)")
+
+    def _node(self, uid: str, rec: dict | None, world, gone: set, pending: list[str]) -> dict[str, Any]:
+        rec = rec or {"uid": uid}
+        age, watched = self.heartbeat(uid)
+        row = {k: rec.get(k) for k in ("host", "device", "local_world_size", "step", "outer_step", "total_steps",
+                                        "loss", "eval_loss", "tokens_per_s", "allreduce_s", "wire_mbps", "wire_bytes",
+                                        "num_peers", "steps_per_s", "mesh_version", "pid", "heartbeat_interval",
+                                        "heartbeat_timeout")}
+        row.update(uid=uid, global_rank=world.nodes.index(uid) if world and uid in world.nodes else None,
+                   state=_state(uid, rec, world, gone, pending, age, watched), published=rec.get("state"),
+                   heartbeat_age_s=None if age is None else round(age, 2), heartbeat_watched_s=round(watched, 2),
+                   record_time=rec.get("time"))
+        return row
+
+
+def read_present(store, names: list[str]) -> list[bytes]:
+    """Values of `names`, b"" for missing ones, without ever blocking on a missing key: one check and
+    one multi_get when all exist; otherwise the missing ones are found by halving (a few checks each)."""
+    if not names:
+        return []
+    if store.check(names):
+        return list(store.multi_get(names))
+    if len(names) == 1:
+        return [b""]
+    half = len(names) // 2
+    return read_present(store, names[:half]) + read_present(store, names[half:])
+
+
+def _state(uid: str, rec: dict, world, gone: set, pending: list[str], age: float | None, watched: float) -> str:
+    published = rec.get("state")
+    interval = rec.get("heartbeat_interval") or DEFAULT_HB_INTERVAL
+    timeout = rec.get("heartbeat_timeout") or DEFAULT_HB_TIMEOUT
+    silence = age if age is not None else watched     # what this reader can vouch for
+    in_world = world is not None and uid in world.nodes
+    if published == "left":
+        return "left"
+    if in_world and (uid, world.tokens.get(uid, "")) in gone:
+        return "leaving"            # its deathrattle is out; the next resolution drops it
+    if silence > timeout:
+        return "left" if any(u == uid for u, _ in gone) and not in_world else "dead"
+    if not in_world:
+        if world is not None and uid in world.died and uid not in pending:
+            return "dead"
+        return "recovering" if published == "recovering" else "joining"
+    if silence > 2 * interval:
+        return "silent"             # not (yet) dead: the mesh waits heartbeat_timeout
+    return "joining" if published == "joining" and uid in world.joined else "training"
+
+
+_RANKLESS = {"joining": 0, "recovering": 0, "leaving": 1, "silent": 1, "dead": 2, "left": 3}
+
+
+def _order(node: dict) -> tuple:
+    rank = node["global_rank"]
+    return (0, rank, "") if rank is not None else (1 + _RANKLESS.get(node["state"], 0), 0, node["uid"])
+
+
+def _run(world, nodes: list[dict], records: dict[str, dict | None]) -> dict[str, Any]:
+    live = [n for n in nodes if n["state"] in ("training", "joining", "silent", "leaving")]
+    training = [n for n in nodes if n["state"] == "training"]
+    leader = world.leader if world else None
+    lead = next((n for n in nodes if n["uid"] == leader), None) or (max(live, key=lambda n: n["step"] or 0)
+                                                                     if live else None)
+    counted = live or nodes        # a finished run still shows where it ended
+    step = max((n["step"] or 0 for n in counted), default=None)
+    total = lead.get("total_steps") if lead else None
+    rate = lead.get("steps_per_s") if lead else None
+    eta = (total - step) / rate if total and step is not None and rate and rate > 0 and total >= step else None
+    tps = [n["tokens_per_s"] for n in training if isinstance(n["tokens_per_s"], (int, float))]
+    return {"mesh_version": world.version if world else None, "world_size": len(world.nodes) if world else 0,
+            "leader": leader, "step": step, "outer_step": max((n["outer_step"] or 0 for n in counted), default=None),
+            "total_steps": total, "tokens_per_s": round(sum(tps), 1) if tps else None,
+            "eta_s": round(eta, 1) if eta is not None else None,
+            "states": {s: sum(1 for n in nodes if n["state"] == s) for s in sorted({n["state"] for n in nodes})}}
+
+
+def sample_window(doc: dict) -> float:
+    """How long a one-shot reader should watch heartbeats: two intervals of the slowest node (capped)."""
+    intervals = [n.get("heartbeat_interval") for n in doc.get("nodes", [])]
+    return min(5.0, 2 * max([i for i in intervals if i] or [DEFAULT_HB_INTERVAL]) + 0.2)
+
+
