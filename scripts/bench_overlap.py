@@ -142,7 +142,7 @@ def print_table(doc: dict) -> None:
                       f"{n['allreduce_s']:.1f}", f"{n['stall_s']:.1f}", f"{n['hidden_s']:.1f}",
                       f"{n['wire_bytes'] / 1e6:.2f}", f"{n['peak_sync_bytes'] / 1e6:.3f}", str(n["transfers"]),
                       f"{n['loss']:.4f}" if n["loss"] is not None else "-", "yes" if m["agree"] else "NO")
-    Console(stderr=True).print(t)
+    Console(stderr=True, width=170).print(t)
 
 
 if __name__ == "__main__":
