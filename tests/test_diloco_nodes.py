@@ -177,7 +177,8 @@ def make_run_dir(run: TrainCluster, uid: str) -> Path:
 
 
 
-@pytest.mark.parametrize("drift_guard, overlap", [("true", "none"), ("false", "none"), ("true", "eager")])
+@pytest.mark.parametrize("drift_guard, overlap", [("true", "none"), ("false", "none"),
+                                                  pytest.param("true", "eager", marks=pytest.mark.soak)])
 def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run, drift_guard, overlap):
     """SIGSTOP a node past the heartbeat timeout, let the other train alone, SIGCONT it: it is
     admitted again and must hold the run's params at every all-reduce from then on (it used to

@@ -94,10 +94,15 @@ SLOW_TRANSFER = ["--diloco.bucket_mb", "0.002"]
 MODES = ["eager", "streaming"]  # streaming: 1 fragment, all-reduce behind 1 inner step, merge 0.5
 
 
-@pytest.mark.parametrize("mode, sig, compression", [("eager", signal.SIGKILL, "int8"), ("eager", signal.SIGSTOP, "none"),
-                                                     ("eager", signal.SIGTERM, "none"),
+# The default suite runs one case of each guarantee per mode; the variants run under the soak marker.
+SOAK = pytest.mark.soak
+
+
+@pytest.mark.parametrize("mode, sig, compression", [("eager", signal.SIGKILL, "int8"),
+                                                     pytest.param("eager", signal.SIGSTOP, "none", marks=SOAK),
+                                                     pytest.param("eager", signal.SIGTERM, "none", marks=SOAK),
                                                      ("streaming", signal.SIGKILL, "int8"),
-                                                     ("streaming", signal.SIGTERM, "none")])
+                                                     pytest.param("streaming", signal.SIGTERM, "none", marks=SOAK)])
 def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mode, sig, compression):
     """A peer killed, hung (SIGSTOP past the heartbeat timeout) or stopped (SIGTERM) while a
     background transfer runs: the survivors apply or skip that average alike and go on."""
@@ -125,7 +130,7 @@ def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mod
     assert ("did not reach every node" in (run.tmp / "n0.log").read_text()) == bool(skipped)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])
 def test_joiner_mid_run_ends_identical(make_run, mode):
     run = make_run(2)
     _join_late(run, "--diloco.overlap", mode)
@@ -133,7 +138,7 @@ def test_joiner_mid_run_ends_identical(make_run, mode):
     assert "received the run's state from rank" in (run.tmp / "late.log").read_text()
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["eager", pytest.param("streaming", marks=SOAK)])
 def test_live_recovery_joiner_takes_the_average_in_flight(make_run, mode):
     """The snapshot a joiner downloads predates the average in flight: the donor sends it that
     average at its first outer step, and from then on it holds the run's shared params."""
@@ -149,7 +154,7 @@ def test_live_recovery_joiner_takes_the_average_in_flight(make_run, mode):
     assert ("took the average in flight from rank" in log) != ("received the run's state from rank" in log)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])
 def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run, mode):
     run = make_run(2)
     run.start_train("n0", "--optim.total_steps", "10", "--diloco.overlap", mode, rank=0)
