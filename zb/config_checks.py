@@ -30,6 +30,9 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         for key in ("fragments", "fragment_delay", "fragment_alpha"):
             if getattr(cfg.diloco, key) != getattr(defaults, key):
                 yield f"diloco.{key}", f"has no effect with diloco.overlap = {cfg.diloco.overlap} (streaming only)"
+    if cfg.diloco is not None and cfg.diloco.round_seconds is not None and \
+            cfg.diloco.inner_steps != DilocoConfig().inner_steps:
+        yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
     if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.optim.total_steps % cfg.diloco.inner_steps:
         yield "optim.total_steps", (f"is not a multiple of diloco.inner_steps ({cfg.diloco.inner_steps}): with "
                                     "diloco.overlap the run ends on the shared params, so the inner steps after the "
@@ -58,8 +61,14 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
                              "checkpoints are (--ckpt.path DIR), or name a step directory"
     if cfg.ckpt.remote.path is not None and cfg.ckpt.path is None:
         yield "ckpt.remote.path", "needs ckpt.path (remote copies are made from the local checkpoint)"
-    if cfg.diloco is not None and cfg.ckpt.interval is not None and cfg.ckpt.interval % cfg.diloco.inner_steps:
+    adaptive = cfg.diloco is not None and cfg.diloco.round_seconds is not None
+    if cfg.diloco is not None and not adaptive and cfg.ckpt.interval is not None and \
+            cfg.ckpt.interval % cfg.diloco.inner_steps:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
+    if adaptive and cfg.diloco.overlap != "none":
+        yield "diloco.round_seconds", (f"cannot be combined with diloco.overlap = {cfg.diloco.overlap} (its all-reduce "
+                                       "schedule is counted in inner steps); use diloco.overlap = none, or fixed rounds "
+                                       "of diloco.inner_steps")
     if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
         yield from _streaming_problems(cfg.diloco)
 

@@ -166,6 +166,10 @@ class LogConfig:
 @dataclass
 class DilocoConfig:
     inner_steps: int = knob(100, "H: inner steps between two outer syncs.", check="positive", run_defining=True)
+    round_seconds: Optional[float] = knob(None, "Speed-adaptive rounds: a wall-clock budget per round instead of "
+                                          "diloco.inner_steps; each node trains the steps that fit (timed from the end "
+                                          "of the last outer step) and the average weighs nodes by their tokens. "
+                                          "Needs diloco.overlap = none.", check="positive", run_defining=True)
     outer_lr: float = knob(0.7, "Outer learning rate.", check="positive", run_defining=True)
     outer_momentum: float = knob(0.9, "Outer optimizer momentum.", check="non_negative", run_defining=True)
     nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.", run_defining=True)
@@ -201,7 +205,9 @@ class RemoteConfig:
 
 @dataclass
 class CkptConfig:
-    interval: Optional[int] = knob(None, "Checkpoint every N steps (a multiple of diloco.inner_steps under DiLoCo).", check="positive")
+    interval: Optional[int] = knob(None, "Checkpoint every N steps (a multiple of diloco.inner_steps under DiLoCo; with "
+                                         "diloco.round_seconds at the first outer step at or past each multiple).",
+                                   check="positive")
     path: Optional[str] = knob(None, "Directory for durable checkpoints on this node's disk.")
     remote: RemoteConfig = section(RemoteConfig, "Remote copies of checkpoints.")
     topk: Optional[int] = knob(None, "Keep only the newest K committed checkpoints.", check="positive")

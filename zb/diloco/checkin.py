@@ -16,7 +16,7 @@ receives the run's state instead.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -45,13 +45,17 @@ class Plan:
     run_outer_step: int = 0     # the run's position (the first contributor's counters)
     run_step: int = 0
     average_ok: bool = False    # overlap: every contributor holds the whole average launched last boundary
+    steps: list[int] = field(default_factory=list)          # every rank's step counter
+    round_steps: list[int] = field(default_factory=list)    # diloco.round_seconds: inner steps of this round
+    round_tokens: list[int] = field(default_factory=list)   # ... and tokens (the weights of the average)
 
     def role_of(self, rank: int) -> str:
         return "contributor" if rank in self.contributors else "applier" if rank in self.appliers else "receiver"
 
 
 def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None,
-              digests: list[int] | None = None, arrived: list[int] | None = None) -> Plan:
+              digests: list[int] | None = None, arrived: list[int] | None = None,
+              round_steps: list[int] | None = None, round_tokens: list[int] | None = None) -> Plan:
     n = len(roles)
     steps = steps or [0] * n
     digests = digests or [UNKNOWN_DIGEST] * n
@@ -70,7 +74,7 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     # only when every contributor has it, so no node ever applies what another skips.
     average_ok = all(arrived[r] == ARRIVED_OK for r in contributors)
     return Plan(contributors, appliers, receivers, first if receivers else None, run_outer_step, steps[first],
-                average_ok)
+                average_ok, list(steps), list(round_steps or [0] * n), list(round_tokens or [0] * n))
 
 
 def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> list[int]:
@@ -98,14 +102,17 @@ def digest_value(digest: bytes) -> int:
 
 
 def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, outer_step: int, step: int,
-             deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = ARRIVED_NONE) -> Plan:
-    """All-reduce every rank's (role, outer step, step, digest, arrived) and derive the plan;
-    PeerFailure if a peer is missing. Each rank writes only its own column, so SUM assembles the table."""
-    table = torch.zeros(5, size, dtype=torch.int64)
-    table[:, rank] = torch.tensor([role, outer_step, step, digest, arrived], dtype=torch.int64)
+             deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = ARRIVED_NONE,
+             round_steps: int = 0, round_tokens: int = 0) -> Plan:
+    """All-reduce every rank's (role, outer step, step, digest, arrived, round steps, round tokens) and
+    derive the plan; PeerFailure if a peer is missing. Each rank writes only its own column, so SUM
+    assembles the table."""
+    table = torch.zeros(7, size, dtype=torch.int64)
+    table[:, rank] = torch.tensor([role, outer_step, step, digest, arrived, round_steps, round_tokens],
+                                  dtype=torch.int64)
     try:
         pg.allreduce([table]).wait(timedelta(seconds=deadline_s))
     except Exception as e:  # noqa: BLE001 - gloo names an address; the retry resolves the world anyway
         raise PeerFailure(f"outer-step check-in failed: {str(e).splitlines()[0]}", rank=None) from None
-    roles, outer_steps, steps, digests, arrived = table.tolist()
-    return make_plan(roles, outer_steps, steps, digests, arrived)
+    roles, outer_steps, steps, digests, arrived, round_steps, round_tokens = table.tolist()
+    return make_plan(roles, outer_steps, steps, digests, arrived, round_steps, round_tokens)

@@ -23,7 +23,7 @@ import torch
 
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
-from zb.diloco import checkin, drift, slots
+from zb.diloco import checkin, drift, rounds, slots
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.overlap import EagerOverlap
 from zb.diloco.streaming import StreamingOverlap
@@ -58,6 +58,12 @@ class OuterReport:
     fragment: int | None = None  # streaming: the fragment this outer step synced
     hidden_s: float = 0.0   # overlap: all-reduce seconds that ran behind compute
     stall_s: float = 0.0    # overlap: seconds training waited for the all-reduce (blocking: all of it)
+    # diloco.round_seconds: the run's step after the round (every node moves there), each node's inner
+    # steps in the round (by node id), the run's tokens in it, and this node's weight in the average.
+    run_step: int | None = None
+    round_steps: dict[str, int] | None = None
+    round_tokens: int | None = None
+    round_weight: float | None = None
 
 
 class DilocoNode:
@@ -79,6 +85,10 @@ class DilocoNode:
                                       ring_backward=cfg.diloco.compression == "none")   # gloo's ring runs r -> r - 1
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.overlap = None
+        self.rounds = None
+        if cfg.diloco.round_seconds is not None:
+            self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
+                                            cfg.optim.batch_size * cfg.data.seq_length, local_group)
         if cfg.diloco.overlap != "none":
             kind = EagerOverlap if cfg.diloco.overlap == "eager" else StreamingOverlap
             self.overlap = kind(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect)
@@ -212,12 +222,14 @@ class DilocoNode:
             return self._streaming_apply(position, data_state)
         stats, view, plan, attempts = None, None, None, 0
         digest = self._checkin_digest()
+        work = self.rounds.work() if self.rounds is not None else rounds.RoundWork(0, 0)
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self._resolve()
             self._fresh_view = False
             try:
                 plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                        position.outer_step, position.step, _deadline(self.cfg), digest)
+                                        position.outer_step, position.step, _deadline(self.cfg), digest,
+                                        round_steps=work.steps, round_tokens=work.tokens)
                 self._note_lagging(view, plan, position.outer_step)
                 stats = self._sync(view, plan)
                 ok = True
@@ -229,14 +241,41 @@ class DilocoNode:
                 break
             stats = None
         was_recovered = self.role == checkin.RECOVERED
+        if self.rounds is not None and plan is not None:
+            plan = self._adaptive_plan(plan)
+            position = replace(position, step=plan.run_step)  # a joiner receives the run's step, not the donor's
         report = self._apply(view, plan, stats, attempts)
         received = self._hand_over_state(view, plan, position) if plan is not None else None
         if was_recovered and report.applied:
             # A recovered joiner applied the run's update: it now stands where the run stands.
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
         report.stall_s = report.allreduce_s
+        if self.rounds is not None:
+            self._report_round(report, view, plan)
         self._after_step(report, view, received or position, data_state)
+        if self.rounds is not None:
+            self.rounds.start()  # the outer step ended together on every node: the next round starts now
         return report, received
+
+    # -- speed-adaptive rounds (diloco.round_seconds) ------------------------------------------------
+    def begin_rounds(self) -> None:
+        """The training loop starts: the first round's budget runs from here."""
+        if self.rounds is not None:
+            self.rounds.start()
+
+    def _adaptive_plan(self, plan: checkin.Plan) -> checkin.Plan:
+        """The run's step after an adaptive round is the furthest contributor's (see zb.diloco.rounds)."""
+        if not plan.contributors:
+            return plan
+        return replace(plan, run_step=rounds.run_step(plan.steps, plan.contributors))
+
+    def _report_round(self, report: OuterReport, view, plan: checkin.Plan | None) -> None:
+        if plan is None:
+            return
+        report.run_step = plan.run_step
+        report.round_steps = {uid: plan.round_steps[r] for r, uid in enumerate(view.nodes) if r in plan.contributors}
+        report.round_tokens = sum(plan.round_tokens[r] for r in plan.contributors)
+        report.round_weight = round(rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank), 6)
 
     def _after_step(self, report: OuterReport, view, position: RunPosition, data_state: dict | None) -> None:
         """What follows every outer step, blocking or not; `position` is where this node stood before it."""
@@ -301,9 +340,12 @@ class DilocoNode:
     # -- streaming (diloco.overlap = streaming) ------------------------------------------------------
     def sync_points(self, step: int) -> tuple[int | None, int | None]:
         """(fragment to launch, fragment to apply) after inner step `step`: the outer step is the
-        apply; without streaming there is one whole-model outer step every H steps."""
+        apply; without streaming there is one whole-model outer step every H steps, or with
+        diloco.round_seconds when this node's round budget is spent."""
         if isinstance(self.overlap, StreamingOverlap):
             return self.overlap.sync_points(step)
+        if self.rounds is not None:
+            return None, (0 if self.rounds.over(step) else None)
         return None, (0 if step % self.dcfg.inner_steps == 0 else None)
 
     def launch_fragment(self, fragment: int) -> None:
@@ -456,11 +498,21 @@ class DilocoNode:
     def _sync(self, view, plan: checkin.Plan) -> SyncStats:
         streams = self.streams.for_view(view, self.store)
         contributing = view.global_rank in plan.contributors
+        weight = None
+        if self.rounds is not None:   # weighted by tokens: the weights sum to 1, the SUM is the update
+            weight = rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank)
         return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, streams, zeros=not contributing,
-                                    scale=len(plan.contributors))
+                                    scale=len(plan.contributors), weight=weight)
 
     def _apply(self, view, plan: checkin.Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
         applied = False
+        if stats is not None and self.rounds is not None and not any(plan.round_tokens[r] for r in plan.contributors):
+            # Nobody trained in this round (only joiners, say): there is no update, not even momentum's.
+            if view.global_rank in plan.appliers:
+                self.role = checkin.CONTRIBUTOR
+            return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors),
+                               round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), False, attempts,
+                               note=" | no node trained in this round: nothing to apply")
         if stats is not None and view.global_rank in plan.appliers:
             finite = bool(torch.isfinite(self.outer.flat.grad).all())
             if localsync.all_ok(self.local_group, finite):

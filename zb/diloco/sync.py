@@ -69,15 +69,17 @@ class _Reducer(threading.Thread):
 
 def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: DilocoConfig,
                          streams: Sequence[dist.ProcessGroup] = (), *, scale: int | None = None,
-                         zeros: bool = False) -> SyncStats:
+                         zeros: bool = False, weight: float | None = None) -> SyncStats:
     """Fill outer.flat.grad with the replica group's pseudo-gradients summed and divided by `scale`
     (default: the group size, i.e. the average; DiLoCo passes the number of contributing nodes so
     that a joiner's zeros never shrink the update). With `zeros`, this rank sends zeros (a joiner).
-    Raises PeerFailure when a transfer fails."""
+    With `weight` (diloco.round_seconds), this rank sends weight * its pseudo-gradient and the sum is
+    not divided: the weights of the group sum to 1 (zb.diloco.rounds). Raises PeerFailure when a
+    transfer fails."""
     t0 = time.perf_counter()
     ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
     reducer = _Reducer(outer, group, streams, cfg)
-    reducer.scale = group.size() if scale is None else scale
+    reducer.scale = 1 if weight is not None else group.size() if scale is None else scale
     if zeros:
         outer.flat.grad.zero_()
     reducer.start()
@@ -85,7 +87,9 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
     try:
         for index, (_, end) in enumerate(outer.param_ranges()):
             if not zeros:
-                outer.pseudo_gradient_of(index)
+                g = outer.pseudo_gradient_of(index)
+                if weight is not None:
+                    g.mul_(weight)
             while next_bucket < len(ranges) and ranges[next_bucket][1] <= end:
                 reducer.todo.put(ranges[next_bucket])
                 next_bucket += 1

@@ -72,6 +72,15 @@ class RunCheckpoints:
             return True
         return False
 
+    def maybe_save_crossing(self, start: int, end: int) -> bool:
+        """diloco.round_seconds: take the checkpoint at `end` (an outer step) if the round from `start`
+        reached or passed a multiple of ckpt.interval; True when it did."""
+        interval = self.cfg.ckpt.interval
+        if self.manager is not None and interval and end // interval > start // interval:
+            self.manager.save(end, self.state_of())
+            return True
+        return False
+
     def final(self, step: int) -> None:
         """At the normal end or a signalled stop: one last checkpoint, within ckpt.grace_period."""
         if self.manager is None or not self.cfg.ckpt.path or step == 0:

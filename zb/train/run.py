@@ -126,6 +126,10 @@ class TrainingRun:
                                           local_group=control_group(), state_of=self.checkpoint_state)
         self.stop = StopRequest()
         self._loss_mean: float | None = None
+        # diloco.round_seconds: rounds end by time, at other steps on every node; the run's position after each
+        # comes from the check-in. Where the current round started (its run tokens and run step):
+        self.adaptive = cfg.diloco is not None and cfg.diloco.round_seconds is not None
+        self._round_start = RunPosition()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def execute(self) -> Counters:
@@ -225,6 +229,9 @@ class TrainingRun:
     def _loop(self, display: TrainingDisplay) -> None:
         cfg, c, stop = self.cfg, self.counters, self.stop
         debug = log.isEnabledFor(logging.DEBUG)
+        self._round_start = c.position
+        if self.diloco is not None:
+            self.diloco.begin_rounds()
         while c.step < self.total:
             t0 = time.perf_counter()
             batches = take(self.train_loader, self.accum)
@@ -244,22 +251,38 @@ class TrainingRun:
             display.update(c.step, result.loss, self.tokens_per_step / dt)
             # A stopping node skips the outer step: its deathrattle went out with the signal, so the
             # others no longer count on it.
+            round_start, outer_done = self._round_start, False
             if self.diloco is not None and not result.stop:
                 launch, apply = self.diloco.sync_points(c.step)
                 if launch is not None:
                     self.diloco.launch_fragment(launch)  # streaming: the all-reduce runs behind the next steps
-                if apply is not None and not self._outer_step():
-                    break
-            if self.checkpoints.maybe_save(c.step) or not self.checkpoints.periodic:
+                if apply is not None:
+                    if not self._outer_step():
+                        break
+                    outer_done = True
+            if self.adaptive:
+                # Nodes stand at one step only right after an outer step: checkpoints are taken there.
+                saved = outer_done and self.checkpoints.maybe_save_crossing(round_start.step, c.step)
+            else:
+                saved = self.checkpoints.maybe_save(c.step)
+            if saved or not self.checkpoints.periodic:
                 # The newest position a restart can resume from: streamed files behind it may be evicted.
                 self.train_loader.release(self.train_loader.state_dict())
-            if cfg.eval.interval > 0 and c.step % cfg.eval.interval == 0 and c.step < self.total:
+            if cfg.eval.interval > 0 and c.step < self.total and self._eval_due(round_start.step, outer_done):
                 self._evaluate()
             if result.stop:
                 self._stopped()
                 break
         if self.diloco is not None and c.step == cfg.optim.total_steps:
             self._close_overlap()
+
+    def _eval_due(self, round_start: int, outer_done: bool) -> bool:
+        """Every eval.interval steps; with diloco.round_seconds right after the outer step that reached or passed
+        a multiple (mid-round the nodes stand at different steps; after it, every node holds the run's params)."""
+        step, interval = self.counters.step, self.cfg.eval.interval
+        if self.adaptive:
+            return outer_done and step // interval > round_start // interval
+        return step % interval == 0
 
     def _stopped(self) -> None:
         # Another local rank may have received the signal: report SIGINT then.
@@ -283,6 +306,12 @@ class TrainingRun:
             return False
         if received is not None:
             self.move_to(received)  # the run's position as of the start of this outer step
+        elif report.run_step is not None:
+            # An adaptive round: every node moves to the run's step (the LR schedule with it) and counts the
+            # tokens every node reported, instead of its estimate.
+            self.move_to(RunPosition(report.run_step, c.outer_step, c.tokens,
+                                     self._round_start.run_tokens + (report.round_tokens or 0)))
+        self._round_start = c.position
         self._log_outer(report, " | joined: state received" if received is not None else "")
         return True
 
@@ -310,11 +339,17 @@ class TrainingRun:
             fields["params_hash"] = report.params_hash
         if report.fragment is not None:
             fields["fragment"] = report.fragment
+        if report.round_steps is not None:
+            fields.update(round_steps=report.round_steps, round_tokens=report.round_tokens,
+                          round_weight=report.round_weight, run_tokens=c.run_tokens)
         self.sink.log("outer_step", **fields)
         note = note or report.note or ("" if report.applied else " | NOT applied")
         hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" if self.cfg.diloco.overlap != "none" else ""
         if report.fragment is not None:
             note = f" | fragment {report.fragment}{note}"
+        if report.round_steps is not None:
+            steps = ", ".join(str(n) for n in report.round_steps.values())
+            note = f" | round steps {steps} (weight {report.round_weight:.3f}){note}"
         log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s%s, %s bytes, %.1f Mbit/s%s",
                  c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
                  hidden, f"{report.wire_bytes:,}", report.wire_mbps, note)

@@ -1,0 +1,134 @@
+"""Speed-adaptive rounds (diloco.round_seconds): when a node's round ends, and how the run weighs the
+pseudo-gradients of nodes that trained different numbers of steps in it.
+
+When a round ends. Each node measures its budget on its own monotonic clock from the end of the
+last outer step. The outer step is a collective (check-in, all-reduce), so it ends within a
+transfer's skew at the same moment on every node: that shared event is the round's agreed start,
+and no wall-clock time ever crosses the network, so skewed or stepping clocks change nothing. A
+node starts another inner step only if that step is expected to end nearer the budget than
+stopping now (elapsed + step/2 < budget, the step time an average of this node's recent steps),
+so each node ends within half of one of its own steps of the budget and the fast nodes wait at the
+check-in for at most about half a step of the slowest. Every round has at least one step: a node
+slower than the budget still contributes. The local ranks of a node agree on every decision (one
+tiny all-reduce on the control group), since FSDP needs them to take the same steps.
+
+How the average is weighted: by tokens. Node i's pseudo-gradient is multiplied by w_i = tokens_i /
+sum(tokens) before the SUM all-reduce (the tokens come from the check-in table, so every node
+knows the total before it sends), and the sum is the run's update. This is SWARM's token weighting:
+every token the run trained on counts once, as in one data-parallel step over all of them; a node
+that trained three times the tokens moved its copy three times as far on three times the data, and
+its pseudo-gradient is the less noisy one. A node with no step weighs 0 and still applies the update.
+FedNova (update normalised by each node's step count, then scaled by an effective count) corrects
+the objective bias of non-IID local data; zb's nodes read IID shards of one data set, where that
+bias is small (RESEARCH.md, section 3), and FedNova's normalisation assumes SGD-like updates that
+grow linearly with the step count, which Adam's do not. A uniform average (HALoS's "DynUpd"
+baseline) would give a slow node's short trajectory the weight of a long one and dilute the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from zb.elastic import localsync
+from zb.errors import InvalidInput
+
+log = logging.getLogger("zb.diloco")
+
+EARLY_ROUNDS = 3      # a budget shorter than one step this early in a node's run is a config mistake: refused
+STEP_EMA = 0.5        # weight of the newest step time in the estimate (recent speed matters: a node can slow down)
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    """What this node trained in the round that ends: its steps and tokens."""
+
+    steps: int
+    tokens: int
+
+
+class RoundClock:
+    """Decides, after every inner step, whether this node's round is over (see the module doc)."""
+
+    def __init__(self, budget_s: float, total_steps: int, tokens_per_step: int, local_group=None,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.budget_s, self.total_steps, self.tokens_per_step = budget_s, total_steps, tokens_per_step
+        self.local_group, self.clock = local_group, clock
+        self.step_s: float | None = None   # this node's step time estimate, kept across rounds
+        self.started: float | None = None
+        self.last: float = 0.0
+        self.steps = 0
+        self.rounds = 0
+        self.overruns = 0                  # consecutive rounds of one step that took longer than the budget
+        self._warned = False
+
+    def start(self) -> None:
+        """A round starts now (the loop begins, or an outer step just ended)."""
+        self.started = self.last = self.clock()
+        self.steps = 0
+
+    def over(self, step: int) -> bool:
+        """Called after each inner step (`step`: this node's step counter): True when the round ends here."""
+        if self.started is None:
+            self.start()  # a loop that did not announce its start: time from the first step's end
+        now = self.clock()
+        took = now - self.last
+        self.last = now
+        self.steps += 1
+        self.step_s = took if self.step_s is None else STEP_EMA * took + (1 - STEP_EMA) * self.step_s
+        elapsed = now - self.started
+        mine = step >= self.total_steps or elapsed + self.step_s / 2 >= self.budget_s
+        # FSDP needs every local rank to take the same steps: the round ends when any rank says so.
+        over = not localsync.all_ok(self.local_group, not mine)
+        if over:
+            self._check_budget(elapsed)
+        return over
+
+    def work(self) -> RoundWork:
+        return RoundWork(self.steps, self.steps * self.tokens_per_step)
+
+    def _check_budget(self, elapsed: float) -> None:
+        self.rounds += 1
+        short = self.steps == 1 and elapsed > self.budget_s
+        short = not localsync.all_ok(self.local_group, not short)
+        self.overruns = self.overruns + 1 if short else 0
+        if self.overruns < 2:
+            return
+        if self.rounds <= EARLY_ROUNDS:
+            raise InvalidInput(f"diloco.round_seconds = {self.budget_s:g} is shorter than one inner step on this node "
+                               f"({self.step_s:.2f} s): give a budget of several steps (at least "
+                               f"{max(1.0, 4 * self.step_s):.0f} s here), or unset it for rounds of diloco.inner_steps")
+        if not self._warned:
+            self._warned = True
+            log.warning("this node's inner step (%.2f s) now takes longer than diloco.round_seconds (%g s): it trains "
+                        "one step per round, and the other nodes wait for it at each outer step", self.step_s,
+                        self.budget_s)
+
+
+def token_weight(tokens: list[int], contributors: list[int], rank: int) -> float:
+    """This rank's share of the run's update: its tokens over the contributors' total (0 when it does not
+    contribute, or when no contributor trained at all)."""
+    total = sum(tokens[r] for r in contributors)
+    if rank not in contributors or total <= 0:
+        return 0.0
+    return tokens[rank] / total
+
+
+def weighted_average(deltas: list, tokens: list[int]):
+    """The reference rule, in one process: sum_i tokens_i * delta_i / sum_i tokens_i (tests hold the
+    all-reduce path against it). None when no node trained."""
+    total = sum(tokens)
+    if total <= 0:
+        return None
+    out = deltas[0] * 0.0
+    for delta, t in zip(deltas, tokens):
+        out = out + delta * (t / total)
+    return out
+
+
+def run_step(steps: list[int], contributors: list[int]) -> int:
+    """The run's step after an adaptive round: the furthest contributor's (every node's LR schedule
+    and checkpoint steps follow the fastest node; optim.total_steps counts its steps)."""
+    return max(steps[r] for r in contributors)
