@@ -1,0 +1,221 @@
+"""Speed-adaptive rounds (diloco.round_seconds): the token-weighted average over a real gloo group
+against the one-process rule, the round clock's decisions (on a fake clock), the refusals, and real
+nodes whose step times differ honestly (other batch sizes; under `soak`, a CPU quota set by the OS)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from conftest import TINY, free_port, zb_process
+from elastic_cluster import TrainCluster
+from zb.config import load_config
+from zb.config_schema import DilocoConfig
+from zb.diloco.outer import OuterState
+from zb.diloco.rounds import RoundClock, run_step, token_weight, weighted_average
+from zb.diloco.sync import sync_pseudo_gradient
+from zb.errors import InvalidInput
+
+
+# -- the weighting ------------------------------------------------------------------------------------
+def _weighted_sync_over_gloo(deltas: list[torch.Tensor], tokens: list[int], compression: str) -> list[torch.Tensor]:
+    """Each of len(deltas) ranks (threads on one gloo group) moved its copy of a shared model by -delta
+    and syncs with its token weight, as DilocoNode does; returns every rank's summed buffer."""
+    n, port, out = len(deltas), free_port(), {}
+    master = dist.TCPStore("127.0.0.1", port, n, True, timeout=timedelta(seconds=20), use_libuv=True,
+                           wait_for_workers=False)
+    dcfg = DilocoConfig(compression=compression, bucket_mb=0.0004)  # several buckets on a small model
+
+    def rank(r: int) -> None:
+        store = master if r == 0 else dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=20))
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), r, n, timedelta(seconds=20))
+        torch.manual_seed(0)
+        model = nn.Linear(16, 20)   # the same start on every rank
+        outer = OuterState(model, dcfg)
+        with torch.no_grad():
+            model.weight.sub_(deltas[r][:320].view(20, 16))
+            model.bias.sub_(deltas[r][320:])
+        contributors = list(range(n))
+        weight = token_weight(tokens, contributors, r)
+        sync_pseudo_gradient(outer, pg, dcfg, zeros=False, scale=n, weight=weight)
+        out[r] = outer.flat.grad.clone()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(out) == n, "a rank of the gloo group did not finish"
+    return [out[r] for r in range(n)]
+
+
+@pytest.mark.parametrize("tokens", [[4096, 1024, 2048], [3000, 0, 1000]], ids=["unequal", "one-node-idle"])
+def test_token_weighted_all_reduce_equals_the_one_process_rule(tokens):
+    gen = torch.Generator().manual_seed(1)
+    deltas = [torch.randn(340, generator=gen) for _ in tokens]
+    deltas[tokens.index(min(tokens))] *= 0 if min(tokens) == 0 else 1   # a node with no step did not move
+    reference = weighted_average(deltas, tokens)
+    got = _weighted_sync_over_gloo(deltas, tokens, "none")
+    for g in got:
+        torch.testing.assert_close(g, reference, rtol=1e-5, atol=1e-6)
+    # Not the uniform average: the weighting is what the all-reduce computed.
+    assert not torch.allclose(reference, sum(deltas) / len(deltas), atol=1e-3)
+
+
+def test_token_weighted_all_reduce_with_int8_stays_near_the_rule():
+    tokens = [4096, 1024, 2048]
+    gen = torch.Generator().manual_seed(2)
+    deltas = [torch.randn(340, generator=gen) for _ in tokens]
+    reference = weighted_average(deltas, tokens)
+    got = _weighted_sync_over_gloo(deltas, tokens, "int8")
+    assert all(torch.equal(g, got[0]) for g in got)   # every node applies the same bits
+    assert (got[0] - reference).norm() / reference.norm() < 0.05
+
+
+def test_weights_and_run_step():
+    assert token_weight([300, 100, 0], [0, 1, 2], 0) == 0.75
+    assert token_weight([300, 100, 0], [0, 1, 2], 2) == 0.0
+    assert token_weight([300, 100, 50], [0, 1], 2) == 0.0          # not a contributor: sends zeros
+    assert token_weight([0, 0], [0, 1], 0) == 0.0                  # nobody trained: no update
+    assert weighted_average([torch.ones(2)], [0]) is None
+    assert run_step([120, 107, 95], [1, 2]) == 107                 # the furthest contributor's
+
+
+# -- the round clock ----------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _steps_until_over(rc: RoundClock, clock: FakeClock, step_s: float, step: int = 0) -> int:
+    rc.start()
+    while True:
+        clock.now += step_s
+        step += 1
+        if rc.over(step):
+            return rc.steps
+
+
+def test_round_ends_at_the_step_nearest_the_budget():
+    clock = FakeClock()
+    rc = RoundClock(1.0, 10_000, 256, clock=clock)
+    assert _steps_until_over(rc, clock, 0.3) == 3      # 0.9 s, then 1.2 s would overshoot further than 0.1 s short
+    assert _steps_until_over(rc, clock, 0.15) == 7     # the estimate follows a node that got faster (0.2 -> 0.15)
+    assert rc.work().tokens == rc.work().steps * 256
+    slow = RoundClock(1.0, 10_000, 256, clock=clock)
+    assert _steps_until_over(slow, clock, 0.6) == 2    # 1.2 s lands nearer 1 s than stopping at 0.6 s
+
+
+def test_round_ends_at_the_last_step_of_the_run():
+    clock = FakeClock()
+    rc = RoundClock(100.0, 12, 1, clock=clock)
+    assert _steps_until_over(rc, clock, 0.1, step=10) == 2
+
+
+def test_a_budget_shorter_than_one_step_is_refused_early_and_tolerated_later(caplog):
+    clock = FakeClock()
+    rc = RoundClock(0.5, 10_000, 1, clock=clock)
+    assert _steps_until_over(rc, clock, 2.0) == 1       # every round has at least one step
+    with pytest.raises(InvalidInput, match=r"diloco.round_seconds = 0.5 is shorter than one inner step on this node"):
+        _steps_until_over(rc, clock, 2.0)
+    later = RoundClock(0.5, 10_000, 1, clock=clock)
+    for _ in range(5):
+        _steps_until_over(later, clock, 0.1)
+    for _ in range(3):
+        assert _steps_until_over(later, clock, 2.0) == 1   # the node slowed down mid-run: one step per round
+    assert "now takes longer than diloco.round_seconds" in caplog.text
+
+
+# -- refusals -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", ["eager", "streaming"])
+def test_round_seconds_with_overlap_is_refused_in_one_line(overlap):
+    r = zb_process("train", *TINY, "--diloco.round_seconds", "5", "--diloco.overlap", overlap, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "diloco.round_seconds" in r.stderr and f"diloco.overlap = {overlap}" in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_round_seconds_config_checks():
+    with pytest.raises(InvalidInput, match="diloco.round_seconds .*must be positive"):
+        load_config([], {"diloco.round_seconds": "0"}, environ={})
+    cfg = load_config([], {"diloco.round_seconds": "2", "ckpt.interval": "7", "ckpt.path": "/tmp/x"}, environ={})
+    assert cfg.diloco.round_seconds == 2.0   # ckpt.interval need not be a multiple of H: rounds have no H
+
+
+# -- real nodes ---------------------------------------------------------------------------------------
+def _check_agreement(run: TrainCluster, uids: list[str], batch: dict[str, int], seq: int) -> list[list[dict]]:
+    events = [[e for e in run.metrics(u, "outer_step")] for u in uids]
+    assert len(events[0]) >= 2 and all(len(e) == len(events[0]) for e in events), [len(e) for e in events]
+    previous = 0
+    for per_node in zip(*events):
+        first = per_node[0]
+        assert all(e["applied"] for e in per_node)
+        assert len({e["params_hash"] for e in per_node}) == 1, per_node          # the same params everywhere
+        assert all(e["step"] == first["step"] and e["round_steps"] == first["round_steps"] for e in per_node)
+        steps = first["round_steps"]
+        assert first["round_tokens"] == sum(steps[u] * batch[u] * seq for u in uids)
+        assert first["step"] == previous + max(steps.values())                  # the furthest node's step
+        previous = first["step"]
+        weights = {e["node"]: e["round_weight"] for e in per_node}
+        for u in uids:
+            assert weights[u] == pytest.approx(steps[u] * batch[u] * seq / first["round_tokens"], abs=1e-5)
+    return events
+
+
+def test_nodes_of_unlike_speed_train_the_steps_that_fit_and_agree(tmp_path):
+    """Two nodes whose steps take honestly different times (4x the batch), one budget: the light node
+    trains more steps per round, both agree on the params at every outer step."""
+    run = TrainCluster(tmp_path, 2)
+    batch = {"n0": 8, "n1": 2}
+    try:
+        for i, uid in enumerate(batch):
+            run.start_train(uid, "--optim.total_steps", "400", "--diloco.round_seconds", "0.5",
+                            "--optim.batch_size", str(batch[uid]), rank=i)
+        for uid in batch:
+            assert run.finish(uid) == 0, run.log(uid)
+        events = _check_agreement(run, list(batch), batch, seq=32)
+        steps = [e["round_steps"] for e in events[0]]
+        assert sum(s["n1"] for s in steps) > sum(s["n0"] for s in steps)
+        assert events[0][-1]["step"] == 400
+        # The run's tokens are what the nodes reported, not an estimate.
+        assert events[0][-1]["run_tokens"] == sum(e["round_tokens"] for e in events[0])
+    finally:
+        run.close()
+
+
+CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(os.geteuid() != 0 or not CPU_CGROUP.is_dir(), reason="needs root and the cgroup v1 cpu controller")
+def test_a_node_slowed_by_a_cpu_quota_trains_fewer_steps_and_agrees(tmp_path):
+    """Three nodes, the same batch; the OS gives one a fifth of a core (cgroup CPU quota)."""
+    group = CPU_CGROUP / f"zb-test-slow-{os.getpid()}"
+    group.mkdir()
+    run = TrainCluster(tmp_path, 3)
+    try:
+        (group / "cpu.cfs_quota_us").write_text("20000")
+        for i, uid in enumerate(["a", "b", "slow"]):
+            proc = run.start_train(uid, "--optim.total_steps", "300", "--diloco.round_seconds", "1.0", rank=i)
+            if uid == "slow":
+                (group / "cgroup.procs").write_text(str(proc.pid))
+        for uid in ["a", "b", "slow"]:
+            assert run.finish(uid, timeout=400) == 0, run.log(uid)
+        events = _check_agreement(run, ["a", "b", "slow"], {"a": 4, "b": 4, "slow": 4}, seq=32)
+        steps = [e["round_steps"] for e in events[0]]
+        assert sum(s["slow"] for s in steps) < min(sum(s["a"] for s in steps), sum(s["b"] for s in steps))
+    finally:
+        run.close()
+        for pid in (group / "cgroup.procs").read_text().split():
+            (CPU_CGROUP / "cgroup.procs").write_text(pid)
+        group.rmdir()
