@@ -5,6 +5,7 @@ nodes whose step times differ honestly (other batch sizes; under `soak`, a CPU q
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -219,3 +220,84 @@ def test_a_node_slowed_by_a_cpu_quota_trains_fewer_steps_and_agrees(tmp_path):
         for pid in (group / "cgroup.procs").read_text().split():
             (CPU_CGROUP / "cgroup.procs").write_text(pid)
         group.rmdir()
+
+
+def test_a_joiner_takes_the_runs_step_and_agrees(tmp_path):
+    """Two nodes train with a time budget; a third joins after outer step 2 (blocking join) and trains
+    rounds with them: it receives the run's step and holds the run's params at every shared outer step."""
+    run = TrainCluster(tmp_path, 2)
+    args = ("--optim.total_steps", "100000", "--diloco.round_seconds", "0.4")
+    try:
+        for i in range(2):
+            run.start_train(f"n{i}", *args, rank=i)
+        run.wait_outer("n0", 2)
+        run.start_train("late", *args, rank=2)
+        run.wait_outer("late", 3)
+        for uid in ("n0", "n1", "late"):
+            run.procs[uid].send_signal(signal.SIGTERM)
+        for uid in ("n0", "n1", "late"):
+            assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
+        by_step = [{e["step"]: e for e in run.metrics(u, "outer_step")} for u in ("n0", "n1", "late")]
+        shared = sorted(set(by_step[0]) & set(by_step[1]) & set(by_step[2]))
+        assert len(shared) >= 2, [sorted(b) for b in by_step]
+        for step in shared:
+            assert len({b[step]["params_hash"] for b in by_step}) == 1, step
+        late = run.metrics("late", "outer_step")
+        assert "late" not in late[0]["round_steps"]      # its first outer step: zeros, weight 0, state received
+        assert late[0]["round_weight"] == 0.0
+        assert any("late" in e["round_steps"] and e["round_steps"]["late"] > 0 for e in late[1:])
+    finally:
+        run.close()
+
+
+def test_checkpoints_at_outer_steps_and_resume(tmp_path):
+    """Checkpoints land at the outer steps that pass each multiple of ckpt.interval, at the same step on
+    both nodes; a restart of the whole run resumes the agreed one and the nodes agree to the end."""
+    def start(run: TrainCluster, *extra: str) -> None:
+        for i, uid in enumerate(("n0", "n1")):
+            run.start_train(uid, "--optim.total_steps", "120", "--diloco.round_seconds", "0.3",
+                            "--optim.batch_size", ["8", "4"][i], "--ckpt.path", str(tmp_path / "ckpt" / uid),
+                            "--ckpt.interval", "25", "--ckpt.ram_dir", str(tmp_path / "shm"), *extra, rank=i)
+        for uid in ("n0", "n1"):
+            assert run.finish(uid) == 0, run.log(uid)
+
+    first = TrainCluster(tmp_path, 2)
+    try:
+        start(first, "--train.max_steps", "60")
+        saved = [[e["step"] for e in first.metrics(u, "checkpoint") if not e.get("final")] for u in ("n0", "n1")]
+        outer_steps = {e["step"] for e in first.metrics("n0", "outer_step")}
+        assert saved[0] == saved[1] and saved[0] and set(saved[0]) <= outer_steps, (saved, outer_steps)
+        assert all(s // 25 > p // 25 for p, s in zip([0, *saved[0]], saved[0]))
+    finally:
+        first.close()
+    again = TrainCluster(tmp_path, 2)
+    try:
+        start(again, "--ckpt.resume", "latest")
+        for uid in ("n0", "n1"):
+            assert "resumed from" in (tmp_path / f"{uid}.log").read_text()
+        _check_agreement_from(again, ("n0", "n1"), after=60)
+    finally:
+        again.close()
+
+
+def _check_agreement_from(run: TrainCluster, uids, after: int) -> None:
+    events = [[e for e in run.metrics(u, "outer_step") if e["step"] > after] for u in uids]
+    assert events[0] and all(len(e) == len(events[0]) for e in events)
+    for per_node in zip(*events):
+        assert len({e["params_hash"] for e in per_node}) == 1 and len({e["step"] for e in per_node}) == 1
+    assert events[0][-1]["step"] == 120
+
+
+def test_nodes_of_two_local_ranks_end_their_rounds_together(tmp_path):
+    """Each node's two FSDP ranks agree on when the round ends (else FSDP's collectives would hang)."""
+    run = TrainCluster(tmp_path, 2)
+    batch = {"n0": 8, "n1": 4}
+    try:
+        for i, uid in enumerate(batch):
+            run.start_train(uid, "--optim.total_steps", "60", "--diloco.round_seconds", "0.5",
+                            "--optim.batch_size", str(batch[uid]), local_ranks=2, rank=i)
+        for uid in batch:
+            assert run.finish(uid) == 0, run.log(uid)
+        _check_agreement(run, list(batch), batch, seq=32)
+    finally:
+        run.close()
