@@ -9,8 +9,11 @@ nothing different). Three phases, each a real run with the same placement:
      keep about H steps; the slow node trains the steps that fit), for the steps the fast nodes
      reach in the fixed run's wall time (steps x fast rate / slow rate), so both runs last about
      as long and each completes its LR schedule.
+  4. solo again (other jobs share the machine: the two solo phases bracket the load; their mean is used).
 Reported: run tokens/s (every node's tokens over the wall time from the first step to the last
-outer step) against the sum of the solo rates; held-out loss (eval right after outer steps) at
+outer step) against the sum of the solo rates, and against the sum of the nodes' own inner-step
+rates in the same run (robust to load changes between phases: the share of the nodes' speed the
+run turned into tokens); held-out loss (eval right after outer steps) at
 the same wall time, interpolated on each run's eval curve, and at each run's end; agreement on
 params_hash at every outer step. A table on stderr, one JSON line on stdout.
 
@@ -67,9 +70,9 @@ def common_args(args: argparse.Namespace, log_dir: Path, steps: int) -> list[str
             "--train.log_interval", "1", "--log.progress", "plain", "--train.device", "cpu", "--log.dir", str(log_dir)]
 
 
-def diloco_args(args: argparse.Namespace) -> list[str]:
+def diloco_args(eval_interval: int) -> list[str]:
     return ["--diloco.compression", "int8", "--diloco.outer_lr", "1.0", "--diloco.outer_momentum", "0.0",
-            "--train.log_model_hash", "--eval.interval", str(args.inner_steps * args.eval_rounds)]
+            "--train.log_model_hash", "--eval.interval", str(eval_interval)]
 
 
 def run_phase(name: str, args: argparse.Namespace, work: Path, into_quota, extra: dict[str, list[str]],
@@ -113,9 +116,11 @@ def solo_rate(path: Path, args: argparse.Namespace) -> tuple[float, float]:
 
 def run_summary(paths: dict[str, Path], args: argparse.Namespace) -> dict:
     tokens_per_step = args.batch * args.seq
-    starts, ends, tokens, hashes = [], [], 0, []
+    starts, ends, tokens, hashes, inner_rates = [], [], 0, [], 0.0
     for uid, path in paths.items():
         steps, outer = read_metrics(path, "step"), read_metrics(path, "outer_step")
+        # The node's own speed in this run: tokens over the time in its inner steps (past the first 5).
+        inner_rates += tokens_per_step * len(steps[5:]) / sum(tokens_per_step / e["tokens_per_s"] for e in steps[5:])
         starts.append(steps[0]["time"] - tokens_per_step / steps[0]["tokens_per_s"])
         ends.append(outer[-1]["time"])
         tokens += steps[-1]["tokens"]
@@ -127,6 +132,7 @@ def run_summary(paths: dict[str, Path], args: argparse.Namespace) -> dict:
     agree = all(h == hashes[0] for h in hashes) and len(hashes[0]) > 0
     per_node_steps = {uid: read_metrics(p, "step")[-1]["tokens"] // tokens_per_step for uid, p in paths.items()}
     return dict(wall_s=round(wall, 2), tokens=tokens, run_tokens_per_s=round(tokens / wall, 1), evals=evals,
+                vs_own_inner_rates=round(tokens / wall / inner_rates, 3),
                 final_loss=evals[-1][1], outer_steps=len(outer0), agree_every_outer_step=agree,
                 node_steps=per_node_steps)
 
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=200, help="Steps of the fixed-H run.")
     p.add_argument("--solo-steps", type=int, default=40)
     p.add_argument("--inner-steps", type=int, default=10, help="H of the fixed run (and the fast nodes' rounds).")
-    p.add_argument("--eval-rounds", type=int, default=2, help="Evaluate every this many rounds' steps.")
+    p.add_argument("--eval-rounds", type=int, default=2, help="Evaluate every this many fixed rounds' steps (the "
+                   "adaptive run as often in wall time).")
     p.add_argument("--quota", type=float, default=0.25, help="CPU share of the slow node (fraction of one core).")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900)
@@ -160,20 +167,29 @@ def main(argv: list[str] | None = None) -> dict:
     work = Path(args.keep or tempfile.mkdtemp(prefix="zb-adaptive-"))
     work.mkdir(parents=True, exist_ok=True)
     with cpu_quota(args.quota) as into_quota:
-        solo_paths = run_phase("solo", args, work, into_quota, {u: ["--eval.interval", "-1"] for u in NODES},
-                               {u: args.solo_steps for u in NODES}, diloco=False)
-        solo = {uid: solo_rate(path, args) for uid, path in solo_paths.items()}
+        solo_args = ({u: ["--eval.interval", "-1"] for u in NODES}, {u: args.solo_steps for u in NODES})
+        before = run_phase("solo", args, work, into_quota, *solo_args, diloco=False)
+        solo = {uid: solo_rate(path, args) for uid, path in before.items()}
         fast_step_s = (solo["fast0"][1] + solo["fast1"][1]) / 2
         budget = round(args.inner_steps * fast_step_s, 3)
         ratio = solo["slow"][1] / fast_step_s
         adaptive_steps = int(args.steps * ratio) // args.inner_steps * args.inner_steps
+        # Evaluations cost wall time: both runs evaluate about as often in wall time (the adaptive run's
+        # steps come ratio times faster).
+        eval_every = args.inner_steps * args.eval_rounds
         fixed = run_phase("fixed", args, work, into_quota,
-                          {u: [*diloco_args(args), "--diloco.inner_steps", str(args.inner_steps)] for u in NODES},
+                          {u: [*diloco_args(eval_every), "--diloco.inner_steps", str(args.inner_steps)] for u in NODES},
                           {u: args.steps for u in NODES}, diloco=True)
         adaptive = run_phase("adaptive", args, work, into_quota,
-                             {u: [*diloco_args(args), "--diloco.round_seconds", str(budget)] for u in NODES},
+                             {u: [*diloco_args(int(eval_every * ratio)), "--diloco.round_seconds", str(budget)]
+                              for u in NODES},
                              {u: adaptive_steps for u in NODES}, diloco=True)
-    solo_sum = sum(r for r, _ in solo.values())
+        # Other jobs share this machine: solo rates measured before and after the runs bracket the load.
+        after = run_phase("solo-after", args, work, into_quota, *solo_args, diloco=False)
+        solo_after = {uid: solo_rate(path, args) for uid, path in after.items()}
+    solo_sum_before = sum(r for r, _ in solo.values())
+    solo_sum_after = sum(r for r, _ in solo_after.values())
+    solo_sum = (solo_sum_before + solo_sum_after) / 2
     rows = {"fixed": run_summary(fixed, args), "adaptive": run_summary(adaptive, args)}
     t_equal = min(r["wall_s"] for r in rows.values())
     for r in rows.values():
@@ -183,6 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
                inner_steps=args.inner_steps, round_seconds=budget, slow_over_fast=round(ratio, 2),
                fixed_steps=args.steps, adaptive_steps=adaptive_steps,
                solo_tokens_per_s={u: round(r, 1) for u, (r, _) in solo.items()}, solo_sum=round(solo_sum, 1),
+               solo_sum_before=round(solo_sum_before, 1), solo_sum_after=round(solo_sum_after, 1),
                equal_wall_s=t_equal, runs={m: {k: v for k, v in r.items() if k != "evals"} for m, r in rows.items()},
                adaptive_vs_fixed=dict(
                    run_tokens_per_s=round(rows["adaptive"]["run_tokens_per_s"] / rows["fixed"]["run_tokens_per_s"], 3),
@@ -202,14 +219,16 @@ def print_table(doc: dict) -> None:
     from rich.table import Table
 
     t = Table(title=f"3 nodes ({doc['model']}, seq {doc['seq']}, batch {doc['batch']}), one at {doc['quota']:g} "
-                    f"core: solo sum {doc['solo_sum']:,.0f} tok/s, slow/fast step time {doc['slow_over_fast']}")
-    for col in ("run", "rounds", "steps (fast0, fast1, slow)", "wall s", "run tok/s", "vs solo sum",
+                    f"core: solo sum {doc['solo_sum']:,.0f} tok/s (before {doc['solo_sum_before']:,.0f}, after "
+                    f"{doc['solo_sum_after']:,.0f}), slow/fast step time {doc['slow_over_fast']}")
+    for col in ("run", "rounds", "steps (fast0, fast1, slow)", "wall s", "run tok/s", "vs solo sum", "vs own rates",
                 f"loss at {doc['equal_wall_s']:.0f} s", "final loss", "outer steps", "params agree"):
         t.add_column(col, justify="right")
     for name, r in doc["runs"].items():
         rounds = f"H={doc['inner_steps']}" if name == "fixed" else f"{doc['round_seconds']:g} s"
         t.add_row(name, rounds, ", ".join(str(v) for v in r["node_steps"].values()), f"{r['wall_s']:.1f}",
-                  f"{r['run_tokens_per_s']:,.0f}", f"{r['vs_solo_sum']:.1%}", f"{r['loss_at_equal_wall']:.4f}",
+                  f"{r['run_tokens_per_s']:,.0f}", f"{r['vs_solo_sum']:.1%}", f"{r['vs_own_inner_rates']:.1%}",
+                  f"{r['loss_at_equal_wall']:.4f}",
                   f"{r['final_loss']:.4f}", str(r["outer_steps"]), "yes" if r["agree_every_outer_step"] else "NO")
     Console(stderr=True, width=170).print(t)
 
