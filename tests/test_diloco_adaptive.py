@@ -107,14 +107,14 @@ def _steps_until_over(rc: RoundClock, clock: FakeClock, step_s: float, step: int
             return rc.steps
 
 
-def test_round_ends_at_the_step_nearest_the_budget():
+def test_round_ends_at_the_last_step_that_fits_the_budget():
     clock = FakeClock()
     rc = RoundClock(1.0, 10_000, 256, clock=clock)
-    assert _steps_until_over(rc, clock, 0.3) == 3      # 0.9 s, then 1.2 s would overshoot further than 0.1 s short
-    assert _steps_until_over(rc, clock, 0.15) == 7     # the estimate follows a node that got faster (0.2 -> 0.15)
+    assert _steps_until_over(rc, clock, 0.3) == 3      # 0.9 s; a fourth step would end at 1.2 s
+    assert _steps_until_over(rc, clock, 0.12) == 8     # the estimate follows a node that got faster (0.96 s)
     assert rc.work().tokens == rc.work().steps * 256
     slow = RoundClock(1.0, 10_000, 256, clock=clock)
-    assert _steps_until_over(slow, clock, 0.6) == 2    # 1.2 s lands nearer 1 s than stopping at 0.6 s
+    assert _steps_until_over(slow, clock, 0.6) == 1    # a second step would overshoot: the slow node idles instead
 
 
 def test_round_ends_at_the_last_step_of_the_run():

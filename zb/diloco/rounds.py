@@ -5,11 +5,13 @@ When a round ends. Each node measures its budget on its own monotonic clock from
 last outer step. The outer step is a collective (check-in, all-reduce), so it ends within a
 transfer's skew at the same moment on every node: that shared event is the round's agreed start,
 and no wall-clock time ever crosses the network, so skewed or stepping clocks change nothing. A
-node starts another inner step only if that step is expected to end nearer the budget than
-stopping now (elapsed + step/2 < budget, the step time an average of this node's recent steps),
-so each node ends within half of one of its own steps of the budget and the fast nodes wait at the
-check-in for at most about half a step of the slowest. Every round has at least one step: a node
-slower than the budget still contributes. The local ranks of a node agree on every decision (one
+node starts another inner step only if that step is expected to end within the budget (elapsed +
+step <= budget, the step time an average of this node's recent steps). So no node overshoots (but
+by an estimate's error): the fast nodes, which carry most of the run's tokens, end within one of
+their short steps of the budget, and the waiting at the check-in falls on the slow node, which
+idles for less than one of its own steps. (Stopping at the step nearest the budget instead lets
+the slow node overshoot by up to half its step while every fast node waits: measured worse here,
+BENCHMARKS.md.) Every round has at least one step: a node slower than the budget still contributes. The local ranks of a node agree on every decision (one
 tiny all-reduce on the control group), since FSDP needs them to take the same steps.
 
 How the average is weighted: by tokens. Node i's pseudo-gradient is multiplied by w_i = tokens_i /
@@ -79,7 +81,7 @@ class RoundClock:
         self.steps += 1
         self.step_s = took if self.step_s is None else STEP_EMA * took + (1 - STEP_EMA) * self.step_s
         elapsed = now - self.started
-        mine = step >= self.total_steps or elapsed + self.step_s / 2 >= self.budget_s
+        mine = step >= self.total_steps or elapsed + self.step_s > self.budget_s
         # FSDP needs every local rank to take the same steps: the round ends when any rank says so.
         over = not localsync.all_ok(self.local_group, not mine)
         if over:
