@@ -301,3 +301,12 @@ def test_nodes_of_two_local_ranks_end_their_rounds_together(tmp_path):
         _check_agreement(run, list(batch), batch, seq=32)
     finally:
         run.close()
+
+
+def test_the_last_round_shrinks_so_no_node_waits_for_the_end():
+    clock = FakeClock()
+    rc = RoundClock(1.0, 100, 1, clock=clock)
+    rc.start(run_step=90, last_max_steps=20)          # the furthest node did 20 steps last round; 10 remain
+    assert rc.round_budget_s == 0.5
+    rc.start(run_step=60, last_max_steps=20)
+    assert rc.round_budget_s == 1.0

@@ -253,8 +253,9 @@ class DilocoNode:
         if self.rounds is not None:
             self._report_round(report, view, plan)
         self._after_step(report, view, received or position, data_state)
-        if self.rounds is not None:
-            self.rounds.start()  # the outer step ended together on every node: the next round starts now
+        if self.rounds is not None:   # the outer step ended together on every node: the next round starts now
+            furthest = max((plan.round_steps[r] for r in plan.contributors), default=0) if plan is not None else 0
+            self.rounds.start(plan.run_step if plan is not None else None, furthest)
         return report, received
 
     # -- speed-adaptive rounds (diloco.round_seconds) ------------------------------------------------

@@ -59,6 +59,7 @@ class RoundClock:
         self.budget_s, self.total_steps, self.tokens_per_step = budget_s, total_steps, tokens_per_step
         self.local_group, self.clock = local_group, clock
         self.step_s: float | None = None   # this node's step time estimate, kept across rounds
+        self.round_budget_s = budget_s     # this round's budget: shorter in the run's last round
         self.started: float | None = None
         self.last: float = 0.0
         self.steps = 0
@@ -66,10 +67,17 @@ class RoundClock:
         self.overruns = 0                  # consecutive rounds of one step that took longer than the budget
         self._warned = False
 
-    def start(self) -> None:
-        """A round starts now (the loop begins, or an outer step just ended)."""
+    def start(self, run_step: int | None = None, last_max_steps: int = 0) -> None:
+        """A round starts now (the loop begins, or an outer step just ended at `run_step`, the furthest
+        node having trained `last_max_steps` steps in the round that ended). When the run's end is nearer
+        than the furthest node's last round, the budget shrinks in proportion, on every node alike (the
+        inputs come from the check-in): else the node that reaches the last step ends its round early
+        and the others train on to the full budget while it waits."""
         self.started = self.last = self.clock()
         self.steps = 0
+        self.round_budget_s = self.budget_s
+        if run_step is not None and last_max_steps > 0 and run_step + last_max_steps > self.total_steps:
+            self.round_budget_s = self.budget_s * max(0, self.total_steps - run_step) / last_max_steps
 
     def over(self, step: int) -> bool:
         """Called after each inner step (`step`: this node's step counter): True when the round ends here."""
@@ -81,7 +89,7 @@ class RoundClock:
         self.steps += 1
         self.step_s = took if self.step_s is None else STEP_EMA * took + (1 - STEP_EMA) * self.step_s
         elapsed = now - self.started
-        mine = step >= self.total_steps or elapsed + self.step_s > self.budget_s
+        mine = step >= self.total_steps or elapsed + self.step_s > self.round_budget_s
         # FSDP needs every local rank to take the same steps: the round ends when any rank says so.
         over = not localsync.all_ok(self.local_group, not mine)
         if over:
