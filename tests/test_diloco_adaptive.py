@@ -310,3 +310,15 @@ def test_the_last_round_shrinks_so_no_node_waits_for_the_end():
     assert rc.round_budget_s == 0.5
     rc.start(run_step=60, last_max_steps=20)
     assert rc.round_budget_s == 1.0
+
+
+def test_a_budget_shorter_than_one_step_exits_2_in_one_line(tmp_path):
+    run = TrainCluster(tmp_path, 1)
+    try:
+        run.start_train("n0", "--optim.total_steps", "50", "--diloco.round_seconds", "0.001", rank=0)
+        assert run.finish("n0") == 2, run.log("n0")
+        log = (tmp_path / "n0.log").read_text()
+        assert "Traceback" not in log
+        assert "error: diloco.round_seconds = 0.001 is shorter than one inner step on this node" in log
+    finally:
+        run.close()
