@@ -111,8 +111,8 @@ def test_without_jsonl_no_file_is_written(tmp_path):
 def _diloco_run(tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """A tiny one-node DiLoCo run hosting its own store: step, eval and outer_step events in seconds."""
     return zb_process("train", *TINY, "--optim.total_steps", "8", "--diloco.inner_steps", "4",
-                      "--elastic.host_store", "--ckpt.ram_dir", str(tmp_path / "ram"), "--log.dir", str(tmp_path / "log"),
-                      "--eval.interval", "4", *args, GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(free_port()),
+                      "--elastic.host_store", "--ckpt.ram_dir", str(tmp_path / "ram"),
+                      "--log.dir", str(tmp_path / "log"), "--eval.interval", "4", *args, GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(free_port()),
                       GLOBAL_UNIQUE_ID="node-a", **env)
 
 
@@ -201,3 +201,18 @@ def test_peak_table_and_mfu():
     # 1e9 FLOPs per token at 1000 tokens/s on 2 devices of 1 TFLOPS each: 50%.
     assert mfu_percent(1e9, 1000.0, 1e12, 2) == pytest.approx(50.0)
     assert mfu_percent(1e9, 1000.0, None, 2) is None
+
+
+def test_a_wandb_run_that_cannot_start_is_one_line_suggesting_offline(tmp_path):
+    pytest.importorskip("wandb")
+    env = {k: v for k, v in subprocess_env(HOME=str(tmp_path), WANDB_SILENT="true").items()
+           if k not in ("WANDB_API_KEY", "WANDB_MODE", "NETRC")}
+    proc = subprocess.run([PYTHON, "-m", "zb", "train", *TINY, "--optim.total_steps", "1", "--log.dir", str(tmp_path),
+                           "--log.backends", "wandb", "--log.wandb_mode", "online"],
+                          capture_output=True, text=True, timeout=150, env=env, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: log.backends wandb: could not start a wandb run in online mode (")
+    assert last.endswith("without a network or a wandb login use --log.wandb_mode offline (upload later with "
+                         "`wandb sync`)")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "metrics.jsonl").exists()

@@ -95,7 +95,8 @@ def _check_shapes(params: dict[str, torch.Tensor], args) -> None:
     for name, tensor in params.items():
         if tuple(tensor.shape) != expected[name]:
             raise InvalidInput(f"{name} gathers to {list(tensor.shape)}, the checkpoint's config says "
-                               f"{list(expected[name])}: the checkpoint is damaged or its parts come from different runs")
+                               f"{list(expected[name])}: the checkpoint is damaged or its parts come from different "
+                               "runs")
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", inner: bool = False,
