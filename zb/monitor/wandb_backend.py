@@ -48,9 +48,8 @@ class WandbBackend:
             self._run.define_metric("step")
             self._run.define_metric("*", step_metric="step")
         except Exception as e:  # wandb raises many types (CommError, UsageError, ...); none is a zb bug
-            hint = "; to log without a network or a wandb login use --log.wandb_mode offline (upload later with " \
-                "`wandb sync`)" \
-                if mode != "offline" else ""
+            hint = "" if mode == "offline" else ("; to log without a network or a wandb login use --log.wandb_mode "
+                                                 "offline (upload later with `wandb sync`)")
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else repr(e)
             raise EnvironmentFailure(f"log.backends wandb: could not start a wandb run in {mode} mode "
                                      f"({type(e).__name__}: {first_line}){hint}") from None
