@@ -251,3 +251,14 @@ def test_max_shard_size_and_dtype_are_checked(one_rank, tmp_path):
     with pytest.raises(InvalidInput, match="--dtype 'fp16': must be one of fp32, bf16"):
         export_checkpoint(one_rank, tmp_path / "o", dtype="fp16")
     assert not (tmp_path / "o").exists()
+
+
+def test_export_benchmark_runs_on_existing_checkpoints(one_rank, two_ranks, capsys):
+    from conftest import load_script
+
+    result = load_script("bench_export").main(["--checkpoints", f"{one_rank},{two_ranks}", "--repeats", "1", "--json"])
+    assert [row["local_ranks"] for row in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert set(row["ratio_to_copy"]) == {"outer fp32", "outer bf16", "inner fp32"}
+        assert all(s > 0 for s in row["seconds"].values())
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"benchmark": "export"')

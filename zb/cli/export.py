@@ -33,7 +33,8 @@ Exit 2: incomplete or damaged checkpoint, OUT exists, a model Llama cannot expre
 @click.option("--max-shard-size", type=TEXT, default="5GB", show_default=True,
               help="Largest safetensors file (5GB is 10^9 bytes x 5, 5GiB 2^30 x 5); larger exports are sharded.")
 @click.option("--force", is_flag=True, help="Replace OUT if it holds an earlier export (never any other directory).")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout instead of the table.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the summary as one JSON document on stdout (else lines on stderr).")
 def export(checkpoint: str, out: str, fmt: str, inner: bool, dtype: str, tokenizer: str | None, max_shard_size: str,
            force: bool, as_json: bool) -> None:
     """Export a checkpoint as a Hugging Face model (LlamaForCausalLM) with its tokenizer."""
