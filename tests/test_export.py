@@ -262,3 +262,13 @@ def test_export_benchmark_runs_on_existing_checkpoints(one_rank, two_ranks, caps
         assert set(row["ratio_to_copy"]) == {"outer fp32", "outer bf16", "inner fp32"}
         assert all(s > 0 for s in row["seconds"].values())
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith('{"benchmark": "export"')
+
+
+def test_provenance_records_the_weights_sha256(one_rank, tmp_path):
+    export_checkpoint(one_rank, tmp_path / "hf", max_shard_size="200KB")
+    out = tmp_path / "hf"
+    provenance = json.loads((out / "zb_export.json").read_text())
+    assert provenance["step"] == 8 and provenance["params"] == "inner" and len(provenance["sha256"]) > 1
+    for name, digest in provenance["sha256"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
+    assert sorted(provenance["files"]) == sorted(p.name for p in out.iterdir())

@@ -108,7 +108,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     from zb.export.hf_llama import hf_config, hf_state_dict
     from zb.export.source import open_checkpoint
     from zb.export.tokenizer_files import export_tokenizer
-    from zb.export.writer import PROVENANCE, Staging, check_out, parse_size, write_json, write_weights
+    from zb.export.writer import INDEX, PROVENANCE, Staging, check_out, parse_size, write_json, write_weights
 
     out = Path(out).absolute()
     if dtype not in DTYPES:
@@ -132,7 +132,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     t2 = time.perf_counter()
     staging = Staging(out, force)
     with staging as tmp:
-        files = write_weights(tmp, tensors, max_bytes)
+        digests = write_weights(tmp, tensors, max_bytes)
+        files = list(digests) + ([INDEX] if len(digests) > 1 else [])
         t3 = time.perf_counter()
         tok_name = tokenizer if tokenizer is not None else ckpt.config.get("data", {}).get("tokenizer", "none")
         tok = export_tokenizer(tok_name, tmp, max_length=args.max_seq_len, explicit=tokenizer is not None)
@@ -141,12 +142,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
         report = ExportReport(str(out), str(ckpt.step_dir), ckpt.step, params_kind, dtype, len(ckpt.parts),
                               sum(t.numel() for t in tensors.values()),
                               sum(t.numel() * t.element_size() for t in tensors.values()),
-                              sorted(["config.json", PROVENANCE, *files, *tok.written]), tok.note)
+                              sorted(["config.json", "zb_config.json", PROVENANCE, *files, *tok.written]), tok.note)
         report.seconds = {"check": round(t1 - t0, 3), "gather": round(t2 - t1, 3), "write": round(t3 - t2, 3)}
-        write_json(tmp / PROVENANCE, {"zb_version": __version__, "time": time.time(), **report.to_json()})
         # The run's config travels with the weights (which data, which schedule), as plain JSON.
         write_json(tmp / "zb_config.json", ckpt.config)
-        report.files = sorted(report.files + ["zb_config.json"])
+        write_json(tmp / PROVENANCE, {"zb_version": __version__, "time": time.time(), **report.to_json(),
+                                      "sha256": digests})
         staging.commit()
     report.seconds["total"] = round(time.perf_counter() - t0, 3)
     return report

@@ -71,22 +71,21 @@ def shard_plan(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[st
     return shards
 
 
-def write_weights(tmp: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> list[str]:
-    """The safetensors file(s) (and index) into tmp; returns the file names written."""
+def write_weights(tmp: Path, tensors: dict[str, torch.Tensor], max_bytes: int) -> dict[str, str]:
+    """The safetensors file(s) (and index) into tmp; returns {file name: sha256} of the weight files
+    (hashed while written: zb_export.json records them, so a copy or an upload can be checked)."""
     plan = shard_plan(tensors, max_bytes)
     meta = {"format": "pt"}
     if len(plan) == 1:
-        write_tensor_file(tmp / "model.safetensors", tensors, meta)
-        return ["model.safetensors"]
-    names, weight_map = [], {}
+        return {"model.safetensors": write_tensor_file(tmp / "model.safetensors", tensors, meta).sha256}
+    digests, weight_map = {}, {}
     for i, shard in enumerate(plan, 1):
         file_name = f"model-{i:05d}-of-{len(plan):05d}.safetensors"
-        write_tensor_file(tmp / file_name, {n: tensors[n] for n in shard}, meta)
+        digests[file_name] = write_tensor_file(tmp / file_name, {n: tensors[n] for n in shard}, meta).sha256
         weight_map.update({n: file_name for n in shard})
-        names.append(file_name)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    return names + [INDEX]
+    return digests
 
 
 def write_json(path: Path, document: dict) -> None:
