@@ -70,18 +70,15 @@ def _parameter_order(args) -> list[str]:
 
 
 def _vocab_rows(ckpt) -> int:
-    from safetensors import safe_open
-
-    from zb.ckpt.durable.state import MODEL
-    from zb.export.gather import plain_name
+    """The embedding table's rows: the sum of the ranks' shards (dim 0), from their manifests."""
+    from zb.export.gather import shard_shapes
 
     rows = 0
-    for part in ckpt.parts:
-        with safe_open(str(part / MODEL), framework="pt") as f:
-            names = {plain_name(k): k for k in f.keys()}
-            if "tok_embeddings.weight" not in names:
-                raise InvalidInput(f"{part / MODEL} has no tok_embeddings.weight: not a zb LLaMA checkpoint")
-            rows += f.get_slice(names["tok_embeddings.weight"]).get_shape()[0]
+    for part, manifest in zip(ckpt.parts, ckpt.manifests):
+        shape = shard_shapes(manifest).get("tok_embeddings.weight")
+        if shape is None:
+            raise InvalidInput(f"{part}/model.safetensors has no tok_embeddings.weight: not a zb LLaMA checkpoint")
+        rows += shape[0]
     return rows
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from zb.ckpt.durable.state import MODEL, OUTER
+from zb.ckpt.format.manifest import Manifest
 from zb.errors import InvalidInput
 from zb.export.source import Checkpoint
 
@@ -35,9 +36,9 @@ def _read(part, file_name: str) -> dict[str, torch.Tensor]:
         return {plain_name(k): f.get_tensor(k) for k in f.keys()}
 
 
-def _shard_shapes(part) -> dict[str, tuple[int, ...]]:
-    with safe_open(str(part / MODEL), framework="pt") as f:
-        return {plain_name(k): tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+def shard_shapes(manifest: Manifest) -> dict[str, tuple[int, ...]]:
+    """{parameter name: this rank's shard shape}, from the part's committed manifest."""
+    return {plain_name(k): tuple(info.shape) for k, info in manifest.files[MODEL].tensors.items()}
 
 
 def gather(ckpt: Checkpoint, order: list[str], *, inner: bool) -> dict[str, torch.Tensor]:
@@ -45,8 +46,8 @@ def gather(ckpt: Checkpoint, order: list[str], *, inner: bool) -> dict[str, torc
     (model.safetensors) or the outer params (outer.safetensors, the default when present)."""
     use_outer = ckpt.has_outer and not inner
     shards: dict[str, list[torch.Tensor]] = {name: [] for name in order}
-    for part in ckpt.parts:
-        tensors = _outer_shards(part, order) if use_outer else _read(part, MODEL)
+    for part, manifest in zip(ckpt.parts, ckpt.manifests):
+        tensors = _outer_shards(part, shard_shapes(manifest), order) if use_outer else _read(part, MODEL)
         unknown = sorted(set(tensors) - set(order))
         if unknown:
             raise InvalidInput(f"{part / MODEL} holds {unknown[0]}, which the model built from the checkpoint's "
@@ -58,8 +59,7 @@ def gather(ckpt: Checkpoint, order: list[str], *, inner: bool) -> dict[str, torc
     return {name: _concat(name, pieces) for name, pieces in shards.items()}
 
 
-def _outer_shards(part, order: list[str]) -> dict[str, torch.Tensor]:
-    shapes = _shard_shapes(part)
+def _outer_shards(part, shapes: dict[str, tuple[int, ...]], order: list[str]) -> dict[str, torch.Tensor]:
     missing = [n for n in order if n not in shapes]
     if missing:
         raise InvalidInput(f"{part / MODEL} has no tensor {missing[0]}: the checkpoint is incomplete")

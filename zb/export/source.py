@@ -16,6 +16,7 @@ from typing import Any
 from zb.ckpt.durable.layout import check_complete, part_name, scan_steps, step_dirs, step_from_name
 from zb.ckpt.durable.state import MODEL, OUTER
 from zb.ckpt.format.catalog import read_committed, verify_snapshot
+from zb.ckpt.format.manifest import Manifest
 from zb.errors import InvalidInput
 
 
@@ -24,6 +25,7 @@ class Checkpoint:
     step_dir: Path
     step: int
     parts: list[Path]         # rank-0 .. rank-(n-1)
+    manifests: list[Manifest]  # each part's, committed: its tensor tables give every shard's shape
     config: dict[str, Any]    # the run's resolved config (zb.config.to_dict), from rank 0's manifest
     has_outer: bool           # DiLoCo outer params are in every part
 
@@ -59,9 +61,10 @@ def open_checkpoint(path: Path, *, inner: bool) -> Checkpoint:
     parts = [step_dir / part_name(r) for r in range(n)]
     manifests = [read_committed(p) for p in parts]
     has_outer = all(OUTER in m.files for m in manifests)
-    files = [MODEL] if inner or not has_outer else [MODEL, OUTER]
+    # Only the file whose values are read is hashed: the shards' shapes come from the committed manifests.
+    files = [MODEL] if inner or not has_outer else [OUTER]
     for part, manifest in zip(parts, manifests):
-        missing = [f for f in files if f not in manifest.files]
+        missing = [f for f in (MODEL, *files) if f not in manifest.files]
         if missing:
             raise InvalidInput(f"checkpoint part {part} has no {missing[0]}: not a training checkpoint of zb train")
     # Hashing dominates the export's time and hashlib releases the GIL: one file per core at once.
@@ -76,4 +79,4 @@ def open_checkpoint(path: Path, *, inner: bool) -> Checkpoint:
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise InvalidInput(f"checkpoint {step_dir} holds no run config in {parts[0]}/manifest.json: not written by "
                            "zb train")
-    return Checkpoint(step_dir, manifests[0].step, parts, config, has_outer)
+    return Checkpoint(step_dir, manifests[0].step, parts, manifests, config, has_outer)
