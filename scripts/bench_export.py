@@ -6,8 +6,8 @@
 Without --checkpoints it first writes two real checkpoints with `zb train` (llama2 150M at Prime's
 32k vocabulary, one DiLoCo step hosting its own store): one process, and two local ranks under
 FSDP2 (`--nproc-per-node 2`). Per checkpoint and repeat, interleaved: the baseline, a plain copy of
-the ranks' model.safetensors files (the bytes an fp32 export writes, read and written once, no
-checks); then exports of the outer params in fp32 and bf16 and of the inner params in fp32 (sha256
+the ranks' model.safetensors files (the bytes an fp32 export writes, read and written once and
+fsynced, no checks); then exports of the outer params in fp32 and bf16 and of the inner params in fp32 (sha256
 of every file read, gather, RoPE reordering, write, fsync). Reports medians and export / copy.
 """
 
@@ -54,10 +54,14 @@ def write_checkpoint(root: Path, ranks: int, model: list[str]) -> Path:
 
 
 def copy_baseline(step_dir: Path, dest: Path) -> float:
+    """The floor of any durable export: the same bytes read once and written once, fsynced (as the
+    export's files are), without checks or conversions."""
     t0 = time.perf_counter()
     dest.mkdir()
     for part in sorted(step_dir.glob("rank-*")):
         shutil.copyfile(part / "model.safetensors", dest / f"{part.name}.safetensors")
+        with open(dest / f"{part.name}.safetensors", "rb") as f:
+            os.fsync(f.fileno())
     seconds = time.perf_counter() - t0
     shutil.rmtree(dest)
     return seconds
