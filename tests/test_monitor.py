@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 
 import pytest
 
