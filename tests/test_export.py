@@ -272,3 +272,16 @@ def test_provenance_records_the_weights_sha256(one_rank, tmp_path):
     for name, digest in provenance["sha256"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
     assert sorted(provenance["files"]) == sorted(p.name for p in out.iterdir())
+
+
+def test_a_full_disk_is_exit_1_and_leaves_the_earlier_export_whole(one_rank, tmp_path):
+    from ckpt_states import tmpfs
+
+    from zb.errors import EnvironmentFailure
+
+    with tmpfs(tmp_path / "small", 450_000) as disk:
+        export_checkpoint(one_rank, disk / "hf", dtype="bf16")  # ~0.3 MB: fits
+        before = _tree(disk / "hf")
+        with pytest.raises(EnvironmentFailure, match=r"writing the export .*/hf failed \(No space left on device"):
+            export_checkpoint(one_rank, disk / "hf", force=True)  # fp32, ~0.6 MB: does not
+        assert _tree(disk / "hf") == before and sorted(p.name for p in disk.iterdir()) == ["hf"]
