@@ -21,11 +21,11 @@ from zb.config import KEYS, ConfigError, load_config, source_of, to_dict
 PRIME = {
     "name_model": ("271M", "model.name", "271M"),
     "type_model": ("llama2", "model.type", "llama2"),
-    "project": ("myproj", None, None),
-    "run_id": ("abc", None, None),
-    "run_name": ("first", None, None),
-    "metric_logger_type": ("wandb", None, None),
-    "wandb_resume": (True, None, None),
+    "project": ("myproj", "log.wandb_project", "myproj"),
+    "run_id": ("abc", "log.wandb_id", "abc"),
+    "run_name": ("first", "log.wandb_name", "first"),
+    "metric_logger_type": ("wandb", "log.backends", "jsonl,wandb"),
+    "wandb_resume": (True, "log.wandb_resume", True),
     "log_level": ("DEBUG", "log.level", "DEBUG"),
     "log_all_rank": (True, "log.all_ranks", True),
     "diloco.outer_lr": (0.5, "diloco.outer_lr", 0.5),
@@ -202,13 +202,13 @@ def test_bad_prime_values_name_the_key_and_file(tmp_path, entries, message):
 def test_prime_flags_and_print_config_round_trip(tmp_path):
     """Prime's launch line works (flags in Prime's spelling), and --print-config shows zb's canonical
     form, notes the aliases, and loads back to the same config."""
-    path = prime_file(tmp_path, {"name_model": "debugmodel", "type_model": "llama2", "project": "p",
+    path = prime_file(tmp_path, {"name_model": "debugmodel", "type_model": "llama2", "data.num_workers": 2,
                                  "optim.optim.lr": 1e-3, "train.ac_ckpt": True, "data.fake": True,
                                  "diloco.inner_steps": 5})
     out = subprocess.run([sys.executable, "-m", "zb", "train", f"@{path}", "--optim.optim.betas1", "0.85",
                           "--train.reduce_fp32", "--print-config"], capture_output=True, text=True, check=True)
     assert "optim.optim.betas1 -> optim.adam_betas1 (flag --optim.optim.betas1)" in out.stdout
-    assert "project (file" in out.stdout and "has no effect in zb" in out.stdout
+    assert "data.num_workers (file" in out.stdout and "has no effect in zb" in out.stdout
     printed = tmp_path / "printed.toml"
     printed.write_text(out.stdout)
     again = load_config([str(printed)], {}, environ={})

@@ -17,23 +17,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, subprocess_env
-from elastic_cluster import TrainCluster
-from test_diloco_nodes import _agree_with_joiner, _join_late
+from test_diloco_nodes import _agree_with_joiner, _join_late, make_run  # noqa: F401 - make_run is a fixture
 
 REFERENCE = str(Path(__file__).parent / "drivers" / "diloco_reference.py")
-
-
-@pytest.fixture
-def make_run(tmp_path):
-    runs = []
-
-    def make(world_size: int) -> TrainCluster:
-        runs.append(TrainCluster(tmp_path, world_size))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.close()
 
 
 def _reference(nodes: int, rule: str, flags: list[str]) -> list[list[float]]:

@@ -86,6 +86,7 @@ class KeySpec:
     env: str            # env twin name
     check: str | None   # a name in CHECKS
     run_defining: bool  # every node of a run must share it (the run fingerprint)
+    items: tuple = ()   # a list knob: the words it may hold (stored as "a,b")
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -120,7 +121,8 @@ def _collect(cls: type, prefix: str = "") -> dict[str, KeySpec]:
         if check is not None and check not in CHECKS:
             raise AssertionError(f"{key}: unknown check {check!r}")
         specs[key] = KeySpec(key, tp, optional, f.default, f.metadata.get("doc", ""), f.metadata.get("choices", ()),
-                             f.metadata.get("aliases", {}), env, check, f.metadata.get("run_defining", False))
+                             f.metadata.get("aliases", {}), env, check, f.metadata.get("run_defining", False),
+                             f.metadata.get("items", ()))
     return specs
 
 
@@ -160,6 +162,8 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
             if not math.isfinite(value):
                 # NaN passes every `<= 0` check and inf every lower bound: refuse both here, for every key.
                 raise ConfigError(f"{spec.key} = {value!r}{where}: must be a finite number")
+        elif spec.items:
+            value = _to_list(spec, value, where)
         elif spec.type is str:
             if not isinstance(value, str):
                 raise ValueError
@@ -203,6 +207,23 @@ def _to_bool(value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError
+
+
+def _to_list(spec: KeySpec, value: Any, where: str) -> str:
+    """A list knob's value (a TOML array, or "a,b" from a flag or variable) as "a,b", each word checked."""
+    words = value.split(",") if isinstance(value, str) else value
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise ValueError
+    out: list[str] = []
+    for word in (w.strip().lower() for w in words if w.strip()):
+        if word not in spec.items:
+            raise ConfigError(f"{spec.key} = {value!r}{where}: unknown entry {word!r}; each must be one of "
+                              f"{', '.join(spec.items)}")
+        if word not in out:
+            out.append(word)
+    if not out:
+        raise ConfigError(f"{spec.key} = {value!r}{where}: give at least one of {', '.join(spec.items)}")
+    return ",".join(out)
 
 
 def _to_int(value: Any) -> int:

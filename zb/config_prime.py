@@ -68,11 +68,13 @@ PRIME_KEYS: dict[str, Alias | NoEffect] = {
     "type_model": Alias("model.type"),
     "log_level": Alias("log.level"),
     "log_all_rank": Alias("log.all_ranks"),
-    "project": NoEffect("zb writes metrics to <log.dir>/metrics.jsonl; give each run its own log.dir"),
-    "run_id": NoEffect("zb identifies a run by its fingerprint and nodes by elastic.unique_id"),
-    "run_name": NoEffect("zb writes metrics to <log.dir>/metrics.jsonl; give each run its own log.dir"),
-    "metric_logger_type": NoEffect("zb writes metrics to <log.dir>/metrics.jsonl (no wandb)", unless="dummy"),
-    "wandb_resume": NoEffect("zb does not log to wandb", unless=False),
+    # Prime's metric logger: wandb or nothing (its "dummy" kept metrics in memory and pickled them to a
+    # file named after the project; zb's metrics.jsonl is always there unless log.backends drops it).
+    "project": Alias("log.wandb_project"),
+    "run_id": Alias("log.wandb_id"),
+    "run_name": Alias("log.wandb_name"),
+    "metric_logger_type": Alias("log.backends", _choice({"wandb": "jsonl,wandb", "dummy": "jsonl"}, "wandb or dummy")),
+    "wandb_resume": Alias("log.wandb_resume"),
     # [optim.optim]: the inner optimizer.
     "optim.optim.type": NoEffect("zb's inner optimizer is AdamW; SOAP is not implemented", unless="adam"),
     "optim.optim.lr": Alias("optim.lr"),
@@ -148,6 +150,7 @@ PRIME_DEFAULTS: dict[str, Any] = {
     "data.dataset_name_or_paths": "datasets/fineweb-edu",
     "data.eval_fraction": 0.0,  # Prime trained on every document and evaluated nothing during training
     "eval.interval": -1,
+    "log.wandb_project": "zeroband",
 }
 
 

@@ -13,13 +13,14 @@ from typing import Any, Optional
 
 
 def knob(default: Any, doc: str, *, choices: tuple = (), aliases: dict | None = None, env: str | None = None,
-         check: str | None = None, run_defining: bool = False) -> Any:
+         check: str | None = None, run_defining: bool = False, items: tuple = ()) -> Any:
     """A config field. `aliases` maps accepted spellings to canonical values (Prime's "uint8" -> "int8");
     `env` overrides the ZB_<SECTION>_<KEY> twin; `check` names the value's range (zb.config.CHECKS),
     applied wherever the value comes from; `run_defining` marks the keys every node of a run must
-    share (the run fingerprint): all others may differ per node."""
+    share (the run fingerprint): all others may differ per node. `items` makes a str knob a list:
+    a TOML array or a comma-separated string of these words, kept as "a,b" (no repeats)."""
     meta = {"doc": doc, "choices": choices, "aliases": aliases or {}, "env": env, "check": check,
-            "run_defining": run_defining}
+            "run_defining": run_defining, "items": items}
     return field(default=default, metadata=meta)
 
 
@@ -73,6 +74,9 @@ class TrainConfig:
     log_model_hash: bool = knob(False, "Log a hash of the (outer) params, so agreement between nodes can be checked.")
     log_interval: int = knob(10, "Log a step line and a `step` metrics event every N steps.", check="positive")
     max_steps: Optional[int] = knob(None, "Stop after this many steps (default: optim.total_steps).", check="positive")
+    peak_tflops: Optional[float] = knob(None, "Peak dense TFLOPS of one device, for the mfu metric (default: a table of "
+                                              "common GPUs at bf16; none for CPUs, whose mfu is then not reported).",
+                                        check="positive")
 
 
 @dataclass
@@ -161,6 +165,22 @@ class LogConfig:
     level: str = knob("INFO", "Log level of zb's lines (-v and -q override it).", choices=LOG_LEVELS,
                       aliases={**{name.lower(): name for name in LOG_LEVELS}, "true": "DEBUG", "1": "DEBUG"})
     all_ranks: bool = knob(False, "Info lines from every local rank, not only local rank 0.", env="ZB_LOG_ALL_RANKS")
+    backends: str = knob("jsonl", "Where metrics go (each node's local rank 0 writes them), a list: jsonl "
+                                  "(<log.dir>/metrics.jsonl), wandb (Weights & Biases), tensorboard (event files "
+                                  "in <log.dir>/tensorboard); wandb and tensorboard need pip install 'zb[monitor]'.",
+                         items=("jsonl", "wandb", "tensorboard"))
+    wandb_project: str = knob("zb", "Weights & Biases project (Prime's project).")
+    wandb_name: Optional[str] = knob(None, "Weights & Biases run name (Prime's run_name; default: the node id). Each "
+                                           "node logs its own wandb run.")
+    wandb_group: Optional[str] = knob(None, "Weights & Biases group: give every node of a DiLoCo run the same one to "
+                                            "see their runs together.")
+    wandb_id: Optional[str] = knob(None, "Weights & Biases run id (Prime's run_id; default: a new one). Under DiLoCo "
+                                         "each node's run is <wandb_id>-<node id>.")
+    wandb_resume: bool = knob(False, "Continue the wandb run of the same wandb_id (without one: this machine's last "
+                                     "run, as Prime's wandb_resume) instead of starting a new one.")
+    wandb_mode: str = knob("auto", "auto (the WANDB_MODE variable, else online), online, or offline (no network: "
+                                   "the run is kept in <log.dir>/wandb; upload it later with `wandb sync`).",
+                           choices=("auto", "online", "offline"))
 
 
 @dataclass

@@ -31,12 +31,14 @@ def _clean(value: Any) -> Any:
 class MetricsSink:
     """Appends events to metrics.jsonl. Safe to call from several threads (heartbeat, uploader)."""
 
-    def __init__(self, log_dir: str | Path | None, node: str, enabled: bool = True):
+    def __init__(self, log_dir: str | Path | None, node: str, enabled: bool = True, *, jsonl: bool = True,
+                 backends: list[Any] = ()):
         self.node = node
         self._lock = threading.Lock()
         self._file = None
         self.path: Path | None = None
-        if enabled and log_dir is not None:
+        self.backends = list(backends) if enabled else []
+        if enabled and jsonl and log_dir is not None:
             self.path = Path(log_dir) / "metrics.jsonl"
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "a", buffering=1)
@@ -60,10 +62,33 @@ class MetricsSink:
             with self._lock:
                 self._file.write(line)
                 self._file.flush()
+        if self.backends:
+            with self._lock:  # the backends' own clients are not all thread-safe
+                self._forward(record)
         return record
+
+    def _forward(self, record: dict[str, Any]) -> None:
+        for backend in list(self.backends):
+            try:
+                backend.write(record)
+            except Exception as e:  # a third-party client: whatever it raises, training goes on
+                log.warning("metrics backend %s failed (%s: %s); it gets no more events this run", backend.name,
+                            type(e).__name__, e)
+                self.backends.remove(backend)
+                self._close_quietly(backend)
+
+    @staticmethod
+    def _close_quietly(backend: Any) -> None:
+        try:
+            backend.close()
+        except Exception as e:
+            log.warning("metrics backend %s did not close cleanly (%s: %s)", backend.name, type(e).__name__, e)
 
     def close(self) -> None:
         with self._lock:
+            backends, self.backends = self.backends, []
+            for backend in backends:
+                self._close_quietly(backend)
             if self._file is not None:
                 self._file.flush()
                 os.fsync(self._file.fileno())

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "status": "zb.cli.status:status",
     "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
     "subset-data": "zb.cli.subset_data:subset_data",
+    "export": "zb.cli.export:export",
     "bench-allreduce": "zb.cli.bench_allreduce:bench_allreduce",
     "iperf-mesh": "zb.cli.iperf_mesh:iperf_mesh",
     "man": "zb.cli.man:man",

@@ -22,7 +22,8 @@ def _dest(key: str) -> str:
 
 def _help(spec: KeySpec) -> str:
     default = "unset" if spec.default is None else str(spec.default).lower() if spec.type is bool else spec.default
-    choices = f" One of: {', '.join(spec.choices)}." if spec.choices else ""
+    choices = f" One of: {', '.join(spec.choices)}." if spec.choices else \
+        f" Comma separated, of: {', '.join(spec.items)}." if spec.items else ""
     return f"{spec.doc}{choices} [default: {default}; env: {spec.env}]"
 
 

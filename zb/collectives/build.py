@@ -47,14 +47,19 @@ def _flags(openmp: bool) -> tuple[list[str], list[str]]:
 
 
 def _openmp_mode() -> str:
-    value = os.environ.get("ZB_OPENMP", "auto").strip().lower()
+    return _tristate("ZB_OPENMP", "1 (require OpenMP), 0 (build without it) or auto")
+
+
+def _tristate(name: str, choices: str) -> str:
+    """An auto/0/1 switch from the environment ("auto" when unset); InvalidInput names the choices."""
+    value = os.environ.get(name, "auto").strip().lower()
     if value in ("", "auto"):
         return "auto"
     if value in ("0", "false", "no", "off"):
         return "0"
     if value in ("1", "true", "yes", "on"):
         return "1"
-    raise InvalidInput(f"ZB_OPENMP={value!r}: use 1 (require OpenMP), 0 (build without it) or auto")
+    raise InvalidInput(f"{name}={value!r}: use {choices}")
 
 
 def compiler_has_openmp(compiler: str) -> tuple[bool, str]:
@@ -107,14 +112,7 @@ def _build_tag(cflags: list[str], ldflags: list[str]) -> str:
 
 
 def _mode() -> str:
-    value = os.environ.get("ZB_USE_CPP", "auto").strip().lower()
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("0", "false", "no", "off"):
-        return "0"
-    if value in ("1", "true", "yes", "on"):
-        return "1"
-    raise InvalidInput(f"ZB_USE_CPP={value!r}: use 1 (C++ kernels), 0 (PyTorch twins) or auto")
+    return _tristate("ZB_USE_CPP", "1 (C++ kernels), 0 (PyTorch twins) or auto")
 
 
 def _build() -> None:

@@ -220,26 +220,7 @@ class DilocoNode:
             return self._eager_outer_step(position, data_state)
         if isinstance(self.overlap, StreamingOverlap):
             return self._streaming_apply(position, data_state)
-        stats, view, plan, attempts = None, None, None, 0
-        digest = self._checkin_digest()
-        work = self.rounds.work() if self.rounds is not None else rounds.RoundWork(0, 0)
-        for attempts in range(1, self.dcfg.retry_all_reduce + 2):
-            view = self.mesh.view if self._fresh_view else self._resolve()
-            self._fresh_view = False
-            try:
-                plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                        position.outer_step, position.step, _deadline(self.cfg), digest,
-                                        round_steps=work.steps, round_tokens=work.tokens)
-                self._note_lagging(view, plan, position.outer_step)
-                stats = self._sync(view, plan)
-                ok = True
-            except PeerFailure as e:
-                log.warning("outer sync attempt %d failed: %s", attempts, e)
-                self.mesh.report_failure(e.rank)
-                ok = False
-            if localsync.all_ok(self.local_group, ok):
-                break
-            stats = None
+        view, plan, stats, attempts, _ = self._check_in(position, checkin.ARRIVED_NONE, sync=self._sync)
         was_recovered = self.role == checkin.RECOVERED
         if self.rounds is not None and plan is not None:
             plan = self._adaptive_plan(plan)
@@ -416,25 +397,38 @@ class DilocoNode:
             report.params_hash = self.params_hash()
         return report
 
-    def _eager_check_in(self, position: RunPosition, arrived: int):
+    def _check_in(self, position: RunPosition, arrived: int, sync=None):
+        """Resolve the world and check in (blocking: and sync the pseudo-gradient), retried without the
+        failed peers. Returns (view, plan, stats, attempts, ok); after the last failed attempt the
+        plan is that attempt's (None if its check-in failed) and stats is None."""
         digest = self._checkin_digest()
-        view, plan, attempts = None, None, 0
+        # diloco.round_seconds: this node's steps and tokens of the round (the weights of the average)
+        work = self.rounds.work() if self.rounds is not None else rounds.RoundWork(0, 0)
+        view = plan = stats = None
+        attempts = 0
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self._resolve()
             self._fresh_view = False
             try:
                 plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                        position.outer_step, position.step, _deadline(self.cfg), digest, arrived)
+                                        position.outer_step, position.step, _deadline(self.cfg), digest, arrived,
+                                        round_steps=work.steps, round_tokens=work.tokens)
                 self._note_lagging(view, plan, position.outer_step)
+                stats = sync(view, plan) if sync is not None else None
                 ok = True
             except PeerFailure as e:
-                log.warning("outer-step check-in attempt %d failed: %s", attempts, e)
+                log.warning("outer step attempt %d failed: %s", attempts, e)
                 self.mesh.report_failure(e.rank)
                 ok = False
             if localsync.all_ok(self.local_group, ok):
-                return view, plan, attempts
-            plan = None
-        return view, None, attempts
+                return view, plan, stats, attempts, True
+            stats = None
+        return view, plan, None, attempts, False
+
+    def _eager_check_in(self, position: RunPosition, arrived: int):
+        """The overlapped paths' check-in: (view, plan or None when every attempt failed, attempts)."""
+        view, plan, _, attempts, ok = self._check_in(position, arrived)
+        return view, plan if ok else None, attempts
 
     def _eager_apply(self, view, plan: checkin.Plan, arrival) -> bool:
         """The shared step with the average launched last boundary, on every applier or on none. A

@@ -8,6 +8,7 @@ Run: `zb train` (built-in default), `zb train @configs/debug/normal.toml`,
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -74,6 +75,11 @@ def run(cfg: Config) -> Counters:
         close_local_group()
 
 
+def perplexity(loss: float) -> float:
+    """exp(mean cross-entropy); inf past what a float holds (metrics.jsonl writes it as a string)."""
+    return math.inf if loss > 709 else math.exp(loss)
+
+
 def _warn_unused(cfg: Config, local: LocalWorld, prefix: str, why: str) -> None:
     """Say so when settings were given that cannot have an effect, instead of ignoring them."""
     from zb.config import KEYS, source_of
@@ -129,7 +135,25 @@ class TrainingRun:
         # diloco.round_seconds: rounds end by time, at other steps on every node; the run's position after each
         # comes from the check-in. Where the current round started (its run tokens and run step):
         self.adaptive = cfg.diloco is not None and cfg.diloco.round_seconds is not None
-        self._round_start = RunPosition()
+        self._round_position = RunPosition()
+        self._init_mfu()
+        self._round_start = (time.perf_counter(), 0)  # (time, tokens) where the current DiLoCo round began
+
+    def _init_mfu(self) -> None:
+        from zb.models.flops import flops_per_token
+        from zb.train.mfu import peak_flops
+
+        self.flops_per_token = flops_per_token(self.model.args, self.cfg.data.seq_length)
+        self.peak_flops, why = peak_flops(self.placement.device, self.cfg.train.peak_tflops)
+        if self.local.is_head:
+            log.info("mfu: %.3g FLOPs per token (6 N + 12 L H Q T); %s", self.flops_per_token,
+                     f"peak {self.peak_flops / 1e12:g} TFLOPS per device ({why})" if self.peak_flops else why)
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        from zb.train.mfu import mfu_percent
+
+        mfu = mfu_percent(self.flops_per_token, tokens_per_s, self.peak_flops, self.local.world_size)
+        return None if mfu is None else round(mfu, 3)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def execute(self) -> Counters:
@@ -146,6 +170,7 @@ class TrainingRun:
             self._resume()
             if self.local.is_head and self.sink.path is not None:
                 log.info("metrics: %s", self.sink.path)
+            self._round_start = (time.perf_counter(), self.counters.tokens)
             # A joiner takes part in the current outer step at once (the state arrives at its end).
             if self.diloco is None or not self.diloco.joining or self._outer_step():
                 with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
@@ -229,7 +254,7 @@ class TrainingRun:
     def _loop(self, display: TrainingDisplay) -> None:
         cfg, c, stop = self.cfg, self.counters, self.stop
         debug = log.isEnabledFor(logging.DEBUG)
-        self._round_start = c.position
+        self._round_position = c.position
         if self.diloco is not None:
             self.diloco.begin_rounds()
         while c.step < self.total:
@@ -251,7 +276,7 @@ class TrainingRun:
             display.update(c.step, result.loss, self.tokens_per_step / dt)
             # A stopping node skips the outer step: its deathrattle went out with the signal, so the
             # others no longer count on it.
-            round_start, outer_done = self._round_start, False
+            round_start, outer_done = self._round_position, False
             if self.diloco is not None and not result.stop:
                 launch, apply = self.diloco.sync_points(c.step)
                 if launch is not None:
@@ -310,8 +335,8 @@ class TrainingRun:
             # An adaptive round: every node moves to the run's step (the LR schedule with it) and counts the
             # tokens every node reported, instead of its estimate.
             self.move_to(RunPosition(report.run_step, c.outer_step, c.tokens,
-                                     self._round_start.run_tokens + (report.round_tokens or 0)))
-        self._round_start = c.position
+                                     self._round_position.run_tokens + (report.round_tokens or 0)))
+        self._round_position = c.position
         self._log_outer(report, " | joined: state received" if received is not None else "")
         return True
 
@@ -330,11 +355,18 @@ class TrainingRun:
         c = self.counters
         c.outer_step += 1
         c.num_nodes = report.global_world_size
+        # Prime's outer_tokens_per_second and outer_mfu: this node's tokens since the previous outer
+        # step over the wall time, all-reduce included (what DiLoCo costs against training alone).
+        now = time.perf_counter()
+        started, tokens_then = self._round_start
+        round_tps = (c.tokens - tokens_then) / max(now - started, 1e-9)
+        self._round_start = (now, c.tokens)
         fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,
                       global_world_size=report.global_world_size, num_peers=report.num_peers,
                       allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes, wire_mbps=report.wire_mbps,
                       applied=report.applied, attempts=report.attempts, hidden_s=report.hidden_s,
-                      stall_s=report.stall_s, **extra)
+                      stall_s=report.stall_s, outer_tokens_per_s=round(round_tps, 1), outer_mfu=self._mfu(round_tps),
+                      **extra)
         if report.params_hash is not None:
             fields["params_hash"] = report.params_hash
         if report.fragment is not None:
@@ -361,13 +393,14 @@ class TrainingRun:
                                   c.run_tokens))
         self.sink.log("step", step=c.step, outer_step=c.outer_step, loss=result.loss, lr=result.lr,
                       grad_norm=result.grad_norm, z_loss=result.z_loss, tokens=c.tokens,
-                      tokens_per_s=round(tps, 1), run_tokens=c.run_tokens, run_tokens_per_s=round(run_tps, 1))
+                      tokens_per_s=round(tps, 1), run_tokens=c.run_tokens, run_tokens_per_s=round(run_tps, 1),
+                      perplexity=perplexity(result.loss), mfu=self._mfu(tps))
 
     def _evaluate(self) -> float:
         c = self.counters
         loss = self.trainer.evaluate(self.eval_loader(), self.cfg.eval.batches)
         log.info("eval step %d | held-out loss %.4f", c.step, loss)
-        self.sink.log("eval", step=c.step, outer_step=c.outer_step, loss=loss)
+        self.sink.log("eval", step=c.step, outer_step=c.outer_step, loss=loss, perplexity=perplexity(loss))
         return loss
 
     def _final_eval(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -68,16 +69,27 @@ def _warn_without_downloads(cfg: Config) -> None:
 
 
 def open_metrics(cfg: Config, *, node: str, is_head: bool) -> MetricsSink:
-    """<log.dir>/metrics.jsonl, opened (by the node's head) before anything is built, so that a log.dir
-    that cannot hold it stops the run at once in one line. As for ckpt.path (zb.ckpt.durable.copies):
-    a path that can never work (a file, read-only, no permission) is exit 2, a full disk exit 1."""
+    """<log.dir>/metrics.jsonl and the other log.backends, opened (by the node's head) before anything
+    is built, so that a log.dir that cannot hold them, or a backend whose package is missing, stops the
+    run at once in one line. As for ckpt.path (zb.ckpt.durable.copies): a path that can never work (a
+    file, read-only, no permission) is exit 2, a full disk exit 1."""
+    from zb.monitor import backend_names, check_backends, open_backends
+
+    check_backends(cfg)  # on every local rank, so that a missing package stops the whole node alike
+    sink = None
     try:
-        return MetricsSink(cfg.log.dir, node, enabled=is_head)
+        sink = MetricsSink(cfg.log.dir, node, enabled=is_head, jsonl="jsonl" in backend_names(cfg))
+        if is_head:
+            sink.backends = open_backends(cfg, node=node)
+        return sink
     except OSError as e:
-        why = f"cannot hold metrics.jsonl: {e.strerror or e}"
+        why = f"cannot hold the metrics: {e.strerror or e}"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             fail(cfg, "log.dir", f"{why}; free space there or point --log.dir at another disk", EnvironmentFailure)
         fail(cfg, "log.dir", f"{why}; give a writable directory (--log.dir DIR)")
+    finally:
+        if sink is not None and sys.exc_info()[0] is not None:
+            sink.close()
 
 
 def node_identity(cfg: Config, local: LocalWorld) -> str:

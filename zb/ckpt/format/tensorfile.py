@@ -46,8 +46,9 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, TensorInfo]]:
-    table, infos, offset = {}, {}, 0
+def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+            ) -> tuple[bytes, dict[str, TensorInfo]]:
+    table, infos, offset = ({"__metadata__": dict(metadata)} if metadata else {}), {}, 0
     for name in sorted(tensors):
         t = tensors[name]
         if not isinstance(t, torch.Tensor):
@@ -61,9 +62,11 @@ def _header(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, TensorIn
     return struct.pack("<Q", len(header)) + header, infos
 
 
-def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor]) -> FileEntry:
-    """Write `tensors` as a safetensors file at `path`, fsync it; returns size, sha256, tensor table."""
-    prefix, infos = _header(tensors)
+def write_tensor_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+                      ) -> FileEntry:
+    """Write `tensors` as a safetensors file at `path`, fsync it; returns size, sha256, tensor table.
+    `metadata`: the header's optional string map (Hugging Face expects {"format": "pt"})."""
+    prefix, infos = _header(tensors, metadata)
     digest = hashlib.sha256(prefix)
     size = len(prefix)
     with open(path, "wb", buffering=0) as f:
