@@ -10,8 +10,9 @@ step <= budget, the step time an average of this node's recent steps). So no nod
 by an estimate's error): the fast nodes, which carry most of the run's tokens, end within one of
 their short steps of the budget, and the waiting at the check-in falls on the slow node, which
 idles for less than one of its own steps. (Stopping at the step nearest the budget instead lets
-the slow node overshoot by up to half its step while every fast node waits: measured worse here,
-BENCHMARKS.md.) Every round has at least one step: a node slower than the budget still contributes. The local ranks of a node agree on every decision (one
+the slow node overshoot by up to half its step while every fast node waits; the benchmark on a busy
+2-core machine could not separate the two, BENCHMARKS.md.) Every round has at least one step: a node
+slower than the budget still contributes. The local ranks of a node agree on every decision (one
 tiny all-reduce on the control group), since FSDP needs them to take the same steps.
 
 How the average is weighted: by tokens. Node i's pseudo-gradient is multiplied by w_i = tokens_i /
