@@ -220,14 +220,7 @@ def test_apply_bumps_the_version_only_when_the_order_changes():
 
 # -- real processes ------------------------------------------------------------------------------------
 
-@pytest.fixture
-def cluster(tmp_path):
-    from elastic_cluster import Cluster
-
-    c = Cluster(tmp_path)
-    c.host_store()
-    yield c
-    c.close()
+from test_elastic_mesh import cluster  # noqa: E402,F401 - the fixture: a Cluster around a store in this process
 
 
 def test_three_nodes_ring_follows_the_link_matrix(cluster, tmp_path):

@@ -458,12 +458,7 @@ class DilocoNode:
         """Donor -> recovered joiners: the average they did not take part in."""
         transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
         if view.global_rank == donor:
-            for r in late:
-                try:
-                    transfer.send_tensor(r, average)
-                except PeerFailure as e:
-                    log.warning("could not send the average to joiner rank %d: %s", r, e)
-                    self.mesh.report_failure(r)
+            self._send_each(late, lambda r: transfer.send_tensor(r, average), "the average")
             return average
         if view.global_rank not in late:
             return average
@@ -543,12 +538,7 @@ class DilocoNode:
         transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
         if view.global_rank == plan.donor:
             ensure_adam_state(self.optimizer)
-            for r in plan.receivers:
-                try:
-                    transfer.send(r, position)
-                except PeerFailure as e:
-                    log.warning("could not send state to joiner rank %d: %s", r, e)
-                    self.mesh.report_failure(r)
+            self._send_each(plan.receivers, lambda r: transfer.send(r, position), "state")
             return None
         if view.global_rank not in plan.receivers:
             return None
@@ -561,6 +551,15 @@ class DilocoNode:
         self.role = checkin.CONTRIBUTOR
         log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
         return received
+
+    def _send_each(self, ranks: list[int], send, what: str) -> None:
+        """The donor's side of a hand-over: a joiner that fails to receive is reported, the rest go on."""
+        for r in ranks:
+            try:
+                send(r)
+            except PeerFailure as e:
+                log.warning("could not send %s to joiner rank %d: %s", what, r, e)
+                self.mesh.report_failure(r)
 
     def _resolve(self):
         """Resolve the world; a node the run evicted while it was alive (frozen, partitioned) and that
