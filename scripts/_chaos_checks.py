@@ -73,7 +73,7 @@ def newest_checkpoint(root: Path) -> int | None:
     return max(steps, default=None)
 
 
-def resume_check(tmp: Path, survivors: list[str], inner: int = 5) -> tuple[str, str]:
+def resume_check(tmp: Path, survivors: list[str], inner: int = 5, extra: tuple[str, ...] = ()) -> tuple[str, str]:
     """A short `zb train --ckpt.resume latest` from the survivor with the newest checkpoint, alone
     around a fresh store, must exit 0 after resuming. Returns (node, outcome); raises Failure otherwise."""
     found = {u: newest_checkpoint(tmp / "ckpt" / u) for u in survivors}
@@ -87,7 +87,7 @@ def resume_check(tmp: Path, survivors: list[str], inner: int = 5) -> tuple[str, 
     try:
         run.start_train(uid, "--ckpt.path", str(tmp / "ckpt" / uid), "--ckpt.resume", "latest", "--ckpt.ram_dir",
                         str(tmp / "resume" / "shm"), "--optim.total_steps", "100000", "--train.max_steps",
-                        str(step + inner))
+                        str(step + inner), *extra)
         code = run.finish(uid, 200)
         log = (run.tmp / f"{uid}.log").read_text()
     finally:

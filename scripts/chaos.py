@@ -49,8 +49,9 @@ GRACE = 30
 
 
 class Chaos:
-    def __init__(self, tmp: Path, seed: int, nodes: int, max_nodes: int) -> None:
+    def __init__(self, tmp: Path, seed: int, nodes: int, max_nodes: int, overlap: str = "none") -> None:
         self.rng, self.seed, self.nodes, self.max_nodes = random.Random(seed), seed, nodes, max_nodes
+        self.overlap = overlap
         self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN)
         self.tails: dict[str, Tail] = {}
         self.live: list[str] = []
@@ -69,7 +70,8 @@ class Chaos:
         self.cluster.start_train(uid, "--optim.total_steps", "100000", "--ckpt.path", str(tmp / "ckpt" / uid),
                                  "--ckpt.interval", str(2 * INNER), "--ckpt.ram_dir", str(tmp / "shm"),
                                  "--ckpt.grace_period", str(GRACE), "--ckpt.live_recovery",
-                                 "--data.data_world_size", "16", *extra, rank=len(self.live))
+                                 "--data.data_world_size", "16", "--diloco.overlap", self.overlap, *extra,
+                                 rank=len(self.live))
         self.tails[uid] = Tail(tmp / uid / "metrics.jsonl")
         self.live.append(uid)
         return uid
@@ -241,11 +243,11 @@ class Chaos:
         if left:
             raise Failure(f"orphan processes after the run: {left}")
         self.log("orphans", "-", "none")
-        self.log("resume", *resume_check(self.cluster.tmp, survivors))
+        self.log("resume", *resume_check(self.cluster.tmp, survivors, extra=("--diloco.overlap", self.overlap)))
 
 
-def run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path) -> dict:
-    chaos = Chaos(tmp, seed, nodes, max_nodes)
+def run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str = "none") -> dict:
+    chaos = Chaos(tmp, seed, nodes, max_nodes, overlap)
     failures, survived = [], 0
     try:
         for _ in range(nodes):
@@ -283,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-nodes", type=int, default=None,
                    help="joins stop at this many nodes (default nodes+1, at most 6)")
     p.add_argument("--keep", type=Path, default=None, help="keep node logs and metrics in this directory")
+    p.add_argument("--overlap", default="none", choices=("none", "eager", "streaming"),
+                   help="diloco.overlap of every node (streaming: 1 fragment, tau 1)")
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     max_nodes = min(6, args.max_nodes or args.nodes + 1)
@@ -290,13 +294,13 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     tmp = args.keep or Path(tempfile.mkdtemp(prefix=f"zb-chaos-{seed}-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    summary = run(seed, args.events, args.nodes, max_nodes, tmp)
+    summary = run(seed, args.events, args.nodes, max_nodes, tmp, args.overlap)
     for failure in summary["failures"]:
         print(failure, file=sys.stderr)          # with the nodes' log tails; the JSON line keeps the first line
     print(json.dumps({**summary, "failures": [f.splitlines()[0] for f in summary["failures"]]}))
     if summary["failures"]:
         print(f"chaos: FAILED with seed {seed} (replay: scripts/chaos.py --seed {seed} --events {args.events} "
-              f"--nodes {args.nodes}); logs kept in {tmp}", file=sys.stderr)
+              f"--nodes {args.nodes} --overlap {args.overlap}); logs kept in {tmp}", file=sys.stderr)
         return 1
     if args.keep is None:
         shutil.rmtree(tmp, ignore_errors=True)

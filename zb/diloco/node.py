@@ -344,7 +344,6 @@ class DilocoNode:
         ov = self.overlap
         arrival = ov.wait()
         report, view, plan, attempts, arrived = self._agree_on_arrival(position, arrival)
-        report.fragment = ov.fragment
         if plan is None:
             log.error("outer step skipped after %d failed check-ins; training goes on", attempts)
             if closing:
@@ -354,6 +353,7 @@ class DilocoNode:
         was_recovered = self.role == checkin.RECOVERED
         finite = localsync.all_ok(self.local_group, not (arrival is not None and ov.non_finite))
         report.applied = self._eager_apply(view, plan, arrival)  # a recovered joiner takes the average here
+        report.fragment = ov.fragment
         if not finite:
             log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, "
                         "its inner optimizer state is cleared, and every node skips the average it poisons")
@@ -458,16 +458,17 @@ class DilocoNode:
         """Donor -> recovered joiners: the average they did not take part in."""
         transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
         if view.global_rank == donor:
-            self._send_each(late, lambda r: transfer.send_tensor(r, average), "the average")
+            part = self.overlap.part_in_flight()
+            self._send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
             return average
         if view.global_rank not in late:
             return average
-        buffer = torch.empty(self.overlap.average_numel())
         try:
-            transfer.receive_tensor(donor, buffer)
+            buffer, part = transfer.receive_tensor(donor, self.overlap.average_numel)
         except PeerFailure as e:
             raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive ({e}); "
                                      "restart this node to join again") from None
+        self.overlap.adopt_part(part)  # streaming: a joiner launched nothing, the donor says which fragment
         log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
         return buffer
 

@@ -95,9 +95,15 @@ class EagerOverlap:
         # this node's enters the average, which every node skips).
         own_step(self.own, self.fresh if finite else torch.zeros_like(self.fresh), world_size, self.opt)
 
-    def average_numel(self) -> int:
-        """Values in an average (what a late joiner receives from the donor)."""
+    def average_numel(self, part: int = -1) -> int:
+        """Values in an average (what a late joiner receives from the donor): all params."""
         return self.outer.numel
+
+    def part_in_flight(self) -> int:
+        return -1  # the whole model
+
+    def adopt_part(self, part: int) -> None:
+        return None
 
     def reset_own(self) -> None:
         """A node that received the run's shared state starts with no eager term of its own."""

@@ -167,8 +167,16 @@ class StreamingOverlap:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
-    def average_numel(self) -> int:
-        return self.numel(self.fragment)
+    def average_numel(self, part: int) -> int:
+        """Values in fragment `part`'s average (0 for a part that is no fragment: refused)."""
+        return self.numel(part) if 0 <= part < self.cfg.fragments else 0
+
+    def part_in_flight(self) -> int:
+        return self.fragment
+
+    def adopt_part(self, part: int) -> None:
+        """A live-recovery joiner launched nothing: the donor said which fragment's average it sent."""
+        self.fragment = part
 
     def _gather(self, fragment: int, flat: torch.Tensor, out: torch.Tensor) -> None:
         offset = 0

@@ -89,19 +89,24 @@ class StateTransfer:
         for i, t in enumerate((header, self.outer.flat.data, payload)):
             _wait(self.pg.send([t], dst, TAG + i), t.numel() * t.element_size(), self.bw, dst, "send")
 
-    def send_tensor(self, dst: int, tensor: torch.Tensor) -> None:
-        """One fp32 buffer laid out as the outer params (an average for a late joiner), behind a header."""
-        header = torch.tensor([tensor.numel(), _layout_hash(self.outer)], dtype=torch.int64)
+    def send_tensor(self, dst: int, tensor: torch.Tensor, part: int = -1) -> None:
+        """One fp32 buffer of the outer params' layout (an average for a late joiner; `part`: the
+        streaming fragment it covers, -1 for all params), behind a header."""
+        header = torch.tensor([tensor.numel(), _layout_hash(self.outer), part], dtype=torch.int64)
         for i, t in enumerate((header, tensor)):
             _wait(self.pg.send([t], dst, TAG + 3 + i), t.numel() * t.element_size(), self.bw, dst, "send")
 
-    def receive_tensor(self, src: int, out: torch.Tensor) -> None:
-        header = torch.empty(2, dtype=torch.int64)
-        _wait(self.pg.recv([header], src, TAG + 3), 16, self.bw, src, "header")
-        if header.tolist() != [out.numel(), _layout_hash(self.outer)]:
-            raise InvalidInput(f"the donor's buffer layout differs from this node's ({header[0].item()} vs "
-                               f"{out.numel()} values): the nodes run different models")
-        _wait(self.pg.recv([out], src, TAG + 4), 4 * out.numel(), self.bw, src, "average")
+    def receive_tensor(self, src: int, numel_of) -> tuple[torch.Tensor, int]:
+        """(the buffer, its part); `numel_of(part)` is how many values this node expects for it."""
+        header = torch.empty(3, dtype=torch.int64)
+        _wait(self.pg.recv([header], src, TAG + 3), 24, self.bw, src, "header")
+        numel, layout, part = header.tolist()
+        if layout != _layout_hash(self.outer) or numel != numel_of(part):
+            raise InvalidInput(f"the donor's buffer layout differs from this node's ({numel} values for part {part}): "
+                               "the nodes run different models")
+        out = torch.empty(numel)
+        _wait(self.pg.recv([out], src, TAG + 4), 4 * numel, self.bw, src, "average")
+        return out, part
 
     def receive(self, src: int) -> RunPosition:
         """Load the donor's state; returns its position. InvalidInput if its layout differs."""
