@@ -278,6 +278,9 @@ def print_table(rows) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (a CI timeout, a pkill) must still run the cleanup that kills the nodes: without this the
+    # interpreter dies at once and leaves them training, loading the machine for every later job.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seed", type=int, default=None, help="schedule seed (random if unset; printed)")
     p.add_argument("--events", type=int, default=6)
