@@ -283,7 +283,7 @@ class DilocoNode:
         contributor does, so a transfer that failed anywhere is skipped everywhere, never half applied."""
         ov = self.overlap
         arrival = ov.wait()
-        report, view, plan, attempts, _ = self._agree_on_arrival(position, arrival)
+        report, view, plan, attempts = self._agree_on_arrival(position, arrival)
         if plan is None and closing:
             log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
                       "shared params without it", attempts)
@@ -343,7 +343,7 @@ class DilocoNode:
         none, then the merge; joiners are admitted and handed the state here (nothing is in flight)."""
         ov = self.overlap
         arrival = ov.wait()
-        report, view, plan, attempts, arrived = self._agree_on_arrival(position, arrival)
+        report, view, plan, attempts = self._agree_on_arrival(position, arrival)
         if plan is None:
             log.error("outer step skipped after %d failed check-ins; training goes on", attempts)
             if closing:
@@ -387,7 +387,7 @@ class DilocoNode:
             report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
                                                                        round(arrival.mbps, 2))
             report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
-        return report, view, plan, attempts, arrived
+        return report, view, plan, attempts
 
     def _close_on_shared(self, report: OuterReport) -> OuterReport:
         """The run ends on the shared params: the consensus model, the same on every node."""
