@@ -265,6 +265,11 @@ class ElasticConfig:
     link_matrix: Optional[str] = knob(None, "A `zb iperf-mesh --json` file: order the ring by its measured links (maximize "
                                       "the slowest hop). Its rows are matched to nodes by id (iperf-mesh --node-id) or "
                                       "gloo address; a file without this node is an error.")
+    measure_links: bool = knob(False, "Measure this node's links to every member in the background from the moment it "
+                                      "joins (one TCP stream per ordered pair, timed by the receiver) and order the "
+                                      "ring by them; measured links win over elastic.link_matrix.")
+    link_probe_seconds: float = knob(2.0, "Seconds of data per background link measurement (elastic.measure_links).",
+                                     check="positive")
     live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
                                          env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",

@@ -52,6 +52,7 @@ class ElasticDeviceMesh:
         self._deathrattle: Deathrattle | None = None
         self._heartbeat: Heartbeat | None = None
         self._probe: ProbeListener | None = None
+        self._links = None             # zb.elastic.linkprobe.LinkProber with elastic.measure_links
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
         self._hosted = None            # the store object when this node hosts it (elastic.host_store)
@@ -97,10 +98,10 @@ class ElasticDeviceMesh:
             if graceful:
                 self._deathrattle.rattle("leave")
             self._deathrattle.uninstall()
-        for thread in (self._heartbeat, self._probe):
+        for thread in (self._heartbeat, self._probe, self._links):
             if thread is not None:
                 thread.stop()
-        self._heartbeat = self._probe = None
+        self._heartbeat = self._probe = self._links = None
 
     # -- local rank 0 --------------------------------------------------------------------------
     def host_store_if_asked(self) -> None:
@@ -149,6 +150,11 @@ class ElasticDeviceMesh:
         self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members)
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
+        if self.cfg.measure_links:
+            from zb.elastic.linkprobe import LinkProber
+
+            self._links = LinkProber(uid, gloo_address(), self._connect, members, self.cfg.link_probe_seconds)
+            self._links.start(store)
 
     def _resolve_head(self) -> dict[str, Any]:
         m = self._membership
