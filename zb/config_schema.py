@@ -197,6 +197,11 @@ class DilocoConfig:
                                 choices=("sgd", "avg"), run_defining=True)
     compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32) or int8 (4x fewer bytes on the wire).",
                             choices=("none", "int8"), aliases={"no": "none", "uint8": "int8"}, run_defining=True)
+    stripes: Optional[int] = knob(None, "Stripes of the outer state: local rank r < stripes of every node holds stripe r "
+                                        "of every parameter's rows and all-reduces it over replica group r, so nodes of "
+                                        "different local rank counts train one run. Every node needs at least this many "
+                                        "local ranks (a node with more moves rows inside itself). Default: the first "
+                                        "node's local rank count; a joiner takes the run's.", check="positive")
     streams: int = knob(1, "Parallel process groups (TCP connections) per replica group for the all-reduce.", check="positive")
     retry_all_reduce: int = knob(3, "Retries of a failed pseudo-gradient sync, each without the failed peers.", check="non_negative")
     bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).", check="positive")

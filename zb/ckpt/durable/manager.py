@@ -324,6 +324,11 @@ class CheckpointManager:
         return Resumed(loaded["path"], position, meta["data_state"], loaded.get(OUTER), meta.get("extra", {}))
 
     def _check_compatible(self, part: Path, meta: dict, state: TrainState) -> None:
+        if meta.get("local_world_size", self.local_world_size) != self.local_world_size:
+            raise _RunMismatch(f"checkpoint {part} was written by a node of {meta['local_world_size']} local ranks and "
+                               f"this node has {self.local_world_size}: a checkpoint resumes with its own local rank "
+                               "count (restart with that --nproc-per-node; a node with another count joins the run "
+                               "instead and takes the run's state from a live node)")
         saved = {k: v for k, v in meta.get("fingerprint", {}).items() if k not in _MAY_DIFFER}
         mine = {k: v for k, v in state.fingerprint.items() if k not in _MAY_DIFFER}
         diff = differences(mine, saved)
