@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, subprocess_env
 
-from test_diloco_nodes import _agree_with_joiner, _join_late, make_run  # noqa: F401 - make_run is a fixture
+from test_diloco_nodes import _agree_with_joiner, make_run  # noqa: F401 - make_run is a fixture
 from test_diloco_overlap import RUN_FLAGS, _reference, _worst
 from zb.diloco.stripes import rows
 
