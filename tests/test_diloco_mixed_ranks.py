@@ -1,7 +1,8 @@
 """Nodes of different local rank counts in one DiLoCo run (diloco.stripes, zb.diloco.stripes): a
 1-rank node and a 2-rank FSDP node against the single-process simulation of the same math, a
 2-rank joiner of a run of 1-rank nodes (blocking and live recovery), a node too small for the
-run's stripes refused, and the row moves themselves against whole tensors."""
+run's stripes refused, a checkpoint resumed with another local rank count, and the row moves
+themselves against whole tensors."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, subprocess_env
+from conftest import REPO, TINY, free_port, subprocess_env, zb_process
 
 from test_diloco_nodes import _agree_with_joiner, make_run  # noqa: F401 - make_run is a fixture
 from test_diloco_overlap import RUN_FLAGS, _reference, _worst
@@ -32,7 +33,7 @@ def test_rows_split_as_torch_chunk_does():
                 assert list(range(a, b)) == want, (d0, parts, i)
 
 
-@pytest.mark.parametrize("local_ranks, stripes", [(3, 1), (3, 2)])
+@pytest.mark.parametrize("local_ranks, stripes", [(3, 1), pytest.param(3, 2, marks=pytest.mark.soak)])
 def test_row_moves_match_whole_tensors_under_fsdp(local_ranks, stripes):
     """Real FSDP2 shards on `local_ranks` gloo ranks: reading gives each stripe owner exactly its rows
     of the whole params and AdamW moments, and writing puts every rank's FSDP rows back from them."""
@@ -90,7 +91,36 @@ def test_a_two_rank_node_joins_a_run_of_one_rank_nodes(make_run, live):
 def test_a_node_with_fewer_local_ranks_than_stripes_is_refused(make_run):
     run = make_run(1)
     run.start_train("big", "--optim.total_steps", "100000", local_ranks=2, rank=0)   # stripes: 2
-    run.wait_outer("big", 1)
+    run.wait_for("big", lambda: "global rank" in (run.tmp / "big.log").read_text(), "joining the run")
     run.start_train("small", "--optim.total_steps", "100000", rank=1)
     assert run.finish("small") == 2
     assert "stripes (diloco.stripes)" in run.log("small") and "Traceback" not in run.log("small")
+
+
+def test_a_checkpoint_resumes_with_another_local_rank_count(tmp_path):
+    """Written by a 2-rank node (FSDP shards, outer state in 1 stripe), resumed by a 1-rank node: its
+    next checkpoint, at the same step, holds exactly the same inner and outer params."""
+    import torch
+    from safetensors.torch import load_file
+
+    from zb.export import export_checkpoint
+
+    def train(name: str, *args: str):
+        return zb_process("train", *TINY, "--optim.total_steps", "8", "--diloco.inner_steps", "4", "--diloco.stripes",
+                          "1", "--elastic.host_store", "--ckpt.path", str(tmp_path / name / "ckpt"), "--ckpt.ram_dir",
+                          str(tmp_path / "ram"), "--log.dir", str(tmp_path / name / "log"), *args,
+                          GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(free_port()), GLOBAL_UNIQUE_ID=name)
+
+    two = train("two", "--nproc-per-node", "2", "--ckpt.interval", "4")
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = train("one", "--ckpt.resume", str(tmp_path / "two" / "ckpt" / "step-000000008"))
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "written by 2 local ranks and this node has 1" in one.stderr and "resharded" in one.stderr
+    for inner in (False, True):
+        tensors = []
+        for name in ("two", "one"):
+            out = tmp_path / f"{name}-{inner}"
+            export_checkpoint(tmp_path / name / "ckpt" / "step-000000008", out, inner=inner)
+            tensors.append({k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()})
+        assert tensors[0].keys() == tensors[1].keys() and len(tensors[0]) > 10
+        assert all(torch.equal(tensors[0][k], tensors[1][k]) for k in tensors[0]), inner

@@ -27,8 +27,9 @@ RUN_DEFINING = [key for key, spec in KEYS.items() if spec.run_defining]
 
 def fingerprint(cfg: Config, local_world_size: int, vocab_size: int) -> dict[str, Any]:
     values = {key: get(cfg, key) for key in RUN_DEFINING}
-    stripes = cfg.diloco.stripes if cfg.diloco is not None and cfg.diloco.stripes else local_world_size
-    values.update({"stripes": stripes, "vocab_size_resolved": vocab_size, "zb_version": __version__})
+    values.update({"vocab_size_resolved": vocab_size, "zb_version": __version__})
+    if cfg.diloco is not None:   # the outer state's layout; without DiLoCo nothing depends on it
+        values["stripes"] = cfg.diloco.stripes or local_world_size
     return values
 
 
