@@ -282,14 +282,9 @@ class CheckpointManager:
         out = {"path": str(parts[0].parent), "meta": {**meta, "data_state": None}, "model": model,
                OPTIM: join_and_split([t[OPTIM] for t in loaded], rank, self.local_world_size),
                RNG: loaded[rank if rank < n else 0][RNG]}
-        try:
-            check_optimizer(state.model, state.optimizer, out[OPTIM], meta.get("param_groups"))
-            check_rng(out[RNG])
-        except ValueError as e:
-            raise CorruptSnapshot(f"{parts[0].parent}: {e}") from None
         if state.outer is not None:
             out[OUTER] = stripe_of([t[OUTER] for t in loaded], rank, state.fingerprint.get("stripes", n))
-            _check_outer(parts[0], out[OUTER], state.outer)
+        _check_rest(parts[0].parent, out, meta, state)
         if rank == 0:
             log.warning("checkpoint %s was written by %d local ranks and this node has %d: its model and optimizer "
                         "state are resharded; the data position does not carry over (the data starts from the "
@@ -371,13 +366,7 @@ class CheckpointManager:
             raise _RunMismatch(str(e)) from None
         files = [OPTIM, RNG] + ([OUTER] if state.outer is not None else [])
         rest, _ = load_snapshot(part, files=files, verify=False)
-        try:
-            check_optimizer(state.model, state.optimizer, rest[OPTIM], meta.get("param_groups"))
-            check_rng(rest[RNG])
-        except ValueError as e:
-            raise CorruptSnapshot(f"{part}: {e}") from None
-        if state.outer is not None:
-            _check_outer(part, rest[OUTER], state.outer)
+        _check_rest(part, rest, meta, state)
         return {"path": str(part), "meta": meta, "model": tensors[MODEL], **rest}
 
     def _apply(self, loaded: dict, state: TrainState) -> dict:
@@ -410,6 +399,17 @@ class CheckpointManager:
 
 class _RunMismatch(InvalidInput):
     """The checkpoint is intact but belongs to a run with other settings: never skipped silently."""
+
+
+def _check_rest(where: Path, loaded: dict, meta: dict, state: TrainState) -> None:
+    """The optimizer, RNG and outer tensors read for `state` fit it: else CorruptSnapshot or _RunMismatch."""
+    try:
+        check_optimizer(state.model, state.optimizer, loaded[OPTIM], meta.get("param_groups"))
+        check_rng(loaded[RNG])
+    except ValueError as e:
+        raise CorruptSnapshot(f"{where}: {e}") from None
+    if state.outer is not None:
+        _check_outer(where, loaded[OUTER], state.outer)
 
 
 def _check_outer(part: Path, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
