@@ -107,3 +107,40 @@ def false_evictions(membership_by_uid: dict[str, list[dict]], signalled: set[str
             if wrong:
                 out.append(f"{uid} at mesh v{e['mesh_version']} declared {wrong} dead")
     return out
+
+
+def split_runs(outer_by_uid: dict[str, list[dict]]) -> list[str]:
+    """Signs of two runs at once (a node or a group training apart): one mesh version applied with
+    different world sizes, or outer steps of two mesh versions applied by disjoint sets of nodes at
+    overlapping times. In one run the versions follow each other, and any two that overlap in time
+    share the nodes that all-reduced across the change."""
+    spans: dict[int, list] = {}    # mesh version -> [first time, last time, nodes, world sizes]
+    for uid, events in outer_by_uid.items():
+        for e in events:
+            if not e.get("applied"):
+                continue
+            span = spans.setdefault(e["mesh_version"], [e["time"], e["time"], set(), set()])
+            span[0], span[1] = min(span[0], e["time"]), max(span[1], e["time"])
+            span[2].add(uid)
+            span[3].add(e["global_world_size"])
+    out = [f"mesh v{v} applied with world sizes {sorted(s[3])} by {sorted(s[2])}"
+           for v, s in sorted(spans.items()) if len(s[3]) > 1]
+    versions = sorted(spans)
+    for i, v in enumerate(versions):
+        for w in versions[i + 1:]:
+            a, b = spans[v], spans[w]
+            if a[2].isdisjoint(b[2]) and a[0] < b[1] and b[0] < a[1]:
+                out.append(f"mesh v{v} ({sorted(a[2])}) and v{w} ({sorted(b[2])}) applied outer steps at the same "
+                           f"time ({max(a[0], b[0]):.1f}-{min(a[1], b[1]):.1f})")
+    return out
+
+
+def one_world(outer_by_uid: dict[str, list[dict]], live: list[str]) -> int | None:
+    """The newest mesh version at which every node of `live` applied an outer step in a world of
+    exactly those nodes (len(live)); None while there is none."""
+    common = None
+    for uid in live:
+        mine = {e["mesh_version"] for e in outer_by_uid.get(uid, [])
+                if e.get("applied") and e["global_world_size"] == len(live)}
+        common = mine if common is None else common & mine
+    return max(common) if common else None
