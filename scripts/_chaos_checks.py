@@ -135,12 +135,12 @@ def split_runs(outer_by_uid: dict[str, list[dict]]) -> list[str]:
     return out
 
 
-def one_world(outer_by_uid: dict[str, list[dict]], live: list[str]) -> int | None:
+def one_world(outer_by_uid: dict[str, list[dict]], live: list[str], after: float = 0.0) -> int | None:
     """The newest mesh version at which every node of `live` applied an outer step in a world of
-    exactly those nodes (len(live)); None while there is none."""
+    exactly those nodes (len(live)) at or after `after` (unix time); None while there is none."""
     common = None
     for uid in live:
         mine = {e["mesh_version"] for e in outer_by_uid.get(uid, [])
-                if e.get("applied") and e["global_world_size"] == len(live)}
+                if e.get("applied") and e["global_world_size"] == len(live) and e["time"] >= after}
         common = mine if common is None else common & mine
     return max(common) if common else None

@@ -47,6 +47,11 @@ HANG_BOUND = (HEARTBEAT_TIMEOUT + float(PROFILE["ZB_ELASTIC_SYNC_DEADLINE"])
               + 4 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"])
               + float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"]) + 30)
 START_BOUND = 60.0
+STORE_TIMEOUT = float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"])
+# How long a two-way partition may stall the run's outer steps: one failed attempt (pg timeout) and the
+# rebuild without one of the two (pg timeout), the blamed node's grace, and 10 s of slack for busy cores.
+PARTITION_BOUND = (2 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"])
+                   + float(PROFILE["ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS"]) + 10)
 GRACE = 30
 
 
@@ -152,10 +157,10 @@ class Chaos:
     # -- events --------------------------------------------------------------------------------
     def wait_one_world(self, what: str, bound: float = HANG_BOUND) -> int:
         """Until every live node applied an outer step in one world of exactly the live nodes (a cut-off
-        node back in the run, not training apart); returns that mesh version."""
-        start = time.monotonic()
+        node back in the run, not training apart), from now on; returns that mesh version."""
+        start, now = time.monotonic(), time.time()
         while True:
-            version = one_world({u: self.tails[u].events("outer_step") for u in self.live}, self.live)
+            version = one_world({u: self.tails[u].events("outer_step") for u in self.live}, self.live, now)
             if version is not None:
                 return version
             for u in self.live:
@@ -360,22 +365,36 @@ class Chaos:
         from _chaos_netns import set_partition
 
         a, b = self.rng.sample(self.live, 2)
-        cut = self.rng.uniform(2.0, HEARTBEAT_TIMEOUT + 8)
+        long = self.rng.random() < 0.5
+        # Long cuts outlast PARTITION_BOUND but not the store timeout: past it the node dropped gives up
+        # rejoining and exits 1 ("cannot reach peer ..."), which is the documented end of a lasting cut.
+        cut = self.rng.uniform(PARTITION_BOUND + 2, STORE_TIMEOUT - 4) if long else self.rng.uniform(2.0, 8.0)
         counts, since = self.outer_counts(self.live), time.time()
         self.signalled.update((a, b))
         ha, hb = self.cluster.host_of[a], self.cluster.host_of[b]
         set_partition(ha, hb, True)
         try:
             time.sleep(cut)
+            during = self._synced_during(since + PARTITION_BOUND, len(self.live) - 1)
         finally:
             set_partition(ha, hb, False)
+        if long and not during:
+            raise Failure(f"stalled: partition {a}|{b} for {cut:.1f} s and no outer step applied by "
+                          f"{len(self.live) - 1} nodes after its first {PARTITION_BOUND:.0f} s "
+                          f"(a node that cannot reach a peer must be dropped, not retried forever)")
         self._after_network_event(f"partition {a}|{b} for {cut:.1f} s", counts, "partition", f"{a}|{b}",
-                                  f"cut {cut:.1f} s", since)
+                                  f"cut {cut:.1f} s" + (f", {during} outer steps applied during it" if long else ""),
+                                  since)
+
+    def _synced_during(self, after: float, size: int) -> int:
+        """Outer steps applied since `after` (unix time) in a world of at least `size` nodes."""
+        return len({(e["mesh_version"], e["outer_step"]) for u in self.live for e in self.tails[u].events("outer_step")
+                    if e.get("applied") and e["time"] >= after and e["global_world_size"] >= size})
 
     def _after_network_event(self, what: str, counts: dict[str, int], kind: str, node: str, detail: str,
                              since: float) -> None:
+        version = self.wait_one_world(what)       # after the heal: the whole run in one world again
         took = self.wait_progress(counts, what)
-        version = self.wait_one_world(what)
         evicted = sorted({d for u in self.live for e in self.tails[u].events("membership") for d in e.get("died", [])
                           if d in node.split("|") and e["time"] >= since})
         self.log(kind, node, f"{detail}; all stepped in {took:.1f} s; one world of {len(self.live)} at mesh "

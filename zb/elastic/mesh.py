@@ -18,7 +18,7 @@ from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_unique_id
 from zb.elastic.membership import Membership
-from zb.elastic.probe import ProbeListener, check_peers, gloo_address
+from zb.elastic.probe import ProbeListener, check_peers, gloo_address, unreachable_peers
 from zb.elastic.ring import check_link_matrix, publish_link_matrix
 from zb.elastic.store_state import Snapshot
 from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
@@ -156,6 +156,7 @@ class ElasticDeviceMesh:
         if self._failed:
             m.failed = True
             m.suspects |= {before.nodes[r] for r in self._suspects if r < len(before.nodes)}
+            m.unreachable = self._unreachable_members(before)
         try:
             world = m.resolve()
         except StoreUnreachable:
@@ -167,6 +168,22 @@ class ElasticDeviceMesh:
         changed = self.view is None or world.version != self.view.mesh_version or self.global_pg is None
         view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch)
         return view.to_dict()
+
+    def _unreachable_members(self, world) -> set[str]:
+        """After a failed collective: the members this node cannot connect to (a partition, a link
+        down), for its check-in; the judge keeps no two such nodes in one world."""
+        if world is None or self._membership.store is None:
+            return set()
+        peers = [u for u in world.nodes if u != self._membership.uid]
+        try:
+            raw = read_many(self._membership.store, [keys.probe(u) for u in peers])
+        except store_errors():
+            return set()
+        endpoints = {u: e.decode() for u, e in zip(peers, raw) if e}
+        cut = unreachable_peers(endpoints, timeout=min(2.0, self.cfg.heartbeat_timeout / 2))
+        if cut:
+            log.warning("cannot connect to %s on the gloo interface: reported at check-in", sorted(cut))
+        return cut
 
     def _check_reachable(self, snap: Snapshot) -> None:
         peers = [u for u in snap.world.nodes if u != self._membership.uid]
