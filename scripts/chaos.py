@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
 from _chaos_checks import (Failure, Tail, agreement_failures, false_evictions, one_world, orphans,  # noqa: E402
-                           resume_check, split_runs)
+                           resume_check, split_runs, tcp_sockets)
 from elastic_cluster import PROFILE, TrainCluster  # noqa: E402
 
 KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "donor-leave"]
@@ -307,20 +307,19 @@ class Chaos:
                 raise Failure(f"hang: {joiner} did not build its model within {bound:.0f} s")
             time.sleep(0.005)
         self.signal(donor, signal.SIGSTOP)
-        dproc, jproc = psutil.Process(self.cluster.procs[donor].pid), psutil.Process(self.cluster.procs[joiner].pid)
-        ports = {c.laddr.port for c in dproc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        dpid, jpid = self.cluster.procs[donor].pid, self.cluster.procs[joiner].pid
         caught, deadline = "", time.monotonic() + 5
-        while not caught and time.monotonic() < deadline:
-            if self.tails[joiner].events("recovery"):
-                caught = "after the download (the joiner did not wait on the donor)"
-                break
-            try:
-                if any(c.raddr and c.raddr.port in ports and c.status == psutil.CONN_ESTABLISHED
-                       for c in jproc.net_connections("tcp")):
+        try:
+            ports = {local for state, local, _ in tcp_sockets(dpid) if state == "0A"}
+            while not caught and time.monotonic() < deadline:
+                if self.tails[joiner].events("recovery"):
+                    caught = "after the download (the joiner did not wait on the donor)"
+                    break
+                if any(state == "01" and remote in ports for state, _, remote in tcp_sockets(jpid)):
                     caught = "mid-fetch (the joiner waits on the frozen donor)"
-            except psutil.Error:
-                break
-            time.sleep(0.02)
+                time.sleep(0.02)
+        except OSError:                     # the joiner exited: wait_progress reports it
+            pass
         time.sleep(self.rng.uniform(0.5, 2.0))
         return caught or "frozen, but the joiner never connected to it"
 
