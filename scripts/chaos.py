@@ -1,16 +1,26 @@
-"""Chaos harness: DiLoCo nodes on loopback around a real `zb store`, hit by a seeded random schedule
-of failures; after every event the survivors must keep training, no running node may be declared
-dead, and at every outer step the nodes that applied it must hold the same params.
+"""Chaos harness: DiLoCo nodes around a real `zb store`, on loopback or each on an emulated host of its
+own (--netns), hit by a seeded random schedule of failures; after every event the survivors must keep
+training, no running node may be declared dead, no two runs may exist at once, and at every outer step
+the nodes that applied it must hold the same params.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --seed 7 --events 6      # replay seed 7
     PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --nodes 6 --keep logs/chaos
+    sudo PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --netns --seed 1 --events 5
+    PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --seed 2 --events 3 --kinds donor-leave
 
 Events: sigkill, sigterm, sigstop (frozen past the heartbeat timeout, then SIGCONT), join (blocking),
 join-live (live recovery, non-blocking), kill-leader (SIGKILL of the lowest live rank during an outer
-step), store-restart (the store SIGKILLed and started again on its port). Killed nodes are replaced
-by joiners so the run keeps `--nodes` nodes. At the end every node gets SIGTERM, no child process may
-be left, and a survivor's newest checkpoint must resume. Prints a table of events and one JSON line
-{seed, events, survived, failures}; exits 1 on any failed check (the seed is in the message).
+step), store-restart (the store SIGKILLed and started again on its port), donor-leave (a live-recovery
+joiner's donor frozen as the joiner asks it for the outer state, then SIGKILLed or SIGTERMed: the
+joiner must recover from the other peers and agree with the survivors). With --netns (root, iproute2,
+nft; zb.net.netns builds one namespace and veth per node and one for the store) also: link-down (a
+node's link down for a while, then up: past the heartbeat timeout it is evicted and must rejoin with
+the run's state) and partition (every packet between two nodes dropped both ways while both reach the
+store: one of them is dropped, the others keep applying outer steps, both are back in one world after
+the heal). Killed nodes are replaced by joiners so the run keeps `--nodes` nodes. At the end every node
+gets SIGTERM, no child process and no partition rule may be left, and a survivor's newest checkpoint
+must resume. Prints a table of events and one JSON line {seed, events, survived, failures}; exits 1 on
+any failed check (the seed and the replay command are in the message), 2 on a bad invocation.
 Nodes are `tests/elastic_cluster.py`'s TrainCluster (tiny debug model, short-timeout profile).
 """
 
