@@ -178,8 +178,8 @@ class Chaos:
                 if code is not None:
                     raise Failure(f"{u} exited with {code} after {what}:\n{self.cluster.log(u)}")
             if time.monotonic() - start > bound:
-                sizes = {u: [(e["mesh_version"], e["global_world_size"]) for e in self.tails[u].events("outer_step")][-3:]
-                         for u in self.live}
+                sizes = {u: [(e["mesh_version"], e["global_world_size"])
+                             for e in self.tails[u].events("outer_step")][-3:] for u in self.live}
                 raise Failure(f"hang: {self.live} not in one world of {len(self.live)} within {bound:.0f} s after "
                               f"{what} (last (mesh version, world size) per node: {sizes})")
             time.sleep(0.2)
@@ -307,8 +307,6 @@ class Chaos:
         its model, the last line before its live recovery), so the joiner's request to the donor hangs;
         confirm the joiner is connected to one of the donor's ports, then hold 0.5-2 s. Returns where the
         donor was caught. (The fetch of this model takes ~0.1 s: catching it by watching alone misses.)"""
-        import psutil
-
         log, deadline = self.cluster.tmp / f"{joiner}.log", time.monotonic() + bound
         while " zb.train: model " not in (log.read_text() if log.exists() else ""):
             if self.cluster.procs[joiner].poll() is not None:

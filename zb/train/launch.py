@@ -66,7 +66,8 @@ def launch_local_ranks(nproc: int, argv: list[str] | None = None, grace_period_s
     rest = _strip_nproc(argv[argv.index("train") + 1:] if "train" in argv else argv)
     parser = get_args_parser()
     launcher = ["--standalone", "--nproc-per-node", str(nproc)]
-    if any("--shutdown-timeout" in action.option_strings for action in parser._actions):  # newer torch; older keeps 30 s
+    # Newer torch has the option; older launchers keep their 30 s.
+    if any("--shutdown-timeout" in action.option_strings for action in parser._actions):
         launcher += ["--shutdown-timeout", str(math.ceil(grace_period_s) + STOP_MARGIN_S)]
     args = parser.parse_args([*launcher, "-m", "zb", "train", *rest])
     quiet = _QuietSignalShutdown()
