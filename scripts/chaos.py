@@ -400,12 +400,14 @@ class Chaos:
 
     def _after_network_event(self, what: str, counts: dict[str, int], kind: str, node: str, detail: str,
                              since: float) -> None:
+        healed = time.monotonic()
         version = self.wait_one_world(what)       # after the heal: the whole run in one world again
-        took = self.wait_progress(counts, what)
+        took = time.monotonic() - healed
+        self.wait_progress(counts, what)
         evicted = sorted({d for u in self.live for e in self.tails[u].events("membership") for d in e.get("died", [])
                           if d in node.split("|") and e["time"] >= since})
-        self.log(kind, node, f"{detail}; all stepped in {took:.1f} s; one world of {len(self.live)} at mesh "
-                 f"v{version}" + (f" (evicted and rejoined: {evicted})" if evicted else ""))
+        self.log(kind, node, f"{detail}; one world of all {len(self.live)} at mesh v{version} {took:.1f} s after "
+                 f"the heal" + (f" (evicted and rejoined: {evicted})" if evicted else ""))
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self) -> None:
