@@ -407,3 +407,25 @@ def test_a_node_that_said_goodbye_leaves_instead_of_hanging_in_the_next_resoluti
         b.resolve()
     # A regression waits for an admission until store_timeout (120 s): half of it is no busy-machine bound.
     assert time.monotonic() - started < cfg.store_timeout / 2
+
+
+def test_groups_are_not_built_with_a_member_this_node_cannot_reach(monkeypatch):
+    """A partition between two members that are not neighbours on the ring breaks nothing until the
+    next rebuild; gloo's full-mesh connect then waited 25 s for the silent one, past the sync deadline,
+    so both were evicted as late. The build fails at once instead, and the next check-in reports it."""
+    import torch.distributed as dist
+
+    from zb.config_schema import ElasticConfig
+    from zb.elastic.mesh import ElasticDeviceMesh
+    from zb.elastic.view import WorldView
+
+    import types
+
+    mesh = ElasticDeviceMesh(ElasticConfig(addr="127.0.0.1"))
+    mesh._membership = types.SimpleNamespace(store=None, uid="a")
+    monkeypatch.setattr(mesh, "_unreachable_members", lambda view: {"c"})
+    monkeypatch.setattr(dist, "PrefixStore", lambda *a: None)
+    monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *a: pytest.fail("built a group with an unreachable member"))
+    view = WorldView(mesh_version=4, global_rank=0, global_world_size=3, nodes=["a", "b", "c"], leader="a", uid="a")
+    mesh._rebuild(view)
+    assert mesh.global_pg is None and mesh._failed

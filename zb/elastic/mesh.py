@@ -170,9 +170,10 @@ class ElasticDeviceMesh:
         return view.to_dict()
 
     def _unreachable_members(self, world) -> set[str]:
-        """After a failed collective: the members this node cannot connect to (a partition, a link
-        down), for its check-in; the judge keeps no two such nodes in one world."""
-        if world is None or self._membership.store is None:
+        """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
+        down): probed after a failed collective for the check-in (the judge keeps no two such nodes in
+        one world) and before building the groups."""
+        if world is None or self._membership is None or self._membership.store is None:
             return set()
         peers = [u for u in world.nodes if u != self._membership.uid]
         try:
@@ -232,8 +233,18 @@ class ElasticDeviceMesh:
     def _rebuild(self, view: WorldView) -> None:
         import torch.distributed as dist
 
-        store = self._membership.store if self.local_rank == 0 else self._store
         started = time.monotonic()
+        # A member this node cannot connect to would hold gloo's full-mesh connect for its own connect
+        # timeout (25 s measured, past the sync deadline: every member of the pair is then evicted as
+        # late and they may come back together). Not building fails this round at once instead; the
+        # next check-in reports the cut and the judge drops one of the pair.
+        cut = self._unreachable_members(view) if self.local_rank == 0 and view.global_world_size > 1 else set()
+        if not localsync.all_ok(self.local_group, not cut):
+            log.warning("not building global group v%d: %s unreachable", view.mesh_version, sorted(cut))
+            self.global_pg, self._failed = None, True
+            self.rebuild_s = time.monotonic() - started
+            return
+        store = self._membership.store if self.local_rank == 0 else self._store
         try:
             prefix = dist.PrefixStore(keys.mesh_prefix(view.mesh_version, self.local_rank), store)
             pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
