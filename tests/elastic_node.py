@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     cfg = load_config().elastic
     deadline = args.transfer_deadline or cfg.pg_timeout
     local_group, local_rank, local_size = _local_group()
-    mesh = ElasticDeviceMesh(cfg, local_group, local_rank=local_rank, local_world_size=local_size,
+    mesh = ElasticDeviceMesh(cfg, local_group, local_rank=local_rank, stripes=local_size,
                              sink=StdoutSink() if local_rank == 0 else None)
     try:
         view = mesh.start()

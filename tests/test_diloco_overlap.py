@@ -22,7 +22,7 @@ from test_diloco_nodes import _agree_with_joiner, _join_late, make_run  # noqa: 
 REFERENCE = str(Path(__file__).parent / "drivers" / "diloco_reference.py")
 
 
-def _reference(nodes: int, rule: str, flags: list[str]) -> list[list[float]]:
+def _reference(nodes: int | str, rule: str, flags: list[str]) -> list[list[float]]:
     out = subprocess.run([sys.executable, REFERENCE, str(nodes), rule, *flags], capture_output=True, text=True,
                          timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]

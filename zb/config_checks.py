@@ -33,6 +33,8 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and cfg.diloco.round_seconds is not None and \
             cfg.diloco.inner_steps != DilocoConfig().inner_steps:
         yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
+    if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
+        yield "elastic.link_probe_seconds", "has no effect without elastic.measure_links"
     if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.optim.total_steps % cfg.diloco.inner_steps:
         yield "optim.total_steps", (f"is not a multiple of diloco.inner_steps ({cfg.diloco.inner_steps}): with "
                                     "diloco.overlap the run ends on the shared params, so the inner steps after the "

@@ -197,6 +197,11 @@ class DilocoConfig:
                                 choices=("sgd", "avg"), run_defining=True)
     compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32) or int8 (4x fewer bytes on the wire).",
                             choices=("none", "int8"), aliases={"no": "none", "uint8": "int8"}, run_defining=True)
+    stripes: Optional[int] = knob(None, "Stripes of the outer state: local rank r < stripes of every node holds stripe r "
+                                        "of every parameter's rows and all-reduces it over replica group r, so nodes of "
+                                        "different local rank counts train one run. Every node needs at least this many "
+                                        "local ranks (a node with more moves rows inside itself). Default: the first "
+                                        "node's local rank count; a joiner takes the run's.", check="positive")
     streams: int = knob(1, "Parallel process groups (TCP connections) per replica group for the all-reduce.", check="positive")
     retry_all_reduce: int = knob(3, "Retries of a failed pseudo-gradient sync, each without the failed peers.", check="non_negative")
     bucket_mb: float = knob(64.0, "Pseudo-gradient bucket size in MB (transfer of one overlaps copy of the next).", check="positive")
@@ -265,6 +270,11 @@ class ElasticConfig:
     link_matrix: Optional[str] = knob(None, "A `zb iperf-mesh --json` file: order the ring by its measured links (maximize "
                                       "the slowest hop). Its rows are matched to nodes by id (iperf-mesh --node-id) or "
                                       "gloo address; a file without this node is an error.")
+    measure_links: bool = knob(False, "Measure this node's links to every member in the background from the moment it "
+                                      "joins (one TCP stream per ordered pair, timed by the receiver) and order the "
+                                      "ring by them; measured links win over elastic.link_matrix.")
+    link_probe_seconds: float = knob(2.0, "Seconds of data per background link measurement (elastic.measure_links).",
+                                     check="positive")
     live_reco_addr: Optional[str] = knob(None, "Address this node's checkpoint sidecar advertises.",
                                          env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",

@@ -4,8 +4,10 @@ The first node publishes it in the store; a joiner (or a resumed node) whose set
 refused with exit 2, naming the keys, before it touches the run. Checkpoints carry it too, so a
 resume with other settings is refused the same way. Which keys count is declared on the knobs
 (`knob(run_defining=True)`): the model, the sequence length and tokenizer, the seed and the outer
-optimizer. Everything else may differ per node: LR schedule and its position, batch and micro
-batch sizes, log, eval, checkpoint and timing settings, total_steps and max_steps.
+optimizer; and the stripes of the outer state (diloco.stripes, zb.diloco.stripes), which a joiner
+that leaves it unset takes from the run. Everything else may differ per node, the local rank
+count included: LR schedule and its position, batch and micro batch sizes, log, eval, checkpoint
+and timing settings, total_steps and max_steps.
 
 It lives below both of its users (zb.diloco checks it at join, zb.ckpt at resume).
 """
@@ -25,8 +27,9 @@ RUN_DEFINING = [key for key, spec in KEYS.items() if spec.run_defining]
 
 def fingerprint(cfg: Config, local_world_size: int, vocab_size: int) -> dict[str, Any]:
     values = {key: get(cfg, key) for key in RUN_DEFINING}
-    values.update({"local_world_size": local_world_size, "vocab_size_resolved": vocab_size,
-                   "zb_version": __version__})
+    values.update({"vocab_size_resolved": vocab_size, "zb_version": __version__})
+    if cfg.diloco is not None:   # the outer state's layout; without DiLoCo nothing depends on it
+        values["stripes"] = cfg.diloco.stripes or local_world_size
     return values
 
 

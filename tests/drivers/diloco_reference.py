@@ -4,6 +4,10 @@ optimizer, so a real multi-process run can be compared with it step loss by step
 
     python diloco_reference.py NODES RULE ARGS...      (RULE: none | eager; ARGS: zb train flags)
 
+NODES is a count, or each node's local rank count (`1,2`): a node of L local ranks reads the data
+of local ranks 0..L-1 of its slot, as a `zb train` node through torchrun does, and one step
+averages over all of them, as FSDP's gradient reduction does.
+
 none:  the blocking rule. Every node steps one shared outer SGD with the mean pseudo-gradient
        theta - x_m, and every node restarts from the shared params.
 eager: the paper's per-worker form (arXiv 2502.12996, as RESEARCH.md gives it): node m keeps a
@@ -36,14 +40,15 @@ from zb.train.step import Trainer, take
 
 
 class SimNode:
-    def __init__(self, cfg, tokenizer, placement, slot: int, nodes: int):
+    def __init__(self, cfg, tokenizer, placement, slot: int, nodes: int, local_ranks: int = 1):
         self.model = build_model(cfg, tokenizer.vocab_size, placement)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
                                cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0, False)
-        self.loader, _ = build_loaders(cfg, tokenizer, LocalWorld(0, 1), slot, nodes)
-        self.accum = check_batch(cfg, LocalWorld(0, 1))
+        self.loaders = [build_loaders(cfg, tokenizer, LocalWorld(r, local_ranks), slot, nodes)[0]
+                        for r in range(local_ranks)]
+        self.accum = check_batch(cfg, LocalWorld(0, local_ranks))
         self.losses: list[float] = []
 
     def flat(self) -> torch.Tensor:
@@ -58,7 +63,8 @@ class SimNode:
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
-            self.losses.append(self.trainer.train_step(take(self.loader, self.accum)).loss)
+            batches = [b for loader in self.loaders for b in take(loader, self.accum)]
+            self.losses.append(self.trainer.train_step(batches).loss)
 
 
 def outer_sgd(theta: torch.Tensor, dcfg) -> torch.optim.SGD:
@@ -102,13 +108,14 @@ def streaming(sims: list[SimNode], dcfg, total: int) -> None:
 
 def main() -> None:
     torch.set_num_threads(1)
-    nodes, rule, flags = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    ranks = [int(n) for n in sys.argv[1].split(",")] if "," in sys.argv[1] else [1] * int(sys.argv[1])
+    nodes, rule, flags = len(ranks), sys.argv[2], sys.argv[3:]
     cfg = load_config([], dict(zip([f[2:] for f in flags[::2]], flags[1::2])), environ={})
     from zb.data import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.data.tokenizer, retries=0)
     placement = pick_placement(cfg.train, LocalWorld(0, 1))
-    sims = [SimNode(cfg, tokenizer, placement, m, nodes) for m in range(nodes)]
+    sims = [SimNode(cfg, tokenizer, placement, m, nodes, ranks[m]) for m in range(nodes)]
     H, total = cfg.diloco.inner_steps, cfg.optim.total_steps
     thetas = [torch.nn.Parameter(s.flat(), requires_grad=False) for s in sims]
     if rule == "none":

@@ -111,7 +111,7 @@ def read_progress(store) -> dict | None:
 
 def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fingerprint: str
             ) -> tuple[RunPosition, FetchResult] | None:
-    """Fetch and load the run's current outer state. None when there is nothing to recover from, or
+    """Fetch and load the run's current outer state (into `outer`, not yet the model). None when there is nothing to recover from, or
     when the run moves on faster than a snapshot downloads: the node then joins with the blocking
     state transfer instead of failing."""
     world = World.decode(read_many(store, [keys.WORLD])[0])
@@ -136,8 +136,7 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
     loaded = {f"outer/{k}": v for k, v in tensors[FILE].items()}
     if loaded["outer/params"].shape != outer.flat.shape:
         raise EnvironmentFailure("the recovered outer state does not match this node's model shard")
-    outer.load_state_tensors(loaded)
-    outer.push_to_model()
+    outer.load_state_tensors(loaded)   # the caller pushes it into the model, on every local rank
     return RunPosition.from_json(meta.get(JSON_KEY)), result
 
 

@@ -14,7 +14,9 @@ Outer step, as data flows (DESIGN.md):
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -28,8 +30,9 @@ from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.overlap import EagerOverlap
 from zb.diloco.streaming import StreamingOverlap
 from zb.diloco.streams import StreamGroups
+from zb.diloco.stripes import StripeLayout
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
-from zb.diloco.transfer import StateTransfer, ensure_adam_state
+from zb.diloco.transfer import StateTransfer
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.tcpstore import connect, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -77,11 +80,15 @@ class DilocoNode:
     def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local, sink,
                  fingerprint: dict, local_group=None):
         self.cfg, self.dcfg, self.optimizer, self.local, self.sink = cfg, cfg.diloco, optimizer, local, sink
+        self.model = model
+        # The run's fingerprint; its "stripes" becomes the run's at start (the same dict is in checkpoints).
         self.fingerprint = fingerprint
-        self.outer = OuterState(model, cfg.diloco)
         self.local_group = local_group
+        # The outer state's layout is the run's (diloco.stripes, zb.diloco.stripes): known at start.
+        self.outer: OuterState | None = None
+        self.layout: StripeLayout | None = None
         self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
-                                      local_world_size=local.world_size, sink=sink if local.is_head else None,
+                                      stripes=fingerprint["stripes"], sink=sink if local.is_head else None,
                                       ring_backward=cfg.diloco.compression == "none")   # gloo's ring runs r -> r - 1
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.overlap = None
@@ -89,13 +96,6 @@ class DilocoNode:
         if cfg.diloco.round_seconds is not None:
             self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
                                             cfg.optim.batch_size * cfg.data.seq_length, local_group)
-        if cfg.diloco.overlap != "none":
-            kind = EagerOverlap if cfg.diloco.overlap == "eager" else StreamingOverlap
-            self.overlap = kind(self.outer, cfg.diloco, local.rank, cfg.elastic.pg_timeout, self._connect)
-            if local.is_head:
-                log.info("diloco.overlap = %s: %.1f MB more CPU memory per local rank (buffers in flight%s)",
-                         cfg.diloco.overlap, self.overlap.extra_bytes / 1e6,
-                         ", the eager term" if cfg.diloco.overlap == "eager" else "")
         self.store = None
         self.slot = self.num_slots = 0
         self.role = checkin.CONTRIBUTOR
@@ -115,7 +115,7 @@ class DilocoNode:
     # -- start -------------------------------------------------------------------------------
     def start(self) -> int:
         """Join the run; returns this node's data slot. Refuses (exit 2) a node whose settings differ."""
-        self._agree(self._check_fingerprint if self.local.is_head else None)
+        self._use_stripes(self._agree(self._check_fingerprint if self.local.is_head else None)["stripes"])
         self.store = self._connect()
         recovered = self._recover_live() if self.cfg.ckpt.live_recovery and not self.dcfg.blocking_join else False
         view = self.mesh.start()
@@ -124,7 +124,7 @@ class DilocoNode:
             self.role = checkin.RECOVERED if recovered else checkin.NEEDS_STATE
         self._fresh_view = True
         self.slot, self.num_slots = self._claim_slot(view)
-        if self.cfg.ckpt.live_recovery:
+        if self.cfg.ckpt.live_recovery and self.layout.owner:
             self._serve_live(view.uid)
         log.info("node %s: global rank %d of %d (mesh v%d), data slot %d%s", view.uid, view.global_rank,
                  view.global_world_size, view.mesh_version, self.slot, _joining_note(self.role))
@@ -149,11 +149,46 @@ class DilocoNode:
         return payload
 
     def _check_fingerprint(self) -> dict:
-        """The first node publishes the run's fingerprint; every later node must match it."""
+        """The first node publishes the run's fingerprint; every later node must match it. A node that
+        leaves diloco.stripes unset takes the run's."""
         self.mesh.host_store_if_asked()  # a node hosting the store (Prime style) checks against itself
         published = self._connect().compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
-        check_against(self.fingerprint, published)
-        return {}
+        mine = dict(self.fingerprint)
+        if self.dcfg.stripes is None:
+            try:
+                mine["stripes"] = json.loads(published).get("stripes", mine["stripes"])
+            except (ValueError, AttributeError):
+                pass  # check_against names the unreadable fingerprint
+        check_against(mine, published)
+        return {"stripes": mine["stripes"]}
+
+    def _use_stripes(self, stripes: int) -> None:
+        """Lay the outer state out in the run's stripes (zb.diloco.stripes); a node with fewer local ranks
+        than the run has stripes cannot hold them: exit 2 on every local rank."""
+        n = self.local.world_size
+        if n < stripes:
+            raise InvalidInput(f"this node has {n} local rank{'s' * (n != 1)} but the run's outer state is in {stripes} "
+                               "stripes (diloco.stripes), one per local rank: start this node with at least "
+                               f"{stripes} local ranks, or start the run with diloco.stripes = {n} to pool nodes this "
+                               "small")
+        if n != stripes and self.dcfg.overlap != "none":
+            raise InvalidInput(f"diloco.overlap = {self.dcfg.overlap} needs this node's local rank count ({n}) to equal "
+                               f"the run's stripes ({stripes}); use diloco.overlap = none, or start the node with "
+                               f"{stripes} local ranks")
+        self.fingerprint["stripes"] = stripes
+        self.layout = StripeLayout(stripes, self.local.rank, n, self.local_group)
+        self.mesh.use_stripes(stripes)
+        self.outer = OuterState(self.model, self.dcfg, self.layout)
+        if not self.layout.identity and self.local.is_head:
+            log.info("this node has %d local ranks and the run %d stripes: rows move inside the node at every outer "
+                     "step (local ranks %d..%d hold no outer state)", n, stripes, stripes, n - 1)
+        if self.dcfg.overlap != "none":
+            kind = EagerOverlap if self.dcfg.overlap == "eager" else StreamingOverlap
+            self.overlap = kind(self.outer, self.dcfg, self.local.rank, self.cfg.elastic.pg_timeout, self._connect)
+            if self.local.is_head:
+                log.info("diloco.overlap = %s: %.1f MB more CPU memory per local rank (buffers in flight%s)",
+                         self.dcfg.overlap, self.overlap.extra_bytes / 1e6,
+                         ", the eager term" if self.dcfg.overlap == "eager" else "")
 
     def _claim_slot(self, view) -> tuple[int, int]:
         def claim() -> dict:
@@ -171,23 +206,27 @@ class DilocoNode:
 
     def data_position(self) -> dict | None:
         """Where the previous holder of this node's slot stopped (None: start of the shard)."""
-        return slots.load_position(self.store, self.slot, self.local.rank)
+        return slots.load_position(self.store, self.slot, self.local.rank, self.local.world_size)
 
     # -- live recovery ---------------------------------------------------------------------------
     def _recover_live(self) -> bool:
         from zb.diloco.live import recover
 
         started = time.perf_counter()
+        owner = self.layout.owner    # a rank with no stripe has nothing to fetch
         found = recover(self.store, self.cfg, self.cfg.elastic.unique_id, self.local.rank, self.outer,
-                        encode(self.fingerprint))
-        ok = localsync.all_ok(self.local_group, found is not None)
+                        encode(self.fingerprint)) if owner else None
+        ok = localsync.all_ok(self.local_group, found is not None or not owner)
         if ok:
-            position, result = found
+            self.outer.push_to_model()
+            mine = found[0].to_json() if found is not None else None
+            position = RunPosition.from_json(localsync.broadcast_json(self.local_group, self.local.rank,
+                                                                      {"position": mine})["position"])
             self.recovered_position = position
             if self.local.is_head:
-                self.sink.log("recovery", **result.metrics())
-            log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
-                     position.outer_step, ", ".join(result.peers), time.perf_counter() - started)
+                self.sink.log("recovery", **found[1].metrics())
+                log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
+                         position.outer_step, ", ".join(found[1].peers), time.perf_counter() - started)
         return ok
 
     def _serve_live(self, uid: str) -> None:
@@ -409,21 +448,36 @@ class DilocoNode:
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self._resolve()
             self._fresh_view = False
+            if sync is not None and not self.layout.identity:
+                self.outer.fill_pseudo_gradients()   # rows move inside the node: every local rank, every attempt
             try:
-                plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                        position.outer_step, position.step, _deadline(self.cfg), digest, arrived,
-                                        round_steps=work.steps, round_tokens=work.tokens)
-                self._note_lagging(view, plan, position.outer_step)
-                stats = sync(view, plan) if sync is not None else None
+                plan = stats = None
+                if self.layout.owner:
+                    plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
+                                            position.outer_step, position.step, _deadline(self.cfg), digest, arrived,
+                                            round_steps=work.steps, round_tokens=work.tokens)
+                    self._note_lagging(view, plan, position.outer_step)
+                    stats = sync(view, plan) if sync is not None else None
+                elif sync is not None:
+                    stats = SyncStats()          # a rank with no stripe sends nothing
                 ok = True
             except PeerFailure as e:
                 log.warning("outer step attempt %d failed: %s", attempts, e)
                 self.mesh.report_failure(e.rank)
                 ok = False
+            if not self.layout.identity:
+                plan = self._plan_of_head(plan)
             if localsync.all_ok(self.local_group, ok):
                 return view, plan, stats, attempts, True
             stats = None
         return view, plan, None, attempts, False
+
+    def _plan_of_head(self, plan: checkin.Plan | None) -> checkin.Plan | None:
+        """Local rank 0's plan on every local rank (on a node with more local ranks than stripes, not every
+        rank checks in)."""
+        data = localsync.broadcast_json(self.local_group, self.local.rank,
+                                        {"plan": dataclasses.asdict(plan) if plan is not None else None})
+        return checkin.Plan(**data["plan"]) if data["plan"] is not None else None
 
     def _eager_check_in(self, position: RunPosition, arrived: int):
         """The overlapped paths' check-in: (view, plan or None when every attempt failed, attempts)."""
@@ -538,17 +592,30 @@ class DilocoNode:
             return None
         transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
         if view.global_rank == plan.donor:
-            ensure_adam_state(self.optimizer)
-            self._send_each(plan.receivers, lambda r: transfer.send(r, position), "state")
+            transfer.stage(read=True)
+            if self.layout.owner:
+                self._send_each(plan.receivers, lambda r: transfer.send(r, position), "state")
             return None
         if view.global_rank not in plan.receivers:
             return None
         started = time.perf_counter()
-        try:
-            received = transfer.receive(plan.donor)
-        except PeerFailure as e:
-            raise EnvironmentFailure(f"joining failed: the state transfer from rank {plan.donor} broke ({e}); "
-                                     "restart this node to join again") from None
+        transfer.stage(read=False)
+        received, error = None, None
+        if self.layout.owner:
+            try:
+                received = transfer.receive(plan.donor)
+            except (PeerFailure, InvalidInput) as e:
+                error = e
+        if not localsync.all_ok(self.local_group, error is None):
+            if isinstance(error, InvalidInput):
+                raise error
+            raise EnvironmentFailure(f"joining failed: the state transfer from rank {plan.donor} broke "
+                                     f"({error or 'on another local rank'}); restart this node to join again")
+        transfer.finish()
+        if not self.layout.identity:
+            data = localsync.broadcast_json(self.local_group, self.local.rank,
+                                            {"position": received.to_json() if received is not None else None})
+            received = RunPosition.from_json(data["position"])
         self.role = checkin.CONTRIBUTOR
         log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
         return received
@@ -595,7 +662,7 @@ class DilocoNode:
             return
         try:
             self.store = self.store or self._connect()
-            slots.save_position(self.store, self.slot, self.local.rank, data_state)
+            slots.save_position(self.store, self.slot, self.local.rank, data_state, self.local.world_size)
         except (*store_errors(), EnvironmentFailure) as e:
             log.warning("could not record the data position in the store (retried next outer step): %s",
                         str(e).splitlines()[0])
@@ -619,10 +686,10 @@ class DilocoNode:
 
     # -- misc ---------------------------------------------------------------------------------
     def _node_digest(self) -> bytes:
-        """sha256 over every local rank's outer-param digest: the same bytes on every local rank. Uses
+        """sha256 over every stripe's outer-param digest: the same bytes on every local rank. Uses
         the digest started after the last outer step (nothing has changed the outer params since)."""
         mine = self._digest.result() if self._digest is not None else drift.digest(self.outer.flat)
-        parts = localsync.all_gather_bytes(self.local_group, mine)
+        parts = localsync.all_gather_bytes(self.local_group, mine)[:self.layout.stripes]  # the stripes' owners
         return hashlib.sha256(b"".join(parts)).digest()
 
     def params_hash(self) -> str:

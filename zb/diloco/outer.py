@@ -1,7 +1,8 @@
-"""Outer params and the outer optimizer, on CPU in fp32, for this rank's FSDP shard only.
+"""Outer params and the outer optimizer, on CPU in fp32, for this rank's stripe only.
 
-One flat buffer holds the outer copy of every local shard (a view per parameter), so the outer
-optimizer is a single vectorized SGD step and no extra GPU memory is used. Pseudo-gradient =
+One flat buffer holds the outer copy of this rank's stripe of every parameter (a view per
+parameter; zb.diloco.stripes: on a node with diloco.stripes local ranks, exactly its FSDP shard),
+so the outer optimizer is a single vectorized SGD step and no extra GPU memory is used. Pseudo-gradient =
 outer params - current params: the direction the inner steps moved, sign-flipped, so that an
 SGD step with lr 1 and no momentum lands exactly on the average of the nodes' params.
 """
@@ -12,21 +13,21 @@ import torch
 from torch import nn
 
 from zb.config_schema import DilocoConfig
+from zb.diloco.stripes import StripeLayout, local_shard
 
-
-def local_shard(param: torch.Tensor) -> torch.Tensor:
-    """The part of `param` this rank holds: the local shard of an FSDP2 DTensor, else the tensor."""
-    data = param.data
-    return data.to_local() if hasattr(data, "to_local") else data
+__all__ = ["OuterState", "local_shard"]
 
 
 class OuterState:
-    """fp32 CPU outer params + pseudo-gradient buffer + outer optimizer for one rank's shards."""
+    """fp32 CPU outer params + pseudo-gradient buffer + outer optimizer for one rank's stripe."""
 
-    def __init__(self, model: nn.Module, cfg: DilocoConfig):
+    def __init__(self, model: nn.Module, cfg: DilocoConfig, layout: StripeLayout | None = None):
+        self.layout = layout or StripeLayout(1, 0, 1)
         self.params = [p for p in model.parameters()]
         self.names = [n for n, _ in model.named_parameters()]
-        self.shapes = [local_shard(p).shape for p in self.params]
+        self.full_shapes = [tuple(p.shape) for p in self.params]
+        self.shapes = [local_shard(p).shape if self.layout.identity else self.layout.stripe_shape(s)
+                       for p, s in zip(self.params, self.full_shapes)]
         self.numels = [s.numel() for s in self.shapes]
         total = sum(self.numels)
         # Pageable, not pinned: torch's pinned allocator rounds each block up to a power of two (a
@@ -66,7 +67,11 @@ class OuterState:
 
     @torch.no_grad()
     def pull_from_model(self) -> None:
-        """Outer params := the model's current shards (at start, and after state arrives)."""
+        """Outer params := the model's current shards (at start, and after state arrives). On a node
+        whose FSDP shards are not its stripes, a collective over its local ranks."""
+        if not self.layout.identity:
+            self.layout.read(self.full_shapes, self.params, self.views)
+            return
         for view, p in zip(self.views, self.params):
             view.copy_(local_shard(p), non_blocking=False)
 
@@ -77,9 +82,19 @@ class OuterState:
             view.sub_(local_shard(p).detach().to(device="cpu", dtype=torch.float32))
 
     @torch.no_grad()
+    def fill_pseudo_gradients(self) -> None:
+        """flat.grad := outer - current for every parameter at once: how a node whose FSDP shards are
+        not its stripes makes them (a collective over its local ranks; see zb.diloco.stripes)."""
+        self.layout.read(self.full_shapes, self.params, self.grad_views)
+        torch.sub(self.flat.data, self.flat.grad, out=self.flat.grad)
+
+    @torch.no_grad()
     def pseudo_gradient_of(self, index: int) -> torch.Tensor:
-        """Fill and return the pseudo-gradient view of parameter `index`: outer - current."""
+        """Fill and return the pseudo-gradient view of parameter `index`: outer - current (already
+        filled by fill_pseudo_gradients when the stripes are not this rank's FSDP shards)."""
         g = self.grad_views[index]
+        if not self.layout.identity:
+            return g
         g.copy_(local_shard(self.params[index]))
         torch.sub(self.views[index], g, out=g)
         return g
@@ -94,6 +109,9 @@ class OuterState:
         """Model shards := outer params (or `flat`, laid out as they are), in the model's own dtype
         and device."""
         views = self.views if flat is None else self._views(flat)
+        if not self.layout.identity:
+            self.layout.write(self.full_shapes, views, self.params)   # a collective over the local ranks
+            return
         for view, p in zip(views, self.params):
             local_shard(p).copy_(view, non_blocking=True)
         if torch.cuda.is_available():

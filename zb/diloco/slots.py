@@ -3,17 +3,20 @@
 A slot is a data rank in [0, data_world_size). A node keeps the slot it held before (same unique
 id); otherwise it takes a free one, or one whose holder is no longer in the world. Claims use
 compare_set, so two joiners never get the same slot. Each slot's data position (per local rank)
-is written at every outer step, so a later holder continues where the last one stopped and
-never replays samples the run has already seen.
+is written at every outer step, so a later holder with the same local rank count continues where
+the last one stopped and never replays samples the run has already seen.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from zb.elastic.tcpstore import read_many
 from zb.errors import EnvironmentFailure
+
+log = logging.getLogger("zb.diloco")
 
 ROOT = "zb/data"
 
@@ -47,10 +50,22 @@ def claim_slot(store, uid: str, live_nodes: list[str], num_slots: int, preferred
                              "start the run with a larger data.data_world_size to admit more nodes")
 
 
-def save_position(store, slot: int, local_rank: int, state: dict[str, Any]) -> None:
-    store.set(position_key(slot, local_rank), json.dumps(state, sort_keys=True))
+def save_position(store, slot: int, local_rank: int, state: dict[str, Any], local_world_size: int = 1) -> None:
+    store.set(position_key(slot, local_rank), json.dumps({"local_world_size": local_world_size, "state": state},
+                                                         sort_keys=True))
 
 
-def load_position(store, slot: int, local_rank: int) -> dict[str, Any] | None:
+def load_position(store, slot: int, local_rank: int, local_world_size: int = 1) -> dict[str, Any] | None:
+    """The loader state the slot's previous holder left for this local rank; None when there is none, or
+    when that node split the slot over another local rank count (its positions do not map onto this
+    node's: the slot's shard starts over, with a warning)."""
     raw = read_many(store, [position_key(slot, local_rank)])[0]
-    return json.loads(raw) if raw else None
+    if not raw:
+        return None
+    saved = json.loads(raw)
+    if saved.get("local_world_size") != local_world_size:
+        log.warning("data slot %d was held by a node of %s local ranks and this node has %d: its data position does not "
+                    "carry over, the slot's shard starts from its beginning", slot, saved.get("local_world_size"),
+                    local_world_size)
+        return None
+    return saved["state"]

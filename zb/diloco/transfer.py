@@ -1,7 +1,8 @@
 """State for a joiner, sent by a live node over their replica group as raw tensors (no pickles).
 
-What travels: outer params and outer momentum (identical on every node), this rank's shard of the
-inner AdamW state, and the run's position. The joiner keeps its own data position (its data slot).
+What travels: outer params and outer momentum (identical on every node), this rank's stripe of the
+inner AdamW state (zb.diloco.stripes: its FSDP shard on a node with as many local ranks as stripes,
+rows moved inside the node otherwise), and the run's position. The joiner keeps its own data position (its data slot).
 A header goes first so the joiner can refuse a donor whose layout differs before reading anything
 else; every transfer is bounded by a deadline from its size and diloco.min_bandwidth_mbps.
 """
@@ -35,12 +36,13 @@ def ensure_adam_state(optimizer: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _inner_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _moments(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every param's AdamW moments (exp_avg, exp_avg_sq), as the optimizer holds them (FSDP DTensors)."""
     out = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
-            out += [local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"])]
+            out += [state["exp_avg"], state["exp_avg_sq"]]
     return out
 
 
@@ -70,17 +72,39 @@ class StateTransfer:
 
     def __init__(self, pg: dist.ProcessGroup, outer: OuterState, optimizer: torch.optim.Optimizer, bw: float):
         self.pg, self.outer, self.optimizer, self.bw = pg, outer, optimizer, bw
+        self.layout = outer.layout
+        self._inner: list[torch.Tensor] = []
+
+    def stage(self, read: bool) -> None:
+        """Every local rank, before send (read: take the moments) or receive: give every param AdamW
+        state and lay this rank's stripe of it out (a collective when rows move inside the node)."""
+        ensure_adam_state(self.optimizer)
+        moments = _moments(self.optimizer)
+        if self.layout.identity:
+            self._inner = [local_shard(t) for t in moments]   # the shards themselves: received in place
+            return
+        shapes = [tuple(t.shape) for t in moments]
+        self._inner = [torch.zeros(self.layout.stripe_shape(s)) for s in shapes]
+        if read:
+            self.layout.read(shapes, moments, self._inner)
+
+    def finish(self) -> None:
+        """Every local rank, after a receive: the received state into the model and the optimizer."""
+        if not self.layout.identity:
+            moments = _moments(self.optimizer)
+            self.layout.write([tuple(t.shape) for t in moments], self._inner, moments)
+        self.outer.push_to_model()
 
     def _header(self, position: RunPosition) -> torch.Tensor:
         has_momentum = int("outer/momentum" in self.outer.state_tensors())
-        values = [self.outer.numel, has_momentum, sum(t.numel() for t in _inner_tensors(self.optimizer)),
+        values = [self.outer.numel, has_momentum, sum(t.numel() for t in self._inner),
                   _layout_hash(self.outer), *position.to_ints()]
         return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
     def _payload(self) -> torch.Tensor:
         """One fp32 CPU buffer: momentum, inner AdamW state, AdamW step counts (outer params go alone)."""
         parts = [t.reshape(-1).float().cpu() for t in self.outer.state_tensors().values()][1:]
-        parts += [t.reshape(-1).float().cpu() for t in _inner_tensors(self.optimizer)]
+        parts += [t.reshape(-1).float().cpu() for t in self._inner]
         parts.append(torch.stack([s.float().cpu() for s in _steps(self.optimizer)]))
         return torch.cat(parts)
 
@@ -109,8 +133,8 @@ class StateTransfer:
         return out, part
 
     def receive(self, src: int) -> RunPosition:
-        """Load the donor's state; returns its position. InvalidInput if its layout differs."""
-        ensure_adam_state(self.optimizer)
+        """Load the donor's state (after stage; finish puts it in the model); returns its position.
+        InvalidInput if its layout differs."""
         mine = self._header(RunPosition())
         header = torch.empty(HEADER_LEN, dtype=torch.int64)
         _wait(self.pg.recv([header], src, TAG), 8 * HEADER_LEN, self.bw, src, "header")
@@ -133,10 +157,9 @@ class StateTransfer:
             self.outer.load_state_tensors({"outer/params": self.outer.flat.data,
                                            "outer/momentum": payload[:self.outer.numel]})
             offset = self.outer.numel
-        for t in _inner_tensors(self.optimizer):
+        for t in self._inner:
             t.copy_(payload[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
         for s in _steps(self.optimizer):
             s.fill_(payload[offset].item())
             offset += 1
-        self.outer.push_to_model()

@@ -5,7 +5,7 @@ Knows nothing of training. The DiLoCo layer drives it at outer-step boundaries:
     from zb.elastic import ElasticDeviceMesh
 
     mesh = ElasticDeviceMesh(cfg.elastic, local_group,          # None for a 1-process node
-                             local_rank=lw.rank, local_world_size=lw.world_size,
+                             local_rank=lw.rank, stripes=lw.world_size,   # replica groups of the run
                              sink=metrics)                      # anything with .log(event, **fields)
     view = mesh.start()          # connect, check the id, heartbeat, join; waits for the quorum
     if view.is_joiner:           # new (or evicted and back): fetch state from a live node
@@ -14,7 +14,7 @@ Knows nothing of training. The DiLoCo layer drives it at outer-step boundaries:
         ...H inner steps (no global traffic; heartbeats go on in a thread)...
         view = mesh.resolve()    # Prime's maybe_reinit(): admit joiners, drop leavers/dead/late
         try:
-            all_reduce(pseudo_grad, group=mesh.global_pg)   # this local rank's replica group
+            all_reduce(pseudo_grad, group=mesh.global_pg)   # this local rank's replica group (None: it has none)
         except PeerFailure as e:
             mesh.report_failure(e.rank)   # group rank of the suspect, or None; then resolve + retry
     mesh.shutdown(graceful=True)  # deathrattle: peers drop this node at their next resolution

@@ -102,7 +102,7 @@ def split_unreachable(world: World, lines) -> set[str]:
 def admissible_joiners(world: World, snap: Snapshot, liveness: Liveness) -> list[JoinRequest]:
     """Requests past the cursor from live nodes with the run's local world size."""
     return [r for r in snap.joins[world.join_cursor:]
-            if r.uid and r.local_world_size == world.local_world_size and not liveness.is_dead(r.uid)]
+            if r.uid and r.stripes == world.stripes and not liveness.is_dead(r.uid)]
 
 
 def members_all_out(world: World, snap: Snapshot, liveness: Liveness) -> bool:

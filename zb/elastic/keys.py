@@ -37,6 +37,11 @@ def mesh_prefix(version: int, local_rank: int) -> str:
 LINK_FILE = f"{ROOT}/links/file"  # text of an elastic.link_matrix file (zb iperf-mesh --json), set by nodes given one
 
 
+def link_server(uid: str) -> str:
+    """host:port of the node's link-measurement receiver (zb.elastic.linkprobe, elastic.measure_links)."""
+    return f"{ROOT}/links/server/{uid}"
+
+
 def links_into(uid: str) -> str:
     """JSON {sender uid: Mbit/s or null} of the links into `uid`, timed and written by `uid` alone."""
     return f"{ROOT}/links/into/{uid}"

@@ -35,10 +35,10 @@ log = logging.getLogger("zb.elastic")
 
 
 class Membership:
-    def __init__(self, cfg, uid: str, token: str, local_world_size: int, liveness: Liveness,
+    def __init__(self, cfg, uid: str, token: str, stripes: int, liveness: Liveness,
                  connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None,
                  ring_backward: bool = False) -> None:
-        self.cfg, self.uid, self.token, self.lws = cfg, uid, token, local_world_size
+        self.cfg, self.uid, self.token, self.stripes = cfg, uid, token, stripes
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = RoundDeadlines.from_config(cfg)
         self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
@@ -75,7 +75,7 @@ class Membership:
             store.append(keys.JOINS, encode_line({
                 "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
                 "last_version": last.version if last else 0,
-                "last_rank": last.rank_of(self.uid) or 0 if last else 0, "local_world_size": self.lws}))
+                "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes}))
             self.world = self._wait_admitted(quorum, time.monotonic() + quorum_timeout)
             return self.world
         except store_errors() as e:
@@ -114,9 +114,9 @@ class Membership:
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
                 return world
-            if world is not None and world.local_world_size != self.lws:
-                raise EnvironmentFailure(f"this node has {self.lws} local ranks but the run's nodes have "
-                                         f"{world.local_world_size}; start it with the same --nproc-per-node")
+            if world is not None and world.stripes != self.stripes:
+                raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
+                                         f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
             self._observe(snap, world)
             if self._may_seed(world, snap, quorum, quorum_deadline):
                 self._seed(world, snap)
@@ -132,11 +132,11 @@ class Membership:
     def _may_seed(self, world: World | None, snap: Snapshot, quorum: int, quorum_deadline: float) -> bool:
         if world is not None:
             return members_all_out(world, snap, self.liveness)
-        live = {r.uid for r in admissible_joiners(World(local_world_size=self.lws), snap, self.liveness)}
+        live = {r.uid for r in admissible_joiners(World(stripes=self.stripes), snap, self.liveness)}
         return len(live) >= quorum or time.monotonic() >= quorum_deadline
 
     def _seed(self, world: World | None, snap: Snapshot) -> None:
-        base = world or World(local_world_size=self.lws)
+        base = world or World(stripes=self.stripes)
         joiners = admissible_joiners(base, snap, self.liveness)
         obs = Observation(checked=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
                           join_end=len(snap.joins))

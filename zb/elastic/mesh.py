@@ -2,7 +2,9 @@
 
 Local rank 0 of each node runs the membership protocol (zb.elastic.membership), the heartbeat
 thread and the reachability listener; it broadcasts each new world to its local ranks, and every
-local rank r then builds the ProcessGroupGloo of replica group r under keys.mesh_prefix(version, r).
+local rank r below the run's stripe count then builds the ProcessGroupGloo of replica group r under
+keys.mesh_prefix(version, r) (ranks beyond it, on a node with more local ranks than the run has
+stripes, build none: zb.diloco.stripes).
 See zb/elastic/__init__.py for how the DiLoCo layer uses it.
 """
 
@@ -35,15 +37,19 @@ class EventSink(Protocol):
 
 
 class ElasticDeviceMesh:
-    def __init__(self, cfg, local_group=None, *, local_rank: int = 0, local_world_size: int = 1,
+    def __init__(self, cfg, local_group=None, *, local_rank: int = 0, stripes: int = 1,
                  sink: EventSink | None = None, ring_backward: bool = False) -> None:
+        # stripes: the replica groups of the run (diloco.stripes); local rank r < stripes builds group
+        # r, and a node's ranks beyond them (it has more local ranks than the run has stripes) none.
         # ring_backward: the all-reduce sends from rank r to r - 1 (gloo's fp32 ring, measured in
         # BENCHMARKS.md "Ring order") instead of r + 1 (zb's int8 ring); the ring order follows it.
         self.ring_backward = ring_backward
         if cfg.addr is None and not cfg.host_store and local_rank == 0:
             raise InvalidInput("elastic.addr (GLOBAL_ADDR) is not set: point the node at a `zb store`")
         self.cfg, self.local_group, self.sink = cfg, local_group, sink
-        self.local_rank, self.local_world_size = local_rank, local_world_size
+        self.local_rank, self.stripes = local_rank, stripes
+        self.replica = local_rank if local_rank < stripes else None
+        self._built = False            # this rank's part of the current groups is up (a passenger's: nothing)
         self.view: WorldView | None = None
         self.global_pg = None
         self._failed, self._suspects = False, set()
@@ -52,10 +58,16 @@ class ElasticDeviceMesh:
         self._deathrattle: Deathrattle | None = None
         self._heartbeat: Heartbeat | None = None
         self._probe: ProbeListener | None = None
+        self._links = None             # zb.elastic.linkprobe.LinkProber with elastic.measure_links
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
         self._hosted = None            # the store object when this node hosts it (elastic.host_store)
         self.rebuild_s = 0.0           # seconds the last global group rebuild took
+
+    def use_stripes(self, stripes: int) -> None:
+        """The run's stripe count, once the node knows it (before start)."""
+        self.stripes = stripes
+        self.replica = self.local_rank if self.local_rank < stripes else None
 
     @property
     def is_joiner(self) -> bool:
@@ -67,7 +79,7 @@ class ElasticDeviceMesh:
         build the global groups. Raises ZbError (one clear line) on an expected failure."""
         payload = self._guarded(self._start_head) if self.local_rank == 0 else None
         view = self._follow(payload)
-        if self.global_pg is None:       # a peer did not arrive at the first group: resolve again
+        if not self._built:              # a peer did not arrive at the first group: resolve again
             self._failed = True
             return self.resolve()
         return view
@@ -78,7 +90,7 @@ class ElasticDeviceMesh:
             self._merge_local_failures()
             payload = self._guarded(self._resolve_head) if self.local_rank == 0 else None
             view = self._follow(payload)
-            if self.global_pg is not None:
+            if self._built:
                 return view
             self._failed = True
         raise EnvironmentFailure(f"could not build the global groups in {REBUILD_ATTEMPTS} attempts; "
@@ -97,10 +109,10 @@ class ElasticDeviceMesh:
             if graceful:
                 self._deathrattle.rattle("leave")
             self._deathrattle.uninstall()
-        for thread in (self._heartbeat, self._probe):
+        for thread in (self._heartbeat, self._probe, self._links):
             if thread is not None:
                 thread.stop()
-        self._heartbeat = self._probe = None
+        self._heartbeat = self._probe = self._links = None
 
     # -- local rank 0 --------------------------------------------------------------------------
     def host_store_if_asked(self) -> None:
@@ -129,7 +141,7 @@ class ElasticDeviceMesh:
         ensure_unique(store, uid, cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.polling_interval)
         self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
         liveness = Liveness(cfg.heartbeat_timeout)
-        self._membership = Membership(cfg, uid, token, self.local_world_size, liveness, self._connect,
+        self._membership = Membership(cfg, uid, token, self.stripes, liveness, self._connect,
                                       before_join=self._check_reachable, ring_backward=self.ring_backward)
         self._membership.store, self._membership.store_epoch = store, 1
         self._start_threads(uid, token, liveness, store)
@@ -149,6 +161,11 @@ class ElasticDeviceMesh:
         self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members)
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
+        if self.cfg.measure_links:
+            from zb.elastic.linkprobe import LinkProber
+
+            self._links = LinkProber(uid, gloo_address(), self._connect, members, self.cfg.link_probe_seconds)
+            self._links.start(store)
 
     def _resolve_head(self) -> dict[str, Any]:
         m = self._membership
@@ -165,7 +182,7 @@ class ElasticDeviceMesh:
 
     def _payload(self, world, store_ok: bool) -> dict[str, Any]:
         m = self._membership
-        changed = self.view is None or world.version != self.view.mesh_version or self.global_pg is None
+        changed = self.view is None or world.version != self.view.mesh_version or not self._built
         view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch)
         return view.to_dict()
 
@@ -215,7 +232,7 @@ class ElasticDeviceMesh:
         view = WorldView.from_dict(data)
         if self.local_rank != 0:
             self._follower_setup(view)
-        if view.changed or self.global_pg is None:
+        if view.changed or not self._built:
             self._rebuild(view)
         if self.local_rank == 0 and (self.view is None or view.mesh_version != self.view.mesh_version):
             self._emit(view)
@@ -241,21 +258,23 @@ class ElasticDeviceMesh:
         cut = self._unreachable_members(view) if self.local_rank == 0 and view.global_world_size > 1 else set()
         if not localsync.all_ok(self.local_group, not cut):
             log.warning("not building global group v%d: %s unreachable", view.mesh_version, sorted(cut))
-            self.global_pg, self._failed = None, True
+            self.global_pg, self._built, self._failed = None, False, True
             self.rebuild_s = time.monotonic() - started
             return
         store = self._membership.store if self.local_rank == 0 else self._store
-        try:
-            prefix = dist.PrefixStore(keys.mesh_prefix(view.mesh_version, self.local_rank), store)
-            pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
-                                       timedelta(seconds=self.cfg.pg_timeout))
-            ok = True
-        except (RuntimeError, *store_errors()) as e:
-            log.warning("building global group v%d failed: %s", view.mesh_version, str(e).splitlines()[0][:160])
-            pg, ok = None, False
-        self.global_pg = pg if localsync.all_ok(self.local_group, ok) else None
+        pg, ok = None, True
+        if self.replica is not None:
+            try:
+                prefix = dist.PrefixStore(keys.mesh_prefix(view.mesh_version, self.replica), store)
+                pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
+                                           timedelta(seconds=self.cfg.pg_timeout))
+            except (RuntimeError, *store_errors()) as e:
+                log.warning("building global group v%d failed: %s", view.mesh_version, str(e).splitlines()[0][:160])
+                ok = False
+        self._built = localsync.all_ok(self.local_group, ok)
+        self.global_pg = pg if self._built else None
         self.rebuild_s = time.monotonic() - started
-        if self.global_pg is not None:
+        if self._built:
             self._failed, self._suspects = False, set()
 
     def _merge_local_failures(self) -> None:

@@ -7,15 +7,17 @@ world (zb.elastic.membership), lists its members in ring order. Every node reads
 record, so every node uses the same ring, and the DiLoCo layer needs no translation of ranks.
 
 The link data is in the store, so any node can lead and derive the same order:
-- keys.links_into(uid): the links into `uid` as `uid` timed them as the receiver (the place for
-  measurements taken during the run; zb does not take any yet);
+- keys.links_into(uid): the links into `uid` as `uid` timed them as the receiver, measured during
+  the run in the background (elastic.measure_links, zb.elastic.linkprobe);
 - keys.LINK_FILE: an `elastic.link_matrix` file (zb iperf-mesh --json), published by nodes given one.
   Its rows are matched to members by unique id or by the address in keys.probe(uid).
 A measured link wins over the file. The solver (zb.net.bottleneck) works on the members sorted by
 unique id, so the cycle depends only on who is in the world and on the data; it is then rotated to
 start at the member that would be rank 0 anyway, so the leader does not change because of it.
 If a member pair has no data at all, the ring keeps rank order (one warning per membership) until
-the missing links are measured: a guess could put an unmeasured slow link in the ring.
+the missing links are measured: a guess could put an unmeasured slow link in the ring. A ring whose
+slowest hop is within KEEP_WITHIN of the best one found is kept as it is: measurements taken during
+training are noisy, and moving every rank for a few percent would cost a group rebuild for nothing.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from zb.net.bottleneck import bottleneck, rotate_to, solve
 from zb.net.link_matrix import LinkMatrix, load_link_matrix, parse_link_matrix
 
 log = logging.getLogger("zb.elastic")
+
+KEEP_WITHIN = 0.9   # keep the current ring while its slowest hop is at least this share of the best ring's
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class RingPlanner:
         order = [members[i] for i in rotate_to(solved.order, members.index(nodes[0]))]
         old = [members.index(u) for u in nodes]
         old = bottleneck(table, old[::-1] if self.backward else old)
+        if old >= KEEP_WITHIN * solved.bottleneck_mbps:
+            order = list(nodes)   # good enough: no rebuild for noise
         return RingPlan(order, solved.bottleneck_mbps, old, solved.exact)
 
     def _warn_unknown(self, members: list[str], unknown: list[tuple[str, str]], have_data: bool) -> None:
@@ -122,7 +128,8 @@ class RingPlanner:
         shown = ", ".join(f"{a} -> {b}" for a, b in unknown[:3])
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         log.warning("ring order: no link data for %s%s; keeping rank order until they are measured "
-                    "(zb iperf-mesh --json on every member, then elastic.link_matrix)", shown, more)
+                    "(elastic.measure_links on every node, or zb iperf-mesh --json and elastic.link_matrix)",
+                    shown, more)
 
 
 def apply_ring_order(old: World, new: World, plan: RingPlan | None) -> World:

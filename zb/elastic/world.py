@@ -20,7 +20,7 @@ class World:
     nodes: list[str] = field(default_factory=list)        # unique ids, index = global rank
     tokens: dict[str, str] = field(default_factory=dict)  # unique id -> incarnation token
     join_cursor: int = 0                   # join requests consumed (lines of keys.JOINS)
-    local_world_size: int = 1              # local ranks per node, equal on every node
+    stripes: int = 1                       # replica groups (diloco.stripes); every node has at least as many local ranks
     joined: list[str] = field(default_factory=list)   # new this round and in need of state
     left: list[str] = field(default_factory=list)     # said goodbye (deathrattle)
     died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
@@ -57,7 +57,7 @@ class JoinRequest:
     pref_rank: int = 0         # GLOBAL_RANK: only a preference
     last_version: int = 0      # mesh version of the last world this node was in (0: new)
     last_rank: int = 0         # its rank there
-    local_world_size: int = 1
+    stripes: int = 1
 
     def sort_key(self) -> tuple:
         # Nodes of the newest world first, in their old order (a store restart keeps ranks),
@@ -93,7 +93,7 @@ def next_world(old: World, obs: Observation) -> World:
     newest = max([old.version] + [r.last_version for r in admitted])
     changed = nodes != old.nodes or tokens != old.tokens or obs.failure or newest > old.version
     return World(version=newest + 1 if changed else old.version, round=old.round + 1, nodes=nodes,
-                 tokens=tokens, join_cursor=obs.join_end, local_world_size=old.local_world_size,
+                 tokens=tokens, join_cursor=obs.join_end, stripes=old.stripes,
                  joined=_needs_state(keep, admitted), left=left, died=died)
 
 

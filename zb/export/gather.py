@@ -4,9 +4,11 @@ FSDP2 shards every parameter along dim 0 over the local ranks (torch.chunk's spl
 rows [r*c, (r+1)*c) with c = ceil(rows / ranks), the last ranks fewer or none), so a whole tensor is
 the ranks' shards concatenated in rank order, whatever the rank count; one rank holds whole tensors.
 
-The DiLoCo outer params of a rank are one flat fp32 buffer: that rank's shards, one after another in
-the model's parameter order (zb.diloco.outer.OuterState), each shaped like the rank's shard in
-model.safetensors. Names lose the wrappers training adds (activation checkpointing's
+The DiLoCo outer params are in the run's stripes (diloco.stripes, the `stripes` of the checkpoint's
+fingerprint; zb.diloco.stripes): part s < stripes holds one flat fp32 buffer with stripe s of every
+parameter, one after another in the model's parameter order, stripe s being the rows torch.chunk
+gives part s of `stripes` (so with as many stripes as ranks, the rank's shard in model.safetensors);
+the other parts hold none. Names lose the wrappers training adds (activation checkpointing's
 `_checkpoint_wrapped_module.`, torch.compile's `_orig_mod.`), which are not part of the model.
 """
 
@@ -46,8 +48,11 @@ def gather(ckpt: Checkpoint, order: list[str], *, inner: bool) -> dict[str, torc
     (model.safetensors) or the outer params (outer.safetensors, the default when present)."""
     use_outer = ckpt.has_outer and not inner
     shards: dict[str, list[torch.Tensor]] = {name: [] for name in order}
-    for part, manifest in zip(ckpt.parts, ckpt.manifests):
-        tensors = _outer_shards(part, shard_shapes(manifest), order) if use_outer else _read(part, MODEL)
+    stripes = _stripe_shapes(ckpt, order) if use_outer else []
+    for index, (part, manifest) in enumerate(zip(ckpt.parts, ckpt.manifests)):
+        if use_outer and index >= len(stripes):
+            break                      # ranks beyond the run's stripes hold no outer state
+        tensors = _outer_shards(part, stripes[index], order) if use_outer else _read(part, MODEL)
         unknown = sorted(set(tensors) - set(order))
         if unknown:
             raise InvalidInput(f"{part / MODEL} holds {unknown[0]}, which the model built from the checkpoint's "
@@ -59,10 +64,32 @@ def gather(ckpt: Checkpoint, order: list[str], *, inner: bool) -> dict[str, torc
     return {name: _concat(name, pieces) for name, pieces in shards.items()}
 
 
-def _outer_shards(part, shapes: dict[str, tuple[int, ...]], order: list[str]) -> dict[str, torch.Tensor]:
-    missing = [n for n in order if n not in shapes]
+def _stripe_shapes(ckpt: Checkpoint, order: list[str]) -> list[dict[str, tuple[int, ...]]]:
+    """The shape of stripe s of every parameter, for s in 0 .. stripes - 1."""
+    per_part = [shard_shapes(m) for m in ckpt.manifests]
+    missing = [(i, n) for i, shapes in enumerate(per_part) for n in order if n not in shapes]
     if missing:
-        raise InvalidInput(f"{part / MODEL} has no tensor {missing[0]}: the checkpoint is incomplete")
+        i, name = missing[0]
+        raise InvalidInput(f"{ckpt.parts[i] / MODEL} has no tensor {name}: the checkpoint is incomplete")
+    stripes = ckpt.manifests[0].meta.get("fingerprint", {}).get("stripes") or len(ckpt.parts)
+    if not isinstance(stripes, int) or not 1 <= stripes <= len(ckpt.parts):
+        raise InvalidInput(f"{ckpt.parts[0]}: the fingerprint's stripes ({stripes!r}) do not fit its "
+                           f"{len(ckpt.parts)} parts: the checkpoint is damaged")
+    out = []
+    for s in range(stripes):
+        shapes = {}
+        for name in order:
+            first = per_part[0][name]
+            if not first:
+                shapes[name] = first   # a 0-d tensor is not sharded
+                continue
+            chunks = torch.arange(sum(p[name][0] for p in per_part)).chunk(stripes)
+            shapes[name] = (len(chunks[s]) if s < len(chunks) else 0, *first[1:])
+        out.append(shapes)
+    return out
+
+
+def _outer_shards(part, shapes: dict[str, tuple[int, ...]], order: list[str]) -> dict[str, torch.Tensor]:
     with safe_open(str(part / OUTER), framework="pt") as f:
         if "outer/params" not in f.keys():
             raise InvalidInput(f"{part / OUTER} has no outer/params tensor")

@@ -1,8 +1,9 @@
 """One link measurement over raw TCP sockets: round-trip time, then bandwidth timed by the receiver.
 
-Used by zb/net/iperf.py; run it through `zb iperf-mesh` (this is the one place zb uses sockets of
-its own, DESIGN.md). Per ordered pair (sender -> receiver), tagged with the phase number so a late
-connection from an earlier phase is never mistaken for the current one:
+Used by zb/net/iperf.py (`zb iperf-mesh`, before a run) and zb/elastic/linkprobe.py (a run's nodes
+measuring their links in the background, elastic.measure_links). Per ordered pair (sender ->
+receiver), tagged (iperf-mesh: with the phase number) so a late connection from an earlier
+measurement is never mistaken for the current one:
 
 1. control connection, header {kind: control}: the receiver sends `pings` single bytes and times
    each echo from the sender (the median is the link's RTT);
@@ -42,8 +43,8 @@ class LinkError(Exception):
 class Measurement:
     """What the receiver saw on one ordered link; error is None when it worked."""
 
-    src: int
-    dst: int
+    src: int | str       # iperf-mesh ranks, or node ids (zb.elastic.linkprobe)
+    dst: int | str
     mbps: float | None = None
     bytes: int = 0
     seconds: float = 0.0
@@ -118,7 +119,7 @@ class LinkServer:
         except (OSError, LinkError, ValueError):
             conn.close()
 
-    def take(self, tag: int, src: int, kind: str, wait_s: float, sender_error: Callable[[], str | None]) -> socket.socket:
+    def take(self, tag: int, src: int | str, kind: str, wait_s: float, sender_error: Callable[[], str | None]) -> socket.socket:
         """The next `kind` connection from `src` in phase `tag`; LinkError when the sender reports a
         failure (sender_error) or nothing comes within wait_s."""
         deadline = time.monotonic() + wait_s
@@ -135,6 +136,20 @@ class LinkServer:
             if (header.get("tag"), header.get("src"), header.get("kind")) == (tag, src, kind):
                 return conn
             conn.close()  # a straggler from an earlier phase, or not ours
+
+    def take_any(self, wait_s: float) -> tuple[dict, socket.socket] | None:
+        """The next control connection from any sender, with its header; None if none comes within wait_s.
+        Data connections waiting here belong to a measurement already given up on: closed."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                header, conn = self._inbox.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if header.get("kind") == "control" and isinstance(header.get("tag"), int) and "src" in header:
+                return header, conn
+            conn.close()
+        return None
 
     def close(self) -> None:
         self._closed.set()
@@ -155,7 +170,7 @@ def _connect(addr: str, port: int, connect_timeout_s: float, io_timeout_s: float
     return sock
 
 
-def send(addr: str, port: int, src: int, dst: int, tag: int, *, streams: int, pings: int, duration_s: float,
+def send(addr: str, port: int, src: int | str, dst: int | str, tag: int, *, streams: int, pings: int, duration_s: float,
          connect_timeout_s: float, io_timeout_s: float) -> None:
     """The sender's side of one measurement; LinkError (with a one-line reason) on failure."""
     socks: list[socket.socket] = []
@@ -194,13 +209,15 @@ def _stream(socks: list[socket.socket], duration_s: float) -> None:
     _on_every_socket(pump, socks)
 
 
-def receive(server: LinkServer, src: int, dst: int, tag: int, *, streams: int, pings: int, wait_s: float,
-            io_timeout_s: float, sender_error: Callable[[], str | None]) -> Measurement:
-    """The receiver's side of one measurement: it times everything."""
+def receive(server: LinkServer, src: int | str, dst: int | str, tag: int, *, streams: int, pings: int, wait_s: float,
+            io_timeout_s: float, sender_error: Callable[[], str | None],
+            control: socket.socket | None = None) -> Measurement:
+    """The receiver's side of one measurement: it times everything. `control`: the sender's control
+    connection when the caller has already taken it (LinkServer.take_any)."""
     result = Measurement(src, dst)
     socks: list[socket.socket] = []
     try:
-        control = server.take(tag, src, "control", wait_s, sender_error)
+        control = control or server.take(tag, src, "control", wait_s, sender_error)
         socks.append(control)
         control.settimeout(io_timeout_s)
         control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -237,7 +237,7 @@ class TrainingRun:
         self.move_to(loaded.position, own_tokens=True)
         if self.cfg.ckpt.skip_dataloader:
             log.info("ckpt.skip_dataloader: the data starts from the beginning of this node's shard")
-        else:
+        elif loaded.data_state is not None:   # None: written by another local rank count (said when resharded)
             self.train_loader.load_state_dict(loaded.data_state)
         if diloco is not None and loaded.outer:
             diloco.load_checkpoint_tensors(loaded.outer)

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 
 from zb.ckpt.durable.copies import check_writable_dir
-from zb.ckpt.durable.layout import (check_complete, clean_own_leftovers, complete_steps, part_name, resolve_part,
-                                    scan_steps, step_from_name)
+from zb.ckpt.durable.layout import (check_complete, clean_own_leftovers, complete_steps, part_count, part_name,
+                                    resolve_part, scan_steps, step_from_name)
 from zb.ckpt.durable.ramdir import release, sweep_stale
+from zb.ckpt.durable.reshard import join_and_split, stripe_of
 from zb.ckpt.durable.remote import check_remote, download_part, remote_scan, remote_steps
 from zb.ckpt.durable.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer,
                                    check_rng, json_meta, live_tensors, load_model, load_optimizer, load_rng,
@@ -62,7 +63,7 @@ class Resumed:
 
     path: str
     position: RunPosition
-    data_state: dict
+    data_state: dict | None           # None: the checkpoint was resharded (another local rank count)
     outer: dict[str, torch.Tensor] | None
     extra: dict
 
@@ -70,7 +71,9 @@ class Resumed:
 __all__ = ["CheckpointManager", "Resumed", "TrainState"]
 
 # Keys of the fingerprint that may differ between the run that saved and the one that resumes.
-_MAY_DIFFER = ("zb_version",)
+# local_world_size: in the fingerprints of checkpoints written before diloco.stripes; the local rank count
+# may differ now (the checkpoint is resharded).
+_MAY_DIFFER = ("zb_version", "local_world_size")
 
 
 class CheckpointManager:
@@ -201,7 +204,8 @@ class CheckpointManager:
         """Load per ckpt.resume (or the step agreed with the other nodes) into `state`, in place."""
         spec = self.cfg.resume
         if agreed_step is not None:
-            part = self._own_part(agreed_step, self.remote is not None)
+            return self._apply(self._read_step(lambda r: self._part_of(agreed_step, r, self.remote is not None),
+                                               state), state)
         elif not spec:
             return None
         elif spec == "latest":
@@ -212,17 +216,22 @@ class CheckpointManager:
                 return None
             return self._apply(loaded, state)
         elif "://" in spec:
-            part = self._download_named(spec)
-        else:
-            part = resolve_part(Path(spec), self.local_rank)
-            verify_snapshot(part)  # an explicitly named bad checkpoint is an error (exit 2)
-            check_complete(part.parent)  # ... and so is one with a missing part
-        return self._apply(self._read_part(part, state), state)
+            fetch = self._download_named(spec)
+            return self._apply(self._read_step(fetch, state), state)
+        step_dir = resolve_part(Path(spec), 0).parent
+        check_complete(step_dir)  # an explicitly named checkpoint with a missing part is an error (exit 2)
 
-    def _own_part(self, step: int, on_remote: bool) -> Path:
-        """This rank's part of `step`: the local copy when it verifies, else the remote copy, downloaded
-        (a replaced machine has only the remote). Raises InvalidInput/EnvironmentFailure if neither works."""
-        part = self._need_root() / snapshot_name(step) / part_name(self.local_rank)
+        def named(rank: int) -> Path:
+            verify_snapshot(step_dir / part_name(rank))  # ... and so is a bad one
+            return step_dir / part_name(rank)
+
+        return self._apply(self._read_step(named, state), state)
+
+    def _part_of(self, step: int, rank: int, on_remote: bool) -> Path:
+        """Local rank `rank`'s part of `step`: the local copy when it verifies, else the remote copy,
+        downloaded (a replaced machine has only the remote). Raises InvalidInput/EnvironmentFailure if
+        neither works."""
+        part = self._need_root() / snapshot_name(step) / part_name(rank)
         try:
             verify_snapshot(part)
             return part
@@ -231,15 +240,68 @@ class CheckpointManager:
                 raise
             if part.parent.exists():
                 log.warning("checkpoint step %d: the local copy is not usable (%s); using the remote copy", step, e)
-        return download_part(self.remote, step, self.local_rank, self._need_root())
+        return download_part(self.remote, step, rank, self._need_root())
 
-    def _download_named(self, url: str) -> Path:
+    def _read_step(self, fetch, state: TrainState) -> dict:
+        """This rank's state from a step whose part r is fetch(r): its own part when the step was written
+        with this node's local rank count, else every part, joined and split anew (zb.ckpt.durable.reshard)."""
+        try:
+            own = fetch(self.local_rank)
+            written_by = part_count(read_manifest(own))
+        except (InvalidInput, EnvironmentFailure, OSError) as e:
+            if self.local_rank == 0:
+                raise
+            own, written_by = None, part_count(read_manifest(fetch(0)))
+            if written_by > self.local_rank:
+                raise e from None   # this rank's part belongs to that layout: it is damaged or missing
+        if written_by == self.local_world_size:
+            return self._read_part(own, state)
+        return self._read_resharded([own if r == self.local_rank else fetch(r) for r in range(written_by)], state)
+
+    def _read_resharded(self, parts: list[Path], state: TrainState) -> dict:
+        """Every part of a step written by another local rank count, read and checked, and this rank's
+        share of it (zb.ckpt.durable.reshard). Every rank reads every part: memory for the whole model."""
+        metas = [read_manifest(p).meta for p in parts]
+        for part, meta in zip(parts, metas):
+            self._check_compatible(part, meta, state)
+        meta = metas[0]
+        files = [MODEL, OPTIM, RNG] + ([OUTER] if state.outer is not None else [])
+        try:
+            check_meta(meta, read_manifest(parts[0]).step)
+            loaded = [load_snapshot(p, files=files, verify=False)[0] for p in parts]
+        except ValueError as e:
+            raise CorruptSnapshot(f"{parts[0].parent}: {e}") from None
+        rank, n = self.local_rank, len(parts)
+        model = join_and_split([t[MODEL] for t in loaded], rank, self.local_world_size)
+        live = live_tensors(state)[MODEL]
+        for name, t in live.items():
+            got = model.get(name)
+            if got is None or got.shape != t.shape or got.dtype != t.dtype:
+                raise _RunMismatch(f"{parts[0].parent}: {name} resharded to {list(got.shape) if got is not None else None} "
+                                   f"does not match this run's {list(t.shape)} {t.dtype}")
+        out = {"path": str(parts[0].parent), "meta": {**meta, "data_state": None}, "model": model,
+               OPTIM: join_and_split([t[OPTIM] for t in loaded], rank, self.local_world_size),
+               RNG: loaded[rank if rank < n else 0][RNG]}
+        if state.outer is not None:
+            out[OUTER] = stripe_of([t[OUTER] for t in loaded], rank, state.fingerprint.get("stripes", n))
+        _check_rest(parts[0].parent, out, meta, state)
+        if rank == 0:
+            log.warning("checkpoint %s was written by %d local ranks and this node has %d: its model and optimizer "
+                        "state are resharded; the data position does not carry over (the data starts from the "
+                        "beginning of the shard, or where the slot's last holder stopped) and the random state "
+                        "differs, so the run is not bit-identical to one resumed with %d", parts[0].parent, n,
+                        self.local_world_size, n)
+        return out
+
+    def _download_named(self, url: str):
+        """ckpt.resume names a remote step directory (`<remote>/<node id>/step-000000100`): fetch(rank)."""
         """ckpt.resume names a remote step directory (`<remote>/<node id>/step-000000100`)."""
         base, _, name = url.rstrip("/").rpartition("/")
         if step_from_name(name) is None:
             raise InvalidInput(f"ckpt.resume {url!r}: a remote checkpoint must name its step directory "
                                "(.../<node id>/step-000000100)")
-        return download_part(base, step_from_name(name), self.local_rank, self._need_root())
+        root = self._need_root()
+        return lambda rank: download_part(base, step_from_name(name), rank, root)
 
     def _need_root(self) -> Path:
         if self._root() is None:
@@ -264,7 +326,7 @@ class CheckpointManager:
                 return None
             loaded = None
             try:
-                loaded = self._read_part(self._own_part(step, step in remote), state)
+                loaded = self._read_step(lambda r: self._part_of(step, r, step in remote), state)
             except _RunMismatch:
                 raise
             except (InvalidInput, EnvironmentFailure, OSError) as e:  # damaged: the previous one, if any
@@ -304,13 +366,7 @@ class CheckpointManager:
             raise _RunMismatch(str(e)) from None
         files = [OPTIM, RNG] + ([OUTER] if state.outer is not None else [])
         rest, _ = load_snapshot(part, files=files, verify=False)
-        try:
-            check_optimizer(state.model, state.optimizer, rest[OPTIM], meta.get("param_groups"))
-            check_rng(rest[RNG])
-        except ValueError as e:
-            raise CorruptSnapshot(f"{part}: {e}") from None
-        if state.outer is not None:
-            _check_outer(part, rest[OUTER], state.outer)
+        _check_rest(part, rest, meta, state)
         return {"path": str(part), "meta": meta, "model": tensors[MODEL], **rest}
 
     def _apply(self, loaded: dict, state: TrainState) -> dict:
@@ -343,6 +399,17 @@ class CheckpointManager:
 
 class _RunMismatch(InvalidInput):
     """The checkpoint is intact but belongs to a run with other settings: never skipped silently."""
+
+
+def _check_rest(where: Path, loaded: dict, meta: dict, state: TrainState) -> None:
+    """The optimizer, RNG and outer tensors read for `state` fit it: else CorruptSnapshot or _RunMismatch."""
+    try:
+        check_optimizer(state.model, state.optimizer, loaded[OPTIM], meta.get("param_groups"))
+        check_rng(loaded[RNG])
+    except ValueError as e:
+        raise CorruptSnapshot(f"{where}: {e}") from None
+    if state.outer is not None:
+        _check_outer(where, loaded[OUTER], state.outer)
 
 
 def _check_outer(part: Path, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
