@@ -107,3 +107,67 @@ def false_evictions(membership_by_uid: dict[str, list[dict]], signalled: set[str
             if wrong:
                 out.append(f"{uid} at mesh v{e['mesh_version']} declared {wrong} dead")
     return out
+
+
+def split_runs(outer_by_uid: dict[str, list[dict]]) -> list[str]:
+    """Signs of two runs at once (a node or a group training apart): one mesh version applied with
+    different world sizes, or outer steps of two mesh versions applied by disjoint sets of nodes at
+    overlapping times. In one run the versions follow each other, and any two that overlap in time
+    share the nodes that all-reduced across the change."""
+    spans: dict[int, list] = {}    # mesh version -> [first time, last time, nodes, world sizes]
+    for uid, events in outer_by_uid.items():
+        for e in events:
+            if not e.get("applied"):
+                continue
+            span = spans.setdefault(e["mesh_version"], [e["time"], e["time"], set(), set()])
+            span[0], span[1] = min(span[0], e["time"]), max(span[1], e["time"])
+            span[2].add(uid)
+            span[3].add(e["global_world_size"])
+    out = [f"mesh v{v} applied with world sizes {sorted(s[3])} by {sorted(s[2])}"
+           for v, s in sorted(spans.items()) if len(s[3]) > 1]
+    versions = sorted(spans)
+    for i, v in enumerate(versions):
+        for w in versions[i + 1:]:
+            a, b = spans[v], spans[w]
+            if a[2].isdisjoint(b[2]) and a[0] < b[1] and b[0] < a[1]:
+                out.append(f"mesh v{v} ({sorted(a[2])}) and v{w} ({sorted(b[2])}) applied outer steps at the same "
+                           f"time ({max(a[0], b[0]):.1f}-{min(a[1], b[1]):.1f})")
+    return out
+
+
+def one_world(outer_by_uid: dict[str, list[dict]], live: list[str], after: float = 0.0) -> int | None:
+    """The newest mesh version at which every node of `live` applied an outer step in a world of
+    exactly those nodes (len(live)) at or after `after` (unix time); None while there is none."""
+    common = None
+    for uid in live:
+        mine = {e["mesh_version"] for e in outer_by_uid.get(uid, [])
+                if e.get("applied") and e["global_world_size"] == len(live) and e["time"] >= after}
+        common = mine if common is None else common & mine
+    return max(common) if common else None
+
+
+def tcp_sockets(pid: int) -> list[tuple[str, int, int]]:
+    """(state, local port, remote port) of the TCP sockets of process `pid`, read from its own network
+    namespace (/proc/PID/net/tcp*: psutil reads the caller's, which misses a node in a namespace of
+    its own). States as the kernel writes them: "0A" listen, "01" established."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 9 and cols[9] in inodes:
+                out.append((cols[3], int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)))
+    return out

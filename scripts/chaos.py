@@ -1,16 +1,26 @@
-"""Chaos harness: DiLoCo nodes on loopback around a real `zb store`, hit by a seeded random schedule
-of failures; after every event the survivors must keep training, no running node may be declared
-dead, and at every outer step the nodes that applied it must hold the same params.
+"""Chaos harness: DiLoCo nodes around a real `zb store`, on loopback or each on an emulated host of its
+own (--netns), hit by a seeded random schedule of failures; after every event the survivors must keep
+training, no running node may be declared dead, no two runs may exist at once, and at every outer step
+the nodes that applied it must hold the same params.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --seed 7 --events 6      # replay seed 7
     PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --nodes 6 --keep logs/chaos
+    sudo PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --netns --seed 1 --events 5
+    PYTHONPATH=$PWD .venv/bin/python scripts/chaos.py --seed 2 --events 3 --kinds donor-leave
 
 Events: sigkill, sigterm, sigstop (frozen past the heartbeat timeout, then SIGCONT), join (blocking),
 join-live (live recovery, non-blocking), kill-leader (SIGKILL of the lowest live rank during an outer
-step), store-restart (the store SIGKILLed and started again on its port). Killed nodes are replaced
-by joiners so the run keeps `--nodes` nodes. At the end every node gets SIGTERM, no child process may
-be left, and a survivor's newest checkpoint must resume. Prints a table of events and one JSON line
-{seed, events, survived, failures}; exits 1 on any failed check (the seed is in the message).
+step), store-restart (the store SIGKILLed and started again on its port), donor-leave (a live-recovery
+joiner's donor frozen as the joiner asks it for the outer state, then SIGKILLed or SIGTERMed: the
+joiner must recover from the other peers and agree with the survivors). With --netns (root, iproute2,
+nft; zb.net.netns builds one namespace and veth per node and one for the store) also: link-down (a
+node's link down for a while, then up: past the heartbeat timeout it is evicted and must rejoin with
+the run's state) and partition (every packet between two nodes dropped both ways while both reach the
+store: one of them is dropped, the others keep applying outer steps, both are back in one world after
+the heal). Killed nodes are replaced by joiners so the run keeps `--nodes` nodes. At the end every node
+gets SIGTERM, no child process and no partition rule may be left, and a survivor's newest checkpoint
+must resume. Prints a table of events and one JSON line {seed, events, survived, failures}; exits 1 on
+any failed check (the seed and the replay command are in the message), 2 on a bad invocation.
 Nodes are `tests/elastic_cluster.py`'s TrainCluster (tiny debug model, short-timeout profile).
 """
 
@@ -30,10 +40,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from _chaos_checks import Failure, Tail, agreement_failures, false_evictions, orphans, resume_check  # noqa: E402
+from _chaos_checks import (Failure, Tail, agreement_failures, false_evictions, one_world, orphans,  # noqa: E402
+                           resume_check, split_runs, tcp_sockets)
 from elastic_cluster import PROFILE, TrainCluster  # noqa: E402
 
-KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart"]
+KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "donor-leave"]
+NETNS_KINDS = ["link-down", "partition"]   # only with --netns: faults of the network between hosts
 TOKEN = "chaos-token-0123456789abcdef"
 INNER = 5
 HEARTBEAT_TIMEOUT = float(PROFILE["ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS"])
@@ -45,14 +57,26 @@ HANG_BOUND = (HEARTBEAT_TIMEOUT + float(PROFILE["ZB_ELASTIC_SYNC_DEADLINE"])
               + 4 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"])
               + float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"]) + 30)
 START_BOUND = 60.0
+STORE_TIMEOUT = float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"])
+# How long a two-way partition may stall the run's outer steps: one failed attempt (pg timeout) and the
+# rebuild without one of the two (pg timeout), the blamed node's grace, and 10 s of slack for busy cores.
+PARTITION_BOUND = (2 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"])
+                   + float(PROFILE["ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS"]) + 10)
 GRACE = 30
 
 
 class Chaos:
-    def __init__(self, tmp: Path, seed: int, nodes: int, max_nodes: int, overlap: str = "none") -> None:
+    def __init__(self, tmp: Path, seed: int, nodes: int, max_nodes: int, overlap: str = "none", net=None,
+                 kinds: list[str] | None = None) -> None:
         self.rng, self.seed, self.nodes, self.max_nodes = random.Random(seed), seed, nodes, max_nodes
-        self.overlap = overlap
-        self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN)
+        self.overlap, self.net = overlap, net
+        if net is None:
+            self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN)
+        else:
+            from _chaos_netns import NetnsCluster
+
+            self.cluster = NetnsCluster(tmp, nodes, net, ZB_CKPT_TOKEN=TOKEN)
+        self.kinds = kinds or KINDS + (NETNS_KINDS if net is not None else [])
         self.tails: dict[str, Tail] = {}
         self.live: list[str] = []
         self.gone: dict[str, int] = {}       # uid -> expected exit code (None: any)
@@ -128,17 +152,41 @@ class Chaos:
         return f"exit {code}"
 
     def check_agreement(self) -> int:
-        compared, bad = agreement_failures({u: t.events("outer_step") for u, t in self.tails.items()})
+        outer = {u: t.events("outer_step") for u, t in self.tails.items()}
+        compared, bad = agreement_failures(outer)
         if bad:
             raise Failure(f"params_hash differs at {len(bad)} outer step(s): {bad[:3]}")
+        split = split_runs(outer)
+        if split:
+            raise Failure(f"two runs at once: {split[:3]}")
         wrong = false_evictions({u: t.events("membership") for u, t in self.tails.items()}, self.signalled)
         if wrong:
             raise Failure(f"false eviction of a running node: {wrong[:3]}")
         return compared
 
     # -- events --------------------------------------------------------------------------------
+    def wait_one_world(self, what: str, bound: float = HANG_BOUND) -> int:
+        """Until every live node applied an outer step in one world of exactly the live nodes (a cut-off
+        node back in the run, not training apart), from now on; returns that mesh version."""
+        start, now = time.monotonic(), time.time()
+        while True:
+            version = one_world({u: self.tails[u].events("outer_step") for u in self.live}, self.live, now)
+            if version is not None:
+                return version
+            for u in self.live:
+                code = self.cluster.procs[u].poll()
+                if code is not None:
+                    raise Failure(f"{u} exited with {code} after {what}:\n{self.cluster.log(u)}")
+            if time.monotonic() - start > bound:
+                sizes = {u: [(e["mesh_version"], e["global_world_size"])
+                             for e in self.tails[u].events("outer_step")][-3:] for u in self.live}
+                raise Failure(f"hang: {self.live} not in one world of {len(self.live)} within {bound:.0f} s after "
+                              f"{what} (last (mesh version, world size) per node: {sizes})")
+            time.sleep(0.2)
+
     def choose(self) -> str:
-        allowed = [k for k in KINDS if not (k.startswith("join") and len(self.live) >= self.max_nodes)]
+        joins = ("join", "join-live", "donor-leave")   # donor-leave starts a joiner before a donor leaves
+        allowed = [k for k in self.kinds if not (k in joins and len(self.live) >= self.max_nodes)]
         return self.rng.choice(allowed)
 
     def inject(self, kind: str) -> None:
@@ -229,6 +277,138 @@ class Chaos:
     def _reseeded(self, uid: str, version: int) -> bool:
         return any(e["mesh_version"] > version for e in self.tails[uid].events("outer_step"))
 
+    def ev_donor_leave(self) -> None:
+        """A live-recovery joiner starts; the moment it is connected to a donor's sidecar (fetching the
+        outer state), the donor is frozen, then SIGKILLed or SIGTERMed (the seed picks). The joiner
+        must get the state from the other peers or fall back to the blocking transfer, and then agree
+        with the survivors: never train on a partial state."""
+        donor = self.rng.choice(self.live)
+        sig = self.rng.choice([signal.SIGKILL, signal.SIGTERM])
+        others = self.outer_counts(u for u in self.live if u != donor)
+        joiner = self.start(live_recovery=True)
+        caught = self._catch_fetch(joiner, donor, HANG_BOUND + START_BOUND)
+        self.signal(donor, sig)
+        if sig == signal.SIGTERM:
+            self.signal(donor, signal.SIGCONT)      # a frozen process handles its SIGTERM once thawed
+        self.remove(donor, 128 + sig if sig == signal.SIGTERM else -sig)
+        outcome = self.reap(donor, self.gone[donor])
+        took = self.wait_progress({**others, joiner: 0}, f"donor-leave ({signal.Signals(sig).name} of {donor} "
+                                  f"{caught})", HANG_BOUND + START_BOUND)
+        got = self.tails[joiner].events("recovery")
+        how = (f"downloaded {got[0].get('bytes')} bytes from {got[0].get('peers')}" if got
+               else "fell back to the blocking transfer")
+        self._wait_joiner_agrees(joiner)
+        replaced = self.replace()
+        self.log("donor-leave", donor, f"{signal.Signals(sig).name} {caught}: {outcome}; joiner {joiner} {how}, "
+                 f"stepping after {took:.1f} s, agrees with the survivors" + replaced)
+
+    def _catch_fetch(self, joiner: str, donor: str, bound: float) -> str:
+        """Freeze the donor just before the joiner asks its peers for the outer state (when the joiner logs
+        its model, the last line before its live recovery), so the joiner's request to the donor hangs;
+        confirm the joiner is connected to one of the donor's ports, then hold 0.5-2 s. Returns where the
+        donor was caught. (The fetch of this model takes ~0.1 s: catching it by watching alone misses.)"""
+        log, deadline = self.cluster.tmp / f"{joiner}.log", time.monotonic() + bound
+        while " zb.train: model " not in (log.read_text() if log.exists() else ""):
+            if self.cluster.procs[joiner].poll() is not None:
+                raise Failure(f"{joiner} exited during its start:\n{self.cluster.log(joiner)}")
+            if time.monotonic() > deadline:
+                raise Failure(f"hang: {joiner} did not build its model within {bound:.0f} s")
+            time.sleep(0.005)
+        self.signal(donor, signal.SIGSTOP)
+        dpid, jpid = self.cluster.procs[donor].pid, self.cluster.procs[joiner].pid
+        caught, deadline = "", time.monotonic() + 5
+        try:
+            ports = {local for state, local, _ in tcp_sockets(dpid) if state == "0A"}
+            while not caught and time.monotonic() < deadline:
+                if self.tails[joiner].events("recovery"):
+                    caught = "after the download (the joiner did not wait on the donor)"
+                    break
+                if any(state == "01" and remote in ports for state, _, remote in tcp_sockets(jpid)):
+                    caught = "mid-fetch (the joiner waits on the frozen donor)"
+                time.sleep(0.02)
+        except OSError:                     # the joiner exited: wait_progress reports it
+            pass
+        time.sleep(self.rng.uniform(0.5, 2.0))
+        return caught or "frozen, but the joiner never connected to it"
+
+    def _wait_joiner_agrees(self, joiner: str, bound: float = HANG_BOUND) -> None:
+        """Until one of the joiner's applied outer steps is also applied by a survivor, with equal hashes
+        (agreement_failures raises on unequal ones)."""
+        deadline = time.monotonic() + bound
+        while time.monotonic() < deadline:
+            self.check_agreement()
+            mine = {(e["mesh_version"], e["outer_step"]) for e in self.tails[joiner].events("outer_step")
+                    if e.get("applied")}
+            theirs = {(e["mesh_version"], e["outer_step"]) for u in self.live if u != joiner
+                      for e in self.tails[u].events("outer_step") if e.get("applied")}
+            if mine & theirs:
+                return
+            time.sleep(0.2)
+        raise Failure(f"hang: {joiner} applied no outer step together with a survivor within {bound:.0f} s")
+
+    def ev_link_down(self) -> None:
+        """A node's link (its veth port on the bridge) down for a while, then up: cut off from the store
+        and from every peer. Short cuts (below the heartbeat timeout) may pass unnoticed; past it the node
+        is evicted and must come back by rejoining with the run's state, never training apart."""
+        uid = self.rng.choice(self.live)
+        short = self.rng.random() < 0.5
+        down = self.rng.uniform(1.0, HEARTBEAT_TIMEOUT - 1) if short else \
+            self.rng.uniform(HEARTBEAT_TIMEOUT + 1, HEARTBEAT_TIMEOUT + 8)
+        counts, since = self.outer_counts(self.live), time.time()
+        self.signalled.add(uid)                 # it may rightly be declared dead
+        host = self.cluster.host_of[uid]
+        host.set_link(up=False)
+        try:
+            time.sleep(down)
+        finally:
+            host.set_link(up=True)
+        self._after_network_event(f"link-down of {uid} for {down:.1f} s", counts, "link-down", uid,
+                                  f"down {down:.1f} s", since)
+
+    def ev_partition(self) -> None:
+        """Two nodes stop hearing each other (every packet between their hosts dropped, both ways) while
+        both still reach the store and the others; then it heals. The run may drop one of them or retry
+        its outer steps, but must stay one run and take both back after the heal."""
+        from _chaos_netns import set_partition
+
+        a, b = self.rng.sample(self.live, 2)
+        long = self.rng.random() < 0.5
+        # Long cuts outlast PARTITION_BOUND but not the store timeout: past it the node dropped gives up
+        # rejoining and exits 1 ("cannot reach peer ..."), which is the documented end of a lasting cut.
+        cut = self.rng.uniform(PARTITION_BOUND + 2, STORE_TIMEOUT - 4) if long else self.rng.uniform(2.0, 8.0)
+        counts, since = self.outer_counts(self.live), time.time()
+        self.signalled.update((a, b))
+        ha, hb = self.cluster.host_of[a], self.cluster.host_of[b]
+        set_partition(ha, hb, True)
+        try:
+            time.sleep(cut)
+            during = self._synced_during(since + PARTITION_BOUND, len(self.live) - 1)
+        finally:
+            set_partition(ha, hb, False)
+        if long and not during:
+            raise Failure(f"stalled: partition {a}|{b} for {cut:.1f} s and no outer step applied by "
+                          f"{len(self.live) - 1} nodes after its first {PARTITION_BOUND:.0f} s "
+                          f"(a node that cannot reach a peer must be dropped, not retried forever)")
+        self._after_network_event(f"partition {a}|{b} for {cut:.1f} s", counts, "partition", f"{a}|{b}",
+                                  f"cut {cut:.1f} s" + (f", {during} outer steps applied during it" if long else ""),
+                                  since)
+
+    def _synced_during(self, after: float, size: int) -> int:
+        """Outer steps applied since `after` (unix time) in a world of at least `size` nodes."""
+        return len({(e["mesh_version"], e["outer_step"]) for u in self.live for e in self.tails[u].events("outer_step")
+                    if e.get("applied") and e["time"] >= after and e["global_world_size"] >= size})
+
+    def _after_network_event(self, what: str, counts: dict[str, int], kind: str, node: str, detail: str,
+                             since: float) -> None:
+        healed = time.monotonic()
+        version = self.wait_one_world(what)       # after the heal: the whole run in one world again
+        took = time.monotonic() - healed
+        self.wait_progress(counts, what)
+        evicted = sorted({d for u in self.live for e in self.tails[u].events("membership") for d in e.get("died", [])
+                          if d in node.split("|") and e["time"] >= since})
+        self.log(kind, node, f"{detail}; one world of all {len(self.live)} at mesh v{version} {took:.1f} s after "
+                 f"the heal" + (f" (evicted and rejoined: {evicted})" if evicted else ""))
+
     # -- the end -------------------------------------------------------------------------------
     def finish(self) -> None:
         for uid in self.live:
@@ -243,11 +423,28 @@ class Chaos:
         if left:
             raise Failure(f"orphan processes after the run: {left}")
         self.log("orphans", "-", "none")
+        if self.net is not None:
+            from _chaos_netns import partitioned
+
+            left = [h.name for h in self.net.hosts if partitioned(h)]
+            if left:
+                raise Failure(f"partition rules left behind in {left}")
+            self.log("network", "-", "no partition rule left; namespaces go with the run")
         self.log("resume", *resume_check(self.cluster.tmp, survivors, extra=("--diloco.overlap", self.overlap)))
 
 
-def run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str = "none") -> dict:
-    chaos = Chaos(tmp, seed, nodes, max_nodes, overlap)
+def run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str = "none",
+        netns: bool = False, kinds: list[str] | None = None) -> dict:
+    if not netns:
+        return _run(seed, events, nodes, max_nodes, tmp, overlap, None, kinds)
+    from zb.net.netns import emulated_hosts
+
+    with emulated_hosts(max_nodes + 1) as net:     # the store's host and one per node at most
+        return _run(seed, events, nodes, max_nodes, tmp, overlap, net, kinds)
+
+
+def _run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str, net, kinds) -> dict:
+    chaos = Chaos(tmp, seed, nodes, max_nodes, overlap, net, kinds)
     failures, survived = [], 0
     try:
         for _ in range(nodes):
@@ -290,20 +487,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep node logs and metrics in this directory")
     p.add_argument("--overlap", default="none", choices=("none", "eager", "streaming"),
                    help="diloco.overlap of every node (streaming: 1 fragment, tau 1)")
+    p.add_argument("--netns", action="store_true",
+                   help="every node on an emulated host of its own (network namespaces; root and nft), the store "
+                        "on another; adds the link-down and partition events")
+    p.add_argument("--kinds", default=None, metavar="K1,K2",
+                   help=f"draw events only from these (default: all); one of {', '.join(KINDS + NETNS_KINDS)}")
     args = p.parse_args(argv)
+    kinds = args.kinds.split(",") if args.kinds else None
+    unknown = sorted(set(kinds or ()) - set(KINDS + NETNS_KINDS))
+    if unknown:
+        p.error(f"--kinds: unknown event(s) {', '.join(unknown)}; known: {', '.join(KINDS + NETNS_KINDS)}")
+    if not args.netns and set(kinds or ()) & set(NETNS_KINDS):
+        p.error(f"--kinds: {', '.join(NETNS_KINDS)} need --netns (hosts with links to cut)")
+    if args.netns:
+        from _chaos_netns import unavailable
+
+        reason = unavailable()
+        if reason:
+            print(f"chaos: --netns cannot run here: {reason}", file=sys.stderr)
+            return 2
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     max_nodes = min(6, args.max_nodes or args.nodes + 1)
     print(f"chaos: seed {seed}, {args.events} events, {args.nodes} nodes (up to {max_nodes})", file=sys.stderr,
           flush=True)
     tmp = args.keep or Path(tempfile.mkdtemp(prefix=f"zb-chaos-{seed}-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    summary = run(seed, args.events, args.nodes, max_nodes, tmp, args.overlap)
+    summary = run(seed, args.events, args.nodes, max_nodes, tmp, args.overlap, args.netns, kinds)
     for failure in summary["failures"]:
         print(failure, file=sys.stderr)          # with the nodes' log tails; the JSON line keeps the first line
     print(json.dumps({**summary, "failures": [f.splitlines()[0] for f in summary["failures"]]}))
     if summary["failures"]:
         print(f"chaos: FAILED with seed {seed} (replay: scripts/chaos.py --seed {seed} --events {args.events} "
-              f"--nodes {args.nodes} --overlap {args.overlap}); logs kept in {tmp}", file=sys.stderr)
+              f"--nodes {args.nodes} --overlap {args.overlap}{' --netns' if args.netns else ''}"
+              f"{' --kinds ' + args.kinds if args.kinds else ''}); logs kept in {tmp}", file=sys.stderr)
         return 1
     if args.keep is None:
         shutil.rmtree(tmp, ignore_errors=True)

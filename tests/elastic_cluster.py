@@ -124,11 +124,13 @@ class TrainCluster(Cluster):
         self.procs: dict[str, subprocess.Popen] = {}
         self.start_store()
 
-    def start_train(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0) -> subprocess.Popen:
+    def start_train(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0,
+                    prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """`prefix`: a command the node runs under, e.g. `ip netns exec NS` (it execs, so the pid stays)."""
         env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
-        launcher = [sys.executable, "-m", "zb", "train"]
+        launcher = [*prefix, sys.executable, "-m", "zb", "train"]
         if local_ranks > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            launcher = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                         str(local_ranks), "-m", "zb", "train"]
         proc = subprocess.Popen([*launcher, *self.ARGS, *args, "--log.dir", str(self.tmp / uid)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{uid}.log", "w"), cwd=REPO,

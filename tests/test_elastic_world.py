@@ -70,8 +70,8 @@ def test_world_roundtrip_and_garbage():
     assert World.decode(b"") is None and World.decode(b"[1]") is None and World.decode(b"{bad") is None
 
 
-def snap(checkins=(), gone=()) -> Snapshot:
-    return Snapshot(raw_world=W.encode().encode(), world=W, gone=set(gone), joins=[], checkins=list(checkins))
+def snap(checkins=(), gone=(), world: World = W) -> Snapshot:
+    return Snapshot(raw_world=world.encode().encode(), world=world, gone=set(gone), joins=[], checkins=list(checkins))
 
 
 def test_judge_waits_for_members_then_settles():
@@ -129,6 +129,83 @@ def test_stuck_rule_passes_over_one_member_at_a_time():
     v = judge(W, snap(checked), "c", live, 26.0, DL)
     assert v.acting_leader == "b" and v.observation.excluded == {"a"}
     assert judge(W, snap(checked), "c", live, 51.0, DL).acting_leader == "c"
+
+
+def test_two_members_that_cannot_reach_each_other_do_not_share_the_next_world():
+    """Chaos --netns, a two-way partition between two nodes that both still reach the store: they
+    blamed nobody (gloo timed out), both checked in and beat, so every rule kept both; every outer
+    step then failed again (and their group builds stalled past the sync deadline, evicting both and
+    re-admitting both together) until the cut healed. Their probe reports now drop one of the pair."""
+    live = Liveness(timeout=5.0)
+    checked = [CheckIn("a", "ta", failed=True), CheckIn("b", "tb", failed=True, unreachable=["c"]),
+               CheckIn("c", "tc", failed=True, unreachable=["b"])]
+    for me in ("a", "b", "c"):                        # every node reaches the same verdict
+        v = judge(W, snap(checked), me, live, 0.5, DL)
+        assert v.acting_leader == "a" and v.settled and v.observation.excluded - {me} == {"c"} - {me}
+    new = next_world(W, judge(W, snap(checked), "a", live, 0.5, DL).observation)
+    assert new.nodes == ["a", "b"] and new.died == ["c"]
+    one_sided = [CheckIn("a", "ta"), CheckIn("b", "tb", unreachable=["c"])]   # c has not checked in yet
+    assert judge(W, snap(one_sided), "a", live, 0.5, DL).observation.excluded == {"c"}
+
+
+def test_the_member_cut_off_from_all_is_the_one_dropped():
+    from zb.elastic.judge import split_unreachable
+
+    w = World(version=1, round=1, nodes=["a", "b", "c", "d"], tokens={u: "t" for u in "abcd"})
+    lines = [CheckIn("a", "t", unreachable=["b", "c", "d"]), CheckIn("b", "t", unreachable=["a"]),
+             CheckIn("c", "t", unreachable=["a"]), CheckIn("d", "t")]
+    assert split_unreachable(w, lines) == {"a"}        # the leader's own link is down: it goes, not the rest
+    assert split_unreachable(w, [CheckIn("a", "t", unreachable=["zz", "a"])]) == set()   # not members
+
+
+def test_probe_reports_silence_not_refusal_as_unreachable():
+    from zb.elastic.probe import unreachable_peers
+
+    listener = ProbeListener("127.0.0.1")
+    listener.start()
+    # Silence on loopback: a listener that never accepts, its one-slot queue full, drops further SYNs.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(0)
+    filler = socket.create_connection(silent.getsockname(), timeout=1.0)
+    try:
+        closed = f"127.0.0.1:{free_port()}"
+        far = "127.0.0.1:%d" % silent.getsockname()[1]
+        assert unreachable_peers({"ok": listener.endpoint, "gone": closed, "far": far}, timeout=0.5) == {"far"}
+    finally:
+        listener.stop()
+        filler.close()
+        silent.close()
+
+
+def test_a_rejoin_waits_for_an_unreachable_member_instead_of_exiting(monkeypatch):
+    """A node evicted by a partition rejoins while the cut still holds: joining then would break the
+    next outer step again, and exiting (the first join's answer to a misconfigured network) would
+    lose a node to a transient fault. It waits until the member is reachable."""
+    from zb.config_schema import ElasticConfig
+    from zb.elastic import membership as mod
+
+    cfg = ElasticConfig(store_timeout=30, heartbeat_interval=0.01)
+    world = World(version=2, round=3, nodes=["a", "b"], tokens={"a": "ta", "b": "tb"})
+    monkeypatch.setattr(mod, "read_snapshot", lambda store, round_: snap([], world=world))
+    tries = []
+
+    def before_join(_snap):
+        tries.append(time.monotonic())
+        if len(tries) < 3:
+            raise EnvironmentFailure("cannot reach peer b at 10.0.0.2:1 on the gloo interface within 2.0 s (NAT or ...")
+
+    m = mod.Membership(cfg, "c", "tc", 1, Liveness(5.0), connect=lambda: None, before_join=before_join)
+    with pytest.raises(EnvironmentFailure):           # a first join: a misconfigured network, fail at once
+        m._reachable_before_join(None, snap([], world=world))
+    tries.clear()
+    m.world = World(version=1, round=1, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"})
+    m._reachable_before_join(None, snap([], world=world))   # a rejoin: waits, then goes on
+    assert len(tries) == 3
+    tries.clear()
+    monkeypatch.setattr(cfg, "store_timeout", 0.0)
+    with pytest.raises(EnvironmentFailure, match="cannot reach peer b"):   # not forever
+        m._reachable_before_join(None, snap([], world=world))
 
 
 def test_a_change_read_after_a_pause_counts_from_when_it_was_read():
@@ -330,3 +407,25 @@ def test_a_node_that_said_goodbye_leaves_instead_of_hanging_in_the_next_resoluti
         b.resolve()
     # A regression waits for an admission until store_timeout (120 s): half of it is no busy-machine bound.
     assert time.monotonic() - started < cfg.store_timeout / 2
+
+
+def test_groups_are_not_built_with_a_member_this_node_cannot_reach(monkeypatch):
+    """A partition between two members that are not neighbours on the ring breaks nothing until the
+    next rebuild; gloo's full-mesh connect then waited 25 s for the silent one, past the sync deadline,
+    so both were evicted as late. The build fails at once instead, and the next check-in reports it."""
+    import torch.distributed as dist
+
+    from zb.config_schema import ElasticConfig
+    from zb.elastic.mesh import ElasticDeviceMesh
+    from zb.elastic.view import WorldView
+
+    import types
+
+    mesh = ElasticDeviceMesh(ElasticConfig(addr="127.0.0.1"))
+    mesh._membership = types.SimpleNamespace(store=None, uid="a")
+    monkeypatch.setattr(mesh, "_unreachable_members", lambda view: {"c"})
+    monkeypatch.setattr(dist, "PrefixStore", lambda *a: None)
+    monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *a: pytest.fail("built a group with an unreachable member"))
+    view = WorldView(mesh_version=4, global_rank=0, global_world_size=3, nodes=["a", "b", "c"], leader="a", uid="a")
+    mesh._rebuild(view)
+    assert mesh.global_pg is None and mesh._failed

@@ -84,6 +84,9 @@ def test_sigint_stops_cleanly_without_orphans(tmp_path, nproc):
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "stopped at step" in err
+    # zb owns the launcher here: its clean stop is the last word, not torch's traceback or its
+    # "Received 2 death signal, shutting down workers" / "Sending process N closing signal" lines.
+    assert "Traceback" not in err and "death signal" not in err and "closing signal" not in err, err[-3000:]
     gone, alive = psutil.wait_procs(children, timeout=10)
     assert not alive, f"orphans left: {alive}"
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -115,3 +118,20 @@ def test_two_writers_of_one_metrics_file_are_warned_about(tmp_path, caplog):
         MetricsSink(tmp_path, "c").close()  # the earlier writers are gone: nothing to say
     assert "another running" not in caplog.text
 
+
+
+def test_the_launcher_gives_the_ranks_their_checkpoint_grace_before_killing_them(monkeypatch):
+    """torch's launcher SIGKILLs ranks 30 s after it forwards a Ctrl-C, as long as ckpt.grace_period
+    (30 s) allows the final checkpoint: the two raced. zb's launcher waits grace + STOP_MARGIN_S."""
+    import torch.distributed.run as torchrun
+
+    from zb.train.launch import STOP_MARGIN_S, launch_local_ranks
+
+    if not any("--shutdown-timeout" in a.option_strings for a in torchrun.get_args_parser()._actions):
+        pytest.skip("this torch's launcher has no --shutdown-timeout")
+    seen = []
+    monkeypatch.setattr(torchrun, "run", seen.append)
+    launch_local_ranks(2, ["train", "--nproc-per-node", "2", "--optim.lr", "1e-3"], grace_period_s=44.5)
+    args = seen[0]
+    assert args.shutdown_timeout == 45 + STOP_MARGIN_S and str(args.nproc_per_node) == "2"
+    assert args.training_script_args == ["train", "--optim.lr", "1e-3"]

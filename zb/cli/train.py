@@ -33,7 +33,7 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
     if nproc_per_node is not None:
         from zb.train.launch import launch_local_ranks
 
-        launch_local_ranks(nproc_per_node)
+        launch_local_ranks(nproc_per_node, grace_period_s=cfg.ckpt.grace_period)
         return
     from zb.train.run import run
 

@@ -32,6 +32,10 @@ Waits and the config keys (section `elastic`) that bound them:
   one blamed by report_failure `heartbeat_interval`; a leader that does not write the next world
   2 x `sync_deadline` + `heartbeat_timeout`; building the global groups `pg_timeout`.
 - every collective on global_pg: `pg_timeout` (callers should bound each transfer tighter).
+- after a failed collective and before building the global groups: one connect to every member's
+  probe listener, min(2 s, `heartbeat_timeout` / 2); silent members are reported at check-in and
+  the judge keeps no two nodes that cannot reach each other in one world; a rejoin waits for them
+  up to `store_timeout`.
 
 Membership events go to the logs and to `sink.log("membership", mesh_version=..., global_world_size=...,
 leader=..., joined=[...], left=[...], died=[...], global_rank=..., new_leader=bool)`.

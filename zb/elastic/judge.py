@@ -11,6 +11,11 @@ measured from this node's own check-in on its own clock):
   `heartbeat_interval` is out (its closed connection named it: no need to wait for the timeout);
 - a member that has not checked in within `sync_deadline` missed the sync and is out;
 - a member that checked in and is dead since (silent, or its port refuses) is out at once;
+- two members that cannot connect to each other (one's probe timed out on the other after a failed
+  collective, reported at check-in: a partition, a firewall) cannot share a group: one of each such
+  pair is out, the one in the most pairs first (a node cut off from all), ties to the higher rank.
+  Both still reach the store and beat, so no other rule drops either, and keeping both made every
+  outer step fail until the cut healed; the one dropped rejoins once it can reach the members;
 - a lower-ranked member that checked in but has not written the next world within
   `stuck_after` (2 x sync_deadline + heartbeat_timeout) is stuck and is passed over, one at a time:
   the k-th live member in line is passed over after k x `stuck_after` (all at once, a node that
@@ -19,6 +24,7 @@ measured from this node's own check-in on its own clock):
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from zb.elastic.heartbeat import Liveness
@@ -51,9 +57,13 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     checked = {c.uid for c in lines}
     suspects = {s for c in lines for s in c.suspects}
     my_rank = world.nodes.index(me) if me in world.nodes else len(world.nodes)
-    excluded, settled, stuck = set(), True, 0
+    cut = split_unreachable(world, lines)
+    excluded, settled, stuck = cut & {me}, True, 0
     for rank, m in enumerate(world.nodes):
         if m == me or (m, world.tokens.get(m, "")) in snap.gone:
+            continue
+        if m in cut:
+            excluded.add(m)
             continue
         if m in checked:
             if liveness.is_dead(m):                 # checked in, then crashed: no need to wait it out
@@ -73,6 +83,20 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     obs = Observation(checked=checked | {me}, gone=snap.gone, excluded=excluded, joiners=joiners,
                       join_end=len(snap.joins), failure=any(c.failed for c in lines))
     return Verdict(acting_leader=acting, settled=settled, observation=obs)
+
+
+def split_unreachable(world: World, lines) -> set[str]:
+    """Members to drop so that no two left in the world reported each other unreachable: repeatedly
+    the member in the most remaining pairs, ties to the higher rank (the same choice on every node)."""
+    rank = {m: i for i, m in enumerate(world.nodes)}
+    pairs = {frozenset((c.uid, u)) for c in lines for u in c.unreachable if u != c.uid and u in rank and c.uid in rank}
+    out: set[str] = set()
+    while pairs:
+        count = Counter(m for pair in pairs for m in pair)
+        drop = max(count, key=lambda m: (count[m], rank[m]))
+        out.add(drop)
+        pairs = {pair for pair in pairs if drop not in pair}
+    return out
 
 
 def admissible_joiners(world: World, snap: Snapshot, liveness: Liveness) -> list[JoinRequest]:

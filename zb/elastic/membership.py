@@ -46,6 +46,7 @@ class Membership:
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
         self.world: World | None = None
         self.failed, self.suspects = False, set()
+        self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
 
     # -- store -----------------------------------------------------------------------------
@@ -69,7 +70,7 @@ class Membership:
             store = self.ensure_store()
             snap = read_snapshot(store, None)
             if snap.world is not None and self._before_join is not None:
-                self._before_join(snap)
+                self._reachable_before_join(store, snap)
             last = self.world
             store.append(keys.JOINS, encode_line({
                 "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
@@ -79,6 +80,31 @@ class Membership:
             return self.world
         except store_errors() as e:
             raise self._drop_store(e) from None
+
+    def _reachable_before_join(self, store, snap: Snapshot) -> None:
+        """A first join fails at once on an unreachable member (a misconfigured network). A rejoin (this
+        node was a member: a partition or a link down evicted it) waits for the path to come back,
+        up to elastic.store_timeout: admitted now, it would break the next outer step again."""
+        if self.world is None:
+            self._before_join(snap)
+            return
+        give_up, warned = time.monotonic() + self.cfg.store_timeout, False
+        while True:
+            try:
+                self._before_join(snap)
+                return
+            except EnvironmentFailure as e:
+                if time.monotonic() >= give_up:
+                    raise
+                if not warned:
+                    log.warning("not rejoining yet: %s; retrying until it is reachable (up to elastic.store_timeout)",
+                                str(e).split(" (NAT")[0])
+                    warned = True
+            time.sleep(max(self.cfg.heartbeat_interval, 0.5))
+            snap = read_snapshot(store, None)
+            self._check_not_leaving(snap)
+            if snap.world is None:
+                return
 
     def _wait_admitted(self, quorum: int, quorum_deadline: float) -> World:
         give_up = time.monotonic() + self.cfg.store_timeout
@@ -155,8 +181,9 @@ class Membership:
 
     def _round(self, world: World) -> World:
         self.store.append(keys.checkin(world.round), encode_line({
-            "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects)}))
-        self.failed, self.suspects = False, set()
+            "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
+            "unreachable": sorted(self.unreachable)}))
+        self.failed, self.suspects, self.unreachable = False, set(), set()
         t0 = time.monotonic()
         while True:
             snap = read_snapshot(self.store, world.round)

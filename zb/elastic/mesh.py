@@ -20,7 +20,7 @@ from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_unique_id
 from zb.elastic.membership import Membership
-from zb.elastic.probe import ProbeListener, check_peers, gloo_address
+from zb.elastic.probe import ProbeListener, check_peers, gloo_address, unreachable_peers
 from zb.elastic.ring import check_link_matrix, publish_link_matrix
 from zb.elastic.store_state import Snapshot
 from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
@@ -173,6 +173,7 @@ class ElasticDeviceMesh:
         if self._failed:
             m.failed = True
             m.suspects |= {before.nodes[r] for r in self._suspects if r < len(before.nodes)}
+            m.unreachable = self._unreachable_members(before)
         try:
             world = m.resolve()
         except StoreUnreachable:
@@ -184,6 +185,23 @@ class ElasticDeviceMesh:
         changed = self.view is None or world.version != self.view.mesh_version or not self._built
         view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch)
         return view.to_dict()
+
+    def _unreachable_members(self, world) -> set[str]:
+        """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
+        down): probed after a failed collective for the check-in (the judge keeps no two such nodes in
+        one world) and before building the groups."""
+        if world is None or self._membership is None or self._membership.store is None:
+            return set()
+        peers = [u for u in world.nodes if u != self._membership.uid]
+        try:
+            raw = read_many(self._membership.store, [keys.probe(u) for u in peers])
+        except store_errors():
+            return set()
+        endpoints = {u: e.decode() for u, e in zip(peers, raw) if e}
+        cut = unreachable_peers(endpoints, timeout=min(2.0, self.cfg.heartbeat_timeout / 2))
+        if cut:
+            log.warning("cannot connect to %s on the gloo interface: reported at check-in", sorted(cut))
+        return cut
 
     def _check_reachable(self, snap: Snapshot) -> None:
         peers = [u for u in snap.world.nodes if u != self._membership.uid]
@@ -232,8 +250,18 @@ class ElasticDeviceMesh:
     def _rebuild(self, view: WorldView) -> None:
         import torch.distributed as dist
 
-        store = self._membership.store if self.local_rank == 0 else self._store
         started = time.monotonic()
+        # A member this node cannot connect to would hold gloo's full-mesh connect for its own connect
+        # timeout (25 s measured, past the sync deadline: every member of the pair is then evicted as
+        # late and they may come back together). Not building fails this round at once instead; the
+        # next check-in reports the cut and the judge drops one of the pair.
+        cut = self._unreachable_members(view) if self.local_rank == 0 and view.global_world_size > 1 else set()
+        if not localsync.all_ok(self.local_group, not cut):
+            log.warning("not building global group v%d: %s unreachable", view.mesh_version, sorted(cut))
+            self.global_pg, self._built, self._failed = None, False, True
+            self.rebuild_s = time.monotonic() - started
+            return
+        store = self._membership.store if self.local_rank == 0 else self._store
         pg, ok = None, True
         if self.replica is not None:
             try:

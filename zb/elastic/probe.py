@@ -91,6 +91,29 @@ def refuses(endpoint: str, timeout: float) -> bool:
         return False
 
 
+def unreachable_peers(endpoints: dict[str, str], timeout: float) -> set[str]:
+    """The peers whose probe listener this node cannot connect to within `timeout` (all probed at
+    once). A refusal is not unreachability: the host answered, its process is gone, and the
+    crash rules deal with it. A timeout or no route is: a partition, a firewall, a link down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def silent(endpoint: str) -> bool:
+        host, _, port = endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return False
+        except ConnectionRefusedError:
+            return False
+        except (OSError, ValueError):
+            return True
+
+    if not endpoints:
+        return set()
+    with ThreadPoolExecutor(len(endpoints)) as pool:
+        answers = dict(zip(endpoints, pool.map(silent, endpoints.values())))
+    return {uid for uid, bad in answers.items() if bad}
+
+
 def check_peers(endpoints: dict[str, str], timeout: float, still_alive: Callable[[str], bool]) -> None:
     """Raise EnvironmentFailure naming the first live peer this node cannot connect to.
 

@@ -20,6 +20,7 @@ class CheckIn:
     token: str
     failed: bool = False                  # its last collective failed: groups must be rebuilt
     suspects: list[str] = field(default_factory=list)   # unique ids it blames for the failure
+    unreachable: list[str] = field(default_factory=list)  # members its probe could not connect to
 
 
 @dataclass
@@ -79,7 +80,8 @@ def _checkins(raw: bytes) -> list[CheckIn]:
     for data in _json_lines(raw):
         try:
             out.append(CheckIn(uid=str(data["uid"]), token=str(data["token"]), failed=bool(data.get("failed")),
-                               suspects=[str(s) for s in data.get("suspects", [])]))
+                               suspects=[str(s) for s in data.get("suspects", [])],
+                               unreachable=[str(u) for u in data.get("unreachable", [])]))
         except (TypeError, KeyError, ValueError):
             continue
     return out
