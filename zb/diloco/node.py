@@ -132,7 +132,7 @@ class DilocoNode:
 
     def _connect(self):
         e = self.cfg.elastic
-        return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout)
+        return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
 
     def _agree(self, head_fn) -> dict:
         """Local rank 0 runs `head_fn` and shares its JSON result; an error there stops every rank."""

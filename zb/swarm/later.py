@@ -1,0 +1,115 @@
+"""A worker of a later stage (1..S-1): serves forward, backward and loss requests for its stage, takes
+an inner step when every live first-stage worker has finished the step, and every diloco.inner_steps
+steps the stage's outer step with the other workers of the stage.
+
+A step ends for this worker when each first-stage worker that is alive (its heartbeat moves, on this
+worker's clock, within elastic.heartbeat_timeout) and started at or before the step has sent its step
+notice. A dead first-stage worker is waited for at most elastic.heartbeat_timeout; with no live
+first-stage worker for swarm.stage_wait seconds the worker gives up (exit 1). After the last step it
+serves evaluations until every first-stage worker has left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from zb.errors import EnvironmentFailure
+from zb.swarm import registry
+from zb.swarm.first import Ended
+from zb.swarm.server import StageServer
+from zb.swarm.worker import StageWorker
+
+log = logging.getLogger("zb.swarm")
+
+POLL_S = 0.05
+
+
+class LaterStage(StageWorker):
+    def __init__(self, cfg, stage_index: int, bounds, args, sink, uid: str):
+        super().__init__(cfg, stage_index, bounds, args, sink, uid)
+        self.server = StageServer(self.stage, self.sw.host, self.sw.port, self.sw.hop_timeout, self.loss, self.device)
+        self.liveness = None
+        self._owners_seen = time.monotonic()
+        self._stepped_at = time.monotonic()
+
+    def execute(self, vocab_size: int) -> Ended:
+        from zb.train.signals import StopRequest
+
+        stop = StopRequest().install()
+        me = None
+        try:
+            self.join_stage(vocab_size)
+            self.store = self.connect_store()
+            self.liveness = registry.Liveness(self.store, self.cfg.elastic.namespace, self.cfg.elastic.heartbeat_timeout)
+            self.server.open(self.position.step)
+            self.server.start()
+            me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
+            registry.register(self.store, self.index, me)
+            log.info("stage %d worker serving on %s from step %d", self.index, self.server.address, self.position.step)
+            while self.position.step < self.total and not stop.requested:
+                self._await_step_end(self.position.step, stop)
+                if stop.requested:
+                    break
+                self._step()
+            if stop.requested:
+                return Ended(stop.signum, self.position.step)
+            self._serve_until_owners_leave(stop)
+            return Ended(None, self.position.step)
+        finally:
+            if me is not None and self.store is not None:
+                registry.leave(self.store, me)
+            self.server.close()
+            self.shutdown()
+            stop.restore()
+
+    def _owners(self, step: int) -> set[str]:
+        """First-stage workers that take part in `step` and are alive."""
+        owners = [w.uid for w in registry.workers(self.store, 0).values() if w.first_step <= step]
+        return self.liveness.alive(0, owners) if owners else set()
+
+    def _await_step_end(self, step: int, stop) -> None:
+        while not stop.requested:
+            owners = self._owners(step)
+            now = time.monotonic()
+            if owners:
+                self._owners_seen = now
+                if owners <= self.server.finished_by(step):
+                    return
+            elif now - self._owners_seen > self.sw.stage_wait:
+                raise EnvironmentFailure(f"no live first-stage worker for {self.sw.stage_wait:g} s (the run's data "
+                                         "comes from them): start one (--swarm.stage 0) or raise swarm.stage_wait")
+            self.server.wait_change(POLL_S)
+
+    def _step(self) -> None:
+        with self.server.compute:
+            count = self.server.backward_count
+            losses, self.server.losses = self.server.losses, []
+            self.server.backward_count = 0
+            lr = self.optimizer.param_groups[0]["lr"]
+            norm = self.inner_step(count)
+            if self.outer_due():
+                self.outer_step(None)
+        self.server.open(self.position.step)
+        now = time.monotonic()
+        dt, self._stepped_at = now - self._stepped_at, now
+        p = self.position
+        if count:
+            registry.publish_speed(self.store, self.uid, count / max(dt, 1e-9))
+        if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
+            c = self.server.counts
+            self.sink.log("swarm", step=p.step, outer_step=p.outer_step, stage=self.index, micro_batches=count,
+                          forward=c["forward"], backward=c["backward"] + c["loss"], eval=c["eval"],
+                          not_ready=c["not_ready"], lr=lr, grad_norm=norm,
+                          loss=sum(losses) / len(losses) if losses else None,
+                          pipeline_bytes_in=self.server.bytes_in, pipeline_bytes_out=self.server.bytes_out)
+            log.info("stage %d step %d/%d | micro-batches %d | grad %.3f | served fwd %d bwd %d", self.index, p.step,
+                     self.total, count, norm, c["forward"], c["backward"] + c["loss"])
+
+    def _serve_until_owners_leave(self, stop) -> None:
+        """The first stage evaluates through this stage after the last step: stay until it has left."""
+        while not stop.requested:
+            owners = [w.uid for w in registry.workers(self.store, 0).values()]
+            if not owners or not self.liveness.alive(0, owners):
+                return
+            time.sleep(POLL_S * 4)
