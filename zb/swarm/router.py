@@ -64,7 +64,7 @@ class Router:
             candidates = [u for u in self.busy if u not in avoid]
             if not candidates:
                 raise NoWorker("no live worker")
-            uid = min(candidates, key=lambda u: (self.busy[u], u))
+            uid = min(candidates, key=lambda u: (self.busy[u], self.sent[u], u))  # ties: the least tried (a newcomer)
             self.busy[uid] += size / self._throughput(uid)
             self.sent[uid] += 1
             return uid
