@@ -94,9 +94,10 @@ def test_killed_worker_the_run_goes_on_and_no_micro_batch_is_lost(tmp_path):
         last = cluster.metrics("s1a", "outer_step")[-1]
         assert last["global_world_size"] == 1 and last["applied"]
         assert cluster.metrics("s1a", "swarm")[-1]["micro_batches"] == 4
+        # Each owner held pooled connections to s1b: its next request there failed and went to s1a.
         reissued = sum(cluster.metrics(u, "swarm")[-1]["reissued"] for u in ("s0a", "s0b"))
-        log = "\n".join(cluster.log(u) for u in ("s0a", "s0b"))
-        assert reissued >= 0 and ("re-issued" in log) == (reissued > 0)
+        warned = sum((tmp_path / f"{u}.log").read_text().count("re-issued") for u in ("s0a", "s0b"))
+        assert reissued >= 1 and warned == reissued
     finally:
         cluster.close()
 
@@ -104,16 +105,17 @@ def test_killed_worker_the_run_goes_on_and_no_micro_batch_is_lost(tmp_path):
 def test_a_joiner_takes_the_stage_state_from_a_live_peer_and_gets_work(tmp_path):
     cluster = TrainCluster(tmp_path, world_size=1)
     try:
-        uids = _start_grid(cluster, 1, "--optim.total_steps", "30")
+        uids = _start_grid(cluster, 1, "--optim.total_steps", "300")
         cluster.wait_outer("s1a", 1)
-        cluster.start_train("s1b", *SWARM, "--swarm.stage", "1", "--optim.total_steps", "30", rank=1)
+        cluster.start_train("s1b", *SWARM, "--swarm.stage", "1", "--optim.total_steps", "300", rank=1)
         for uid in [*uids, "s1b"]:
             assert cluster.finish(uid, 170) == 0, cluster.log(uid)
         mine = {e["outer_step"]: e["params_hash"] for e in cluster.metrics("s1b", "outer_step") if e["applied"]}
         theirs = {e["outer_step"]: e["params_hash"] for e in cluster.metrics("s1a", "outer_step") if e["applied"]}
         assert mine and all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
         assert cluster.metrics("s1b", "swarm")[-1]["backward"] > 0
-        assert "state" in cluster.log("s1b")
+        log = (tmp_path / "s1b.log").read_text()
+        assert "received the run's state" in log and "joined stage 1 at step" in log
     finally:
         cluster.close()
 

@@ -47,7 +47,8 @@ class StageServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():   # shutdown() of a server never started would wait forever
+            self._server.shutdown()
         self._server.server_close()
 
     # -- requests ---------------------------------------------------------------------------------
