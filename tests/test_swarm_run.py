@@ -1,5 +1,6 @@
 """DiLoCo-SWARM runs as real `zb train` processes around a real `zb store`: equivalence with a plain run,
-a 2 x 2 grid whose stage replicas agree, a killed worker, a joiner, and bad input."""
+a 2 x 2 grid whose stage replicas agree, a killed worker, a joiner, and bad input. The joiner, the
+stage left without workers and mismatched models within a stage are `soak` (run: pytest -m soak)."""
 
 from __future__ import annotations
 
@@ -102,17 +103,22 @@ def test_killed_worker_the_run_goes_on_and_no_micro_batch_is_lost(tmp_path):
         cluster.close()
 
 
+@pytest.mark.soak  # a few process starts: tens of seconds on 2 busy cores
 def test_a_joiner_takes_the_stage_state_from_a_live_peer_and_gets_work(tmp_path):
     cluster = TrainCluster(tmp_path, world_size=1)
     try:
-        uids = _start_grid(cluster, 1, "--optim.total_steps", "300")
+        long = ["--optim.total_steps", "100000"]
+        uids = _start_grid(cluster, 1, *long)
         cluster.wait_outer("s1a", 1)
-        cluster.start_train("s1b", *SWARM, "--swarm.stage", "1", "--optim.total_steps", "300", rank=1)
+        cluster.start_train("s1b", *SWARM, "--swarm.stage", "1", *long, rank=1)
+        cluster.wait_for("s1b", lambda: len(cluster.metrics("s1b", "outer_step")) >= 3, "3 outer steps")
+        for uid in ["s0a", "s1a", "s1b"]:   # stop the run as a preemption would: every worker leaves cleanly
+            cluster.procs[uid].send_signal(signal.SIGTERM)
         for uid in [*uids, "s1b"]:
-            assert cluster.finish(uid, 170) == 0, cluster.log(uid)
+            assert cluster.finish(uid, 60) == 128 + signal.SIGTERM, cluster.log(uid)
         mine = {e["outer_step"]: e["params_hash"] for e in cluster.metrics("s1b", "outer_step") if e["applied"]}
         theirs = {e["outer_step"]: e["params_hash"] for e in cluster.metrics("s1a", "outer_step") if e["applied"]}
-        assert mine and all(theirs[k] == v for k, v in mine.items()), (mine, theirs)
+        assert len(mine) >= 2 and all(theirs[k] == v for k, v in mine.items() if k in theirs), (mine, theirs)
         assert cluster.metrics("s1b", "swarm")[-1]["backward"] > 0
         log = (tmp_path / "s1b.log").read_text()
         assert "received the run's state" in log and "joined stage 1 at step" in log
@@ -137,6 +143,7 @@ def test_swarm_without_diloco_says_what_to_add():
     assert proc.returncode == 2 and "needs a [diloco] table" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.soak  # a few process starts: tens of seconds on 2 busy cores
 def test_a_stage_without_workers_past_the_deadline_exits_1(tmp_path):
     cluster = TrainCluster(tmp_path, world_size=1)
     try:
@@ -149,6 +156,7 @@ def test_a_stage_without_workers_past_the_deadline_exits_1(tmp_path):
         cluster.close()
 
 
+@pytest.mark.soak  # a few process starts: tens of seconds on 2 busy cores
 def test_mismatched_models_within_a_stage_refused_with_exit_2(tmp_path):
     cluster = TrainCluster(tmp_path, world_size=1)
     try:

@@ -43,6 +43,7 @@ class LaterStage(StageWorker):
             self.store = self.connect_store()
             self.liveness = registry.Liveness(self.store, self.cfg.elastic.namespace, self.cfg.elastic.heartbeat_timeout)
             self.server.open(self.position.step)
+            self.server.adopt = self.position.step == 0
             self.server.start()
             me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
             registry.register(self.store, self.index, me)
@@ -70,6 +71,9 @@ class LaterStage(StageWorker):
 
     def _await_step_end(self, step: int, stop) -> None:
         while not stop.requested:
+            if self.server.adopted is not None and self.server.adopted > self.position.step:
+                self._adopt(self.server.adopted)
+                step = self.position.step
             owners = self._owners(step)
             now = time.monotonic()
             if owners:
@@ -80,6 +84,16 @@ class LaterStage(StageWorker):
                 raise EnvironmentFailure(f"no live first-stage worker for {self.sw.stage_wait:g} s (the run's data "
                                          "comes from them): start one (--swarm.stage 0) or raise swarm.stage_wait")
             self.server.wait_change(POLL_S)
+
+    def _adopt(self, step: int) -> None:
+        from zb.train.lr_schedule import set_schedule_position
+
+        log.warning("stage %d had no worker holding its state: this worker starts it afresh (initial weights) at the "
+                    "run's step %d; what the stage had learned is lost", self.index, step)
+        self.position = type(self.position)(step, self.position.outer_step, self.position.tokens,
+                                            self.position.run_tokens)
+        set_schedule_position(self.scheduler, step)
+        self.server.adopted = None
 
     def _step(self) -> None:
         with self.server.compute:

@@ -39,6 +39,10 @@ class StageServer:
         self.bytes_in = self.bytes_out = 0
         self.last_done: dict[str, int] = {}   # first-stage worker -> the latest step it finished
         self.changed = threading.Condition()
+        # A worker that started a stage afresh (no live peer held its state) takes the run's step from the first
+        # request instead of waiting at step 0 for notices that never come: set by the worker, cleared on adoption.
+        self.adopt = False
+        self.adopted: int | None = None
         self._server = _Server((host, port), _handler(self))
         self.address = f"{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="zb-swarm-server", daemon=True)
@@ -61,6 +65,10 @@ class StageServer:
             return wire.Message(wire.REPLY, msg.step, msg.mb)
         if msg.kind not in (wire.FORWARD, wire.BACKWARD, wire.LOSS, wire.EVAL):
             return wire.Message(wire.ERROR, msg.step, msg.mb, {"error": f"unexpected {wire.KIND_NAMES[msg.kind]}"})
+        if self.adopt and msg.kind != wire.EVAL and msg.step > self.open_step:
+            with self.changed:
+                self.adopt, self.adopted, self.open_step = False, msg.step, msg.step
+                self.changed.notify_all()
         if msg.kind != wire.EVAL and msg.step > self.open_step:
             self.counts["not_ready"] += 1
             return wire.Message(wire.NOT_READY, msg.step, msg.mb, {"open": self.open_step})
