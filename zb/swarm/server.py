@@ -26,6 +26,8 @@ from zb.swarm.stages import Stage
 
 log = logging.getLogger("zb.swarm")
 
+HOLD_S = 1.0   # the longest a request for a step not yet open waits here before `not-ready`
+
 
 class StageServer:
     def __init__(self, stage: Stage, host: str, port: int, hop_timeout: float, loss: LossSpec,
@@ -69,6 +71,11 @@ class StageServer:
             with self.changed:
                 self.adopt, self.adopted, self.open_step = False, msg.step, msg.step
                 self.changed.notify_all()
+        if msg.kind != wire.EVAL and msg.step > self.open_step:
+            # Usually the step opens within moments (the last notice is on its way): hold the request a little
+            # rather than have the sender send its tensors again.
+            with self.changed:
+                self.changed.wait_for(lambda: msg.step <= self.open_step, timeout=min(HOLD_S, self.hop_timeout / 4))
         if msg.kind != wire.EVAL and msg.step > self.open_step:
             self.counts["not_ready"] += 1
             return wire.Message(wire.NOT_READY, msg.step, msg.mb, {"open": self.open_step})
