@@ -146,6 +146,22 @@ def test_router_newcomer_is_probed_soon_and_dropped_worker_gets_nothing():
         r.choose(1.0, avoid={"a", "b"})
 
 
+def test_router_tries_again_a_worker_whose_first_request_was_slow():
+    """A cold first request (connection, warm-up) must not starve a worker for good: once its estimated
+    busy time has passed on the clock it is tried again and its estimate recovers."""
+    clock = Clock()
+    r = Router(clock=clock)
+    r.set_workers(["a", "b"])
+    r.done(r.choose(1.0), 1.0, 1.0)    # a: one slow cold request
+    picks = []
+    for _ in range(400):
+        clock.now += 0.01
+        uid = r.choose(1.0)
+        r.done(uid, 1.0, 0.02)          # both are equally fast from now on
+        picks.append(uid)
+    assert picks[:50].count("a") < 10 and 0.35 < picks[200:].count("a") / 200 < 0.65
+
+
 def test_router_bias_corrected_average():
     r = Router()
     r.set_workers(["a"])

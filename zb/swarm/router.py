@@ -1,12 +1,15 @@
 """SWARM's routing rule for one stage: send each task to the worker expected to be free first.
 
-Each worker carries an accumulated expected busy time (virtual time). A dispatch picks the worker
-with the least, then adds task size / its throughput, where throughput is an exponential moving
-average (alpha 0.1, bias-corrected as in Adam) of measured task size per second. A fast worker's
-busy time grows slowly, so it is picked more often: throughput-weighted round robin. A newcomer
-enters at the current minimum busy time, so it is tried soon and its throughput gets measured; a
-worker that failed or stalled is dropped (banned for a while) and its tasks go elsewhere
-(Ryabinin et al., arXiv 2301.11913; yandex-research/swarm balancer).
+Each worker carries the time it is expected to be free. A dispatch picks the worker expected free
+first, then moves that time to max(now, it) + task size / its throughput, where throughput is an
+exponential moving average (alpha 0.1, bias-corrected as in Adam) of measured task size per second
+(round trip: transfer, queueing and compute). A fast worker's time grows slowly, so it is picked
+more often: throughput-weighted round robin. Anchoring to the clock, not to a pure virtual time, lets
+a worker whose estimate was too pessimistic (a slow first request: connection, warm-up) be tried
+again once that estimated busy time has passed instead of starving for good. A newcomer enters at
+the current minimum, so it is tried soon and measured; a worker that failed or stalled is dropped
+(banned for a while) and its tasks go elsewhere (Ryabinin et al., arXiv 2301.11913; the balancer of
+yandex-research/swarm).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class Router:
             for uid in list(self.busy):
                 if uid not in uids:
                     del self.busy[uid]
-            floor = min(self.busy.values(), default=0.0)
+            floor = max(min(self.busy.values(), default=now), now)
             for uid in uids:
                 if uid not in self.busy and self.banned.get(uid, 0.0) <= now:
                     self.busy[uid] = floor
@@ -65,7 +68,7 @@ class Router:
             if not candidates:
                 raise NoWorker("no live worker")
             uid = min(candidates, key=lambda u: (self.busy[u], self.sent[u], u))  # ties: the least tried (a newcomer)
-            self.busy[uid] += size / self._throughput(uid)
+            self.busy[uid] = max(self.busy[uid], self.clock()) + size / self._throughput(uid)
             self.sent[uid] += 1
             return uid
 
