@@ -43,7 +43,10 @@ class LaterStage(StageWorker):
             self.store = self.connect_store()
             self.liveness = registry.Liveness(self.store, self.cfg.elastic.namespace, self.cfg.elastic.heartbeat_timeout)
             self.server.open(self.position.step)
-            self.server.adopt = self.position.step == 0
+            # Alone in its stage at step 0: if the run is further on, this worker restarts a stage that lost every
+            # worker, and takes the run's step from the first request (with workers beside it, it catches up
+            # through the step notices instead).
+            self.server.adopt = self.position.step == 0 and self.diloco.mesh.view.global_world_size == 1
             self.server.start()
             me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
             registry.register(self.store, self.index, me)

@@ -14,6 +14,7 @@ yandex-research/swarm).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -73,10 +74,12 @@ class Router:
             return uid
 
     def _throughput(self, uid: str) -> float:
-        known = [s for s in (e.get() for e in self.speed.values()) if s]
         mine = self.speed[uid].get()
-        # Unmeasured: the mean of the measured ones (1.0 when none is), so a newcomer is neither shunned nor flooded.
-        return mine or (sum(known) / len(known) if known else 1.0)
+        if mine:
+            return mine
+        # Unmeasured: as fast as the fastest measured one (no charge at all when none is measured yet), so the
+        # first measurement comes soon; a pessimistic guess would keep the worker idle for as long as it lasts.
+        return max((s for s in (e.get() for e in self.speed.values()) if s), default=math.inf)
 
     def done(self, uid: str, size: float, seconds: float) -> None:
         with self._lock:
