@@ -137,7 +137,8 @@ class Hops:
         self.refresh(force=True)
         for uid in sorted(self.registered):
             try:
-                self._exchange(uid, wire.Message(wire.STEP, step, 0, {"owner": owner}), timeout=min(5.0, self.hop_timeout))
+                notice = wire.Message(wire.STEP, step, 0, {"owner": owner})
+                self._exchange(uid, notice, timeout=min(5.0, self.hop_timeout))
             except (wire.WireError, OSError) as e:
                 log.debug("step notice to %s failed: %s", uid, e)
 

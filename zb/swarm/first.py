@@ -114,7 +114,8 @@ class FirstStage(StageWorker):
                                wire.Message(wire.LOSS, step, mb, meta, [hidden[-1], labels] + extra))
         loss, grad = float(reply.meta["loss"]), reply.tensors[0]
         for j in range(self.num_stages - 2, 0, -1):   # backward: stage j's inputs and its outputs' grad
-            grad = self.hops.call(j, wire.Message(wire.BACKWARD, step, mb, meta, [hidden[j - 1], grad] + extra)).tensors[0]
+            request = wire.Message(wire.BACKWARD, step, mb, meta, [hidden[j - 1], grad] + extra)
+            grad = self.hops.call(j, request).tensors[0]
         with self.compute:
             h0.backward(grad.to(self.device))
         return loss
