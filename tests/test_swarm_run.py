@@ -4,8 +4,10 @@ stage left without workers and mismatched models within a stage are `soak` (run:
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import zb_process
@@ -124,6 +126,31 @@ def test_a_joiner_takes_the_stage_state_from_a_live_peer_and_gets_work(tmp_path)
         assert "received the run's state" in log and "joined stage 1 at step" in log
     finally:
         cluster.close()
+
+
+CGROUP = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(os.geteuid() != 0 or not (CGROUP / "cpu.cfs_quota_us").exists(),
+                    reason="slowing a worker needs root and the cgroup v1 cpu controller")
+def test_a_worker_slowed_by_the_os_receives_fewer_micro_batches(tmp_path):
+    """s1b is held to a fifth of a core by a CPU quota (the OS slows it; nothing in zb sleeps)."""
+    cluster = TrainCluster(tmp_path, world_size=2)
+    group = CGROUP / f"zb-test-swarm-{os.getpid()}"
+    try:
+        uids = _start_grid(cluster, 2, "--optim.total_steps", "60", "--optim.batch_size", "8")
+        group.mkdir()
+        (group / "cpu.cfs_quota_us").write_text("20000")
+        (group / "cgroup.procs").write_text(str(cluster.procs["s1b"].pid))
+        for uid in uids:
+            assert cluster.finish(uid, 170) == 0, cluster.log(uid)
+        served = {uid: cluster.metrics(uid, "swarm")[-1]["backward"] for uid in ("s1a", "s1b")}
+        assert sum(served.values()) == 2 * 4 * 60 and served["s1b"] < 0.8 * served["s1a"], served
+    finally:
+        cluster.close()
+        if group.exists():
+            group.rmdir()
 
 
 # -- bad input ---------------------------------------------------------------------------------------

@@ -216,3 +216,21 @@ def test_namespaced_clients_do_not_see_each_other(store):
     b = connect("127.0.0.1", store.port, 5, 5, "swarm/s1")
     a.set("zb/world", "A")
     assert not b.check(["zb/world"]) and store.check(["swarm/s0/zb/world"])
+
+
+def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespace(store):
+    """The stage's DiLoCo mesh bumps zb/hb/<uid> under <namespace>swarm/s<j>/; the swarm reads it from a client
+    already under <namespace>."""
+    import time
+
+    from zb.elastic import keys
+    from zb.elastic.tcpstore import connect
+
+    mesh_side = connect("127.0.0.1", store.port, 5, 5, registry.stage_namespace("runA", 0))
+    live = registry.Liveness(connect("127.0.0.1", store.port, 5, 5, "runA"), timeout=0.3)
+    mesh_side.add(keys.heartbeat("u"), 1)
+    assert live.alive(0, ["u"]) == {"u"}
+    time.sleep(0.4)
+    assert live.alive(0, ["u"]) == set()          # no beat within the timeout: dead
+    mesh_side.add(keys.heartbeat("u"), 1)
+    assert live.alive(0, ["u"]) == {"u"}

@@ -41,8 +41,7 @@ class LaterStage(StageWorker):
         try:
             self.join_stage(vocab_size)
             self.store = self.connect_store()
-            e = self.cfg.elastic
-            self.liveness = registry.Liveness(self.store, e.namespace, e.heartbeat_timeout)
+            self.liveness = registry.Liveness(self.store, self.cfg.elastic.heartbeat_timeout)
             self.server.open(self.position.step)
             # Alone in its stage at step 0: if the run is further on, this worker restarts a stage that lost every
             # worker, and takes the run's step from the first request (with workers beside it, it catches up

@@ -89,12 +89,13 @@ def choose_stage(store, stages: int) -> int:
 class Liveness:
     """Heartbeats of workers as their stage's elastic mesh writes them, judged on this observer's clock."""
 
-    def __init__(self, store, base_namespace: str, timeout: float):
-        self.store, self.base, self.timeout = store, base_namespace, timeout
+    def __init__(self, store, timeout: float):
+        # `store` is already under elastic.namespace (if any): stage namespaces are relative to it here.
+        self.store, self.timeout = store, timeout
         self._seen: dict[str, tuple[bytes, float]] = {}
 
     def alive(self, stage: int, uids: list[str]) -> set[str]:
-        prefix = stage_namespace(self.base, stage)
+        prefix = stage_namespace("", stage)
         values = read_many(self.store, [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids])
         now, out = time.monotonic(), set()
         for uid, value in zip(uids, values):
