@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="debug", help="model.name (2 stages need at least 2 blocks).")
     p.add_argument("--lr", type=float, default=3e-3, help="Inner peak learning rate.")
     p.add_argument("--warmup", type=int, default=20, help="optim.warmup_steps.")
-    p.add_argument("--outer-lr", type=float, default=0.7, help="diloco.outer_lr of the dswarm rows.")
-    p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco.outer_momentum of the dswarm rows.")
+    p.add_argument("--outer-lr", type=float, default=1.0, help="diloco.outer_lr of the dswarm rows (1.0 with momentum 0 "
+                   "is plain averaging, the setting that learns best at this scale: BENCHMARKS.md, DiLoCo convergence).")
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="diloco.outer_momentum of the dswarm rows.")
     p.add_argument("--eval-batches", type=int, default=32, help="eval.batches of the final held-out eval.")
     p.add_argument("--slow-quota", type=float, default=0.25, help="Share of one core the slowed worker gets.")
     p.add_argument("--timeout", type=float, default=1200, help="Seconds one run may take.")

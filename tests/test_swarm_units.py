@@ -227,10 +227,27 @@ def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespac
     from zb.elastic.tcpstore import connect
 
     mesh_side = connect("127.0.0.1", store.port, 5, 5, registry.stage_namespace("runA", 0))
-    live = registry.Liveness(connect("127.0.0.1", store.port, 5, 5, "runA"), timeout=0.3)
+    link = registry.StoreLink(lambda: connect("127.0.0.1", store.port, 5, 5, "runA"))
+    live = registry.Liveness(link, timeout=0.3)
     mesh_side.add(keys.heartbeat("u"), 1)
     assert live.alive(0, ["u"]) == {"u"}
     time.sleep(0.4)
     assert live.alive(0, ["u"]) == set()          # no beat within the timeout: dead
     mesh_side.add(keys.heartbeat("u"), 1)
     assert live.alive(0, ["u"]) == {"u"}
+
+
+def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
+    import torch.distributed as dist
+
+    from conftest import free_port
+    from zb.elastic.tcpstore import connect
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)
+    link = registry.StoreLink(lambda: connect("127.0.0.1", port, 0.5, 2))
+    assert link.run(lambda s: s.add("n", 1)) == 1
+    del host                                                   # the store goes away
+    assert link.run(lambda s: s.add("n", 1), fallback="known") == "known"
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)   # restarted
+    assert link.run(lambda s: s.add("n", 1)) == 1              # a new, empty store: reconnected

@@ -28,8 +28,9 @@ BACKOFF_S = (0.002, 0.1)   # first and longest wait before asking a not-ready wo
 class Hops:
     """Requests to the workers of stages 1..S-1, each routed, deadline-bound and re-issued on failure."""
 
-    def __init__(self, store_fn, stages: int, hop_timeout: float, stage_wait: float, refresh_s: float = 2.0):
-        self._store_fn, self.stages = store_fn, stages
+    def __init__(self, link: registry.StoreLink, stages: int, hop_timeout: float, stage_wait: float,
+                 refresh_s: float = 2.0):
+        self.link, self.stages = link, stages
         self.hop_timeout, self.stage_wait, self.refresh_s = hop_timeout, stage_wait, refresh_s
         self.routers = {j: Router(ban_s=max(5.0, 2 * hop_timeout)) for j in range(1, stages)}
         self.addresses: dict[str, str] = {}
@@ -50,10 +51,12 @@ class Hops:
         with self._lock:
             if not force and now - self._refreshed < self.refresh_s:
                 return
-            store = self._store_fn()
+            stages = self.link.run(lambda store: {j: registry.workers(store, j) for j in self.routers})
+            if stages is None:   # the store is down: route to the workers known so far
+                return
             registered = set()
             for j, router in self.routers.items():
-                ws = registry.workers(store, j)
+                ws = stages[j]
                 registered |= set(ws)
                 for uid, w in ws.items():
                     self.addresses[uid] = w.address

@@ -40,7 +40,7 @@ class FirstStage(StageWorker):
         self.tokenizer, self.num_stages = tokenizer, len(bounds)
         self.accum = cfg.optim.batch_size // cfg.train.micro_bs
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
-        self.hops = Hops(lambda: self.store, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait)
+        self.hops = None
         self.compute = threading.Lock()
         self.counted: set[int] = set()   # micro-batch ids whose loss was counted (each exactly once)
 
@@ -52,15 +52,16 @@ class FirstStage(StageWorker):
         me = None
         try:
             slot = self.join_stage(vocab_size)
-            self.store = self.connect_store()
-            registry.publish_stages(self.store, self.num_stages)
+            self.link = self.store_link()
+            self.hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait)
+            registry.publish_stages(self.link.client, self.num_stages)
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, _One(), slot,
                                                                 self.diloco.num_slots)
             position = self.diloco.data_position()
             if position is not None:
                 self.train_loader.load_state_dict(position)
             me = registry.Worker(self.uid, "-", self.position.step, self.token)
-            registry.register(self.store, 0, me)
+            registry.register(self.link.client, 0, me)
             self.hops.refresh(force=True)
             self._loop(stop)
             if stop.requested:
@@ -69,9 +70,10 @@ class FirstStage(StageWorker):
                 self._evaluate()
             return Ended(None, self.position.step)
         finally:
-            if me is not None and self.store is not None:
-                registry.leave(self.store, me)
-            self.hops.close()
+            if me is not None:
+                self.link.run(lambda store: registry.leave(store, me))
+            if self.hops is not None:
+                self.hops.close()
             self.shutdown()
             stop.restore()
 
@@ -166,7 +168,8 @@ class FirstStage(StageWorker):
                           throughput={str(j): {u: round(v, 3) for u, v in r.throughputs().items() if v}
                                       for j, r in routers.items()},
                           pipeline_bytes_out=self.hops.bytes_out, pipeline_bytes_in=self.hops.bytes_in)
-            registry.publish_speed(self.store, self.uid, self.accum / max(1e-9, dt))
+            speed = self.accum / max(1e-9, dt)
+            self.link.run(lambda store: registry.publish_speed(store, self.uid, speed))
 
     def _owners(self) -> int:
         return self.diloco.mesh.view.global_world_size if self.diloco and self.diloco.mesh.view else 1

@@ -32,6 +32,7 @@ class LaterStage(StageWorker):
         self.liveness = None
         self._owners_seen = time.monotonic()
         self._stepped_at = time.monotonic()
+        self._first_stage: dict[str, registry.Worker] = {}
 
     def execute(self, vocab_size: int) -> Ended:
         from zb.train.signals import StopRequest
@@ -40,8 +41,8 @@ class LaterStage(StageWorker):
         me = None
         try:
             self.join_stage(vocab_size)
-            self.store = self.connect_store()
-            self.liveness = registry.Liveness(self.store, self.cfg.elastic.heartbeat_timeout)
+            self.link = self.store_link()
+            self.liveness = registry.Liveness(self.link, self.cfg.elastic.heartbeat_timeout)
             self.server.open(self.position.step)
             # Alone in its stage at step 0: if the run is further on, this worker restarts a stage that lost every
             # worker, and takes the run's step from the first request (with workers beside it, it catches up
@@ -49,7 +50,7 @@ class LaterStage(StageWorker):
             self.server.adopt = self.position.step == 0 and self.diloco.mesh.view.global_world_size == 1
             self.server.start()
             me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
-            registry.register(self.store, self.index, me)
+            registry.register(self.link.client, self.index, me)
             log.info("stage %d worker serving on %s from step %d", self.index, self.server.address, self.position.step)
             while self.position.step < self.total and not stop.requested:
                 self._await_step_end(self.position.step, stop)
@@ -61,15 +62,18 @@ class LaterStage(StageWorker):
             self._serve_until_owners_leave(stop)
             return Ended(None, self.position.step)
         finally:
-            if me is not None and self.store is not None:
-                registry.leave(self.store, me)
+            if me is not None:
+                self.link.run(lambda store: registry.leave(store, me))
             self.server.close()
             self.shutdown()
             stop.restore()
 
     def _owners(self, step: int) -> set[str]:
         """First-stage workers that take part in `step` and are alive."""
-        owners = [w.uid for w in registry.workers(self.store, 0).values() if w.first_step <= step]
+        known = self.link.run(lambda store: registry.workers(store, 0), fallback=None)
+        if known is not None:
+            self._first_stage = known
+        owners = [w.uid for w in self._first_stage.values() if w.first_step <= step]
         return self.liveness.alive(0, owners) if owners else set()
 
     def _await_step_end(self, step: int, stop) -> None:
@@ -112,7 +116,8 @@ class LaterStage(StageWorker):
         dt, self._stepped_at = now - self._stepped_at, now
         p = self.position
         if count:
-            registry.publish_speed(self.store, self.uid, count / max(dt, 1e-9))
+            speed = count / max(dt, 1e-9)
+            self.link.run(lambda store: registry.publish_speed(store, self.uid, speed))
         if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
             c = self.server.counts
             self.sink.log("swarm", step=p.step, outer_step=p.outer_step, stage=self.index, micro_batches=count,
@@ -124,9 +129,14 @@ class LaterStage(StageWorker):
                      self.total, count, norm, c["forward"], c["backward"] + c["loss"])
 
     def _serve_until_owners_leave(self, stop) -> None:
-        """The first stage evaluates through this stage after the last step: stay until it has left."""
-        while not stop.requested:
-            owners = [w.uid for w in registry.workers(self.store, 0).values()]
+        """The first stage evaluates through this stage after the last step: stay until it has left (at most
+        swarm.stage_wait without news from the store)."""
+        heard = time.monotonic()
+        while not stop.requested and time.monotonic() - heard < self.sw.stage_wait:
+            known = self.link.run(lambda store: registry.workers(store, 0))
+            if known is not None:
+                heard = time.monotonic()
+            owners = list(known if known is not None else self._first_stage)
             if not owners or not self.liveness.alive(0, owners):
                 return
             time.sleep(POLL_S * 4)

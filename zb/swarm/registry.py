@@ -14,8 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import logging
+
 from zb.elastic import keys as elastic_keys
-from zb.elastic.tcpstore import read_lines, read_many
+from zb.elastic.tcpstore import read_lines, read_many, store_errors
+from zb.errors import EnvironmentFailure
+
+log = logging.getLogger("zb.swarm")
 
 ROOT = "swarm"
 
@@ -86,17 +91,48 @@ def choose_stage(store, stages: int) -> int:
     return tied[arrival % len(tied)]
 
 
+class StoreLink:
+    """The swarm's client of the store, kept through an outage (a restarted store, a lost link): a call that
+    fails returns the caller's fallback (what it knew before) and the next call reconnects. Training goes on
+    meanwhile; only membership changes wait for the store."""
+
+    def __init__(self, connect):
+        self._connect, self.client, self._down = connect, None, False
+
+    def run(self, fn, fallback=None):
+        try:
+            if self.client is None:
+                self.client = self._connect()
+            out = fn(self.client)
+        except (*store_errors(), EnvironmentFailure) as e:
+            self.client = None
+            if not self._down:
+                log.warning("store unreachable (%s): the swarm goes on with the workers it knew; retrying",
+                            str(e).splitlines()[0])
+            self._down = True
+            return fallback
+        if self._down:
+            log.info("store reachable again")
+        self._down = False
+        return out
+
+
 class Liveness:
     """Heartbeats of workers as their stage's elastic mesh writes them, judged on this observer's clock."""
 
-    def __init__(self, store, timeout: float):
-        # `store` is already under elastic.namespace (if any): stage namespaces are relative to it here.
-        self.store, self.timeout = store, timeout
+    def __init__(self, link: StoreLink, timeout: float):
+        # The link's store is already under elastic.namespace (if any): stage namespaces are relative to it here.
+        self.link, self.timeout = link, timeout
         self._seen: dict[str, tuple[bytes, float]] = {}
 
     def alive(self, stage: int, uids: list[str]) -> set[str]:
+        """Workers whose heartbeat moved within the timeout; with the store down, every worker last seen alive
+        (no verdict without evidence)."""
         prefix = stage_namespace("", stage)
-        values = read_many(self.store, [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids])
+        keys = [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
+        values = self.link.run(lambda store: read_many(store, keys))
+        if values is None:
+            return {u for u in uids if u in self._seen}
         now, out = time.monotonic(), set()
         for uid, value in zip(uids, values):
             last = self._seen.get(uid)

@@ -58,7 +58,7 @@ class StageWorker:
         self.loss = LossSpec(cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.position = RunPosition()
-        self.store = None
+        self.link: registry.StoreLink | None = None
         self.diloco = None
         self.stage_cfg = copy.deepcopy(cfg)
         self.stage_cfg.elastic.namespace = registry.stage_namespace(cfg.elastic.namespace, stage_index)
@@ -128,11 +128,16 @@ class StageWorker:
                  report.mesh_version, report.allreduce_s, f"{report.wire_bytes:,}",
                  "" if report.applied else " | " + (report.note or "NOT applied").strip(" |"))
 
-    def connect_store(self):
+    def store_link(self) -> registry.StoreLink:
+        """The swarm's store client: the first connection waits elastic.connect_timeout (the store must be
+        there at start), reconnections after an outage try for a second at a time."""
         from zb.elastic.tcpstore import connect
 
         e = self.cfg.elastic
-        return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
+        first = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
+        link = registry.StoreLink(lambda: connect(e.addr or "127.0.0.1", e.port, 1.0, e.store_timeout, e.namespace))
+        link.client = first
+        return link
 
     def shutdown(self) -> None:
         if self.diloco is not None:
