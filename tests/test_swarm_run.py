@@ -20,23 +20,25 @@ def _losses(cluster: TrainCluster, uid: str) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in cluster.metrics(uid, "step")}
 
 
-def _start_grid(cluster: TrainCluster, per_stage: int, *args: str, namespace: str = "") -> list[str]:
+def _start_grid(cluster: TrainCluster, per_stage: int, *args: str, namespace: str = "", stages: int = 2) -> list[str]:
     uids = []
-    for j in range(2):
+    for j in range(stages):
         for m in range(per_stage):
             uid = f"s{j}{'abc'[m]}"
             extra = ["--elastic.namespace", namespace] if namespace else []
-            cluster.start_train(uid, *SWARM, "--swarm.stage", str(j), *args, *extra, rank=m)
+            cluster.start_train(uid, *SWARM, "--swarm.stage", str(j), *args, *extra, "--swarm.stages", str(stages),
+                                rank=m)
             uids.append(uid)
     return uids
 
 
 def test_one_worker_per_stage_with_h1_equals_a_plain_run(tmp_path):
-    """Pipelined over 2 stages (H=1, clipping off: a stage clips its own norm) = one process, same data."""
+    """Pipelined over 3 stages (first, middle, last: every kind of hop; H=1, clipping off: a stage clips its own
+    norm) = one process on the same data."""
     cluster = TrainCluster(tmp_path, world_size=1)
-    run = ["--optim.total_steps", "5", "--diloco.inner_steps", "1", "--optim.grad_clip", "0"]
+    run = ["--optim.total_steps", "5", "--diloco.inner_steps", "1", "--optim.grad_clip", "0", "--model.n_layers", "3"]
     try:
-        uids = _start_grid(cluster, 1, *run, "--swarm.max_in_flight", "2", namespace="piped")
+        uids = _start_grid(cluster, 1, *run, "--swarm.max_in_flight", "2", namespace="piped", stages=3)
         cluster.start_train("plain", *run, "--elastic.namespace", "plain")
         for uid in [*uids, "plain"]:
             assert cluster.finish(uid, 150) == 0, cluster.log(uid)

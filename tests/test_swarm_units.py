@@ -168,6 +168,33 @@ def test_router_tries_again_a_worker_whose_first_request_was_slow():
     assert "a" in picks[50:150] and 0.35 < picks[200:].count("a") / 200 < 0.65
 
 
+def test_router_idle_workers_the_faster_still_gets_more():
+    """A synchronous step starts with every worker idle: SWARM's least-busy rule alone would alternate between
+    them; the earliest expected finish sends the faster one its share."""
+    clock = Clock()
+    r = Router(clock=clock)
+    r.set_workers(["fast", "slow"])
+    r.done("fast", 1.0, 0.01)
+    r.done("slow", 1.0, 0.04)
+    for _ in range(50):       # steps of 4 micro-batches, dispatched at once, each step after both are idle again
+        for uid in [r.choose(1.0) for _ in range(4)]:
+            r.done(uid, 1.0, 0.01 if uid == "fast" else 0.04)
+        clock.now += 1.0
+    assert r.sent["fast"] >= 3 * r.sent["slow"] > 0
+
+
+def test_router_reprobes_a_worker_left_unmeasured():
+    clock = Clock()
+    r = Router(clock=clock, reprobe_s=20)
+    r.set_workers(["fast", "slow"])
+    r.done("fast", 1.0, 0.01)
+    r.done("slow", 1.0, 1.0)
+    assert r.choose(1.0) == "fast"
+    clock.now = 30            # nothing measured "slow" for 30 s: it may have recovered
+    r.done("fast", 1.0, 0.01)
+    assert r.choose(1.0) == "slow"
+
+
 def test_router_bias_corrected_average():
     r = Router()
     r.set_workers(["a"])
@@ -188,8 +215,8 @@ def test_registry_workers_leave_and_rejoin(store):
     registry.register(store, 1, a1)
     registry.register(store, 1, registry.Worker("b", "h:2", 3, "t2"))
     assert sorted(registry.workers(store, 1)) == ["a", "b"]
-    registry.leave(store, a1)
-    assert sorted(registry.workers(store, 1)) == ["b"]
+    registry.leave(store, a1, 7)
+    assert sorted(registry.workers(store, 1)) == ["b"] and registry.left_after(store) == {"a": 7}
     registry.register(store, 1, registry.Worker("a", "h:3", 9, "t3"))   # restarted under the same id
     assert registry.workers(store, 1)["a"].address == "h:3"
 

@@ -71,7 +71,7 @@ class FirstStage(StageWorker):
             return Ended(None, self.position.step)
         finally:
             if me is not None:
-                self.link.run(lambda store: registry.leave(store, me))
+                self.link.run(lambda store: registry.leave(store, me, self.position.step))
             if self.hops is not None:
                 self.hops.close()
             self.shutdown()

@@ -63,7 +63,7 @@ class LaterStage(StageWorker):
             return Ended(None, self.position.step)
         finally:
             if me is not None:
-                self.link.run(lambda store: registry.leave(store, me))
+                self.link.run(lambda store: registry.leave(store, me, self.position.step))
             self.server.close()
             self.shutdown()
             stop.restore()
@@ -83,10 +83,18 @@ class LaterStage(StageWorker):
                 step = self.position.step
             owners = self._owners(step)
             now = time.monotonic()
+            done = self.server.finished_by(step)
+            # A first-stage worker that left after finishing this step (the run's end, or it stopped on a signal)
+            # sends no more notices: its leave record says how far it got. One that left before this step is
+            # waited for no more either: it is not registered any longer.
+            left = self.link.run(lambda store: registry.left_after(store), fallback={})
+            done |= {uid for uid, steps in left.items() if steps > step}
             if owners:
                 self._owners_seen = now
-                if owners <= self.server.finished_by(step):
+                if owners <= done:
                     return
+            elif done:
+                return
             elif now - self._owners_seen > self.sw.stage_wait:
                 raise EnvironmentFailure(f"no live first-stage worker for {self.sw.stage_wait:g} s (the run's data "
                                          "comes from them): start one (--swarm.stage 0) or raise swarm.stage_wait")

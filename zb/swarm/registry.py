@@ -4,7 +4,8 @@ Each stage's DiLoCo run lives in its own namespace (`<elastic.namespace>swarm/s<
 zb.elastic.tcpstore.connect), so the elastic machinery needs no change; these keys sit beside them:
 
     swarm/workers/<j>   append-only, one line per registration: "<uid> <host:port> <first step> <token>"
-    swarm/left          append-only, "<uid> <token>" per line: left on purpose (routing drops it at once)
+    swarm/left          append-only, "<uid> <token> <steps done>" per line: left on purpose (routing drops it
+                        at once; a later stage counts the steps it finished as finished by it)
     swarm/arrivals      counter: the n-th worker to pick a stage (breaks ties between simultaneous starts)
     swarm/speed/<uid>   this worker's measured micro-batches per second (the stage choice reads them)
 """
@@ -54,13 +55,22 @@ def register(store, stage: int, worker: Worker) -> None:
     store.append(workers_key(stage), f"{worker.uid} {worker.address} {worker.first_step} {worker.token}\n")
 
 
-def leave(store, worker: Worker) -> None:
-    store.append(LEFT, f"{worker.uid} {worker.token}\n")
+def leave(store, worker: Worker, steps_done: int) -> None:
+    store.append(LEFT, f"{worker.uid} {worker.token} {steps_done}\n")
+
+
+def left_after(store) -> dict[str, int]:
+    """uid -> steps it had finished when it left (the latest leave of each uid)."""
+    out = {}
+    for line in read_lines(store, LEFT):
+        uid, _, steps = line.split()
+        out[uid] = int(steps)
+    return out
 
 
 def workers(store, stage: int) -> dict[str, Worker]:
     """The stage's registered workers that have not left (the newest registration of a uid counts)."""
-    gone = set(read_lines(store, LEFT))
+    gone = {" ".join(line.split()[:2]) for line in read_lines(store, LEFT)}
     out: dict[str, Worker] = {}
     for line in read_lines(store, workers_key(stage)):
         uid, address, first, token = line.split()

@@ -1,15 +1,17 @@
 """SWARM's routing rule for one stage: send each task to the worker expected to be free first.
 
-Each worker carries the time it is expected to be free. A dispatch picks the worker expected free
-first, then moves that time to max(now, it) + task size / its throughput, where throughput is an
-exponential moving average (alpha 0.1, bias-corrected as in Adam) of measured task size per second
-(round trip: transfer, queueing and compute). A fast worker's time grows slowly, so it is picked
-more often: throughput-weighted round robin. Anchoring to the clock, not to a pure virtual time, lets
-a worker whose estimate was too pessimistic (a slow first request: connection, warm-up) be tried
-again once that estimated busy time has passed instead of starving for good. A newcomer enters at
-the current minimum, so it is tried soon and measured; a worker that failed or stalled is dropped
-(banned for a while) and its tasks go elsewhere (Ryabinin et al., arXiv 2301.11913; the balancer of
-yandex-research/swarm).
+Each worker carries the time it is expected to be free. A dispatch picks the worker expected to
+finish the task first, max(now, free time) + task size / its throughput, and moves its free time
+there; throughput is an exponential moving average (alpha 0.1, bias-corrected as in Adam) of
+measured task size per second (round trip: transfer, queueing and compute). While every worker is
+busy this is SWARM's rule (least expected busy time first: throughput-weighted round robin); when
+several are idle, as at the start of a synchronous step, it still sends the task to the faster one
+(SWARM's rule alone would alternate between idle workers whatever their speed). Anchoring to the
+clock, not to a pure virtual time, lets a worker whose estimate was too pessimistic be tried again,
+and a worker not measured for reprobe_s seconds is priced as the fastest, so a recovered slow worker
+gets work again. A newcomer enters at the current minimum, so it is tried soon and measured; a
+worker that failed or stalled is dropped (banned for a while) and its tasks go elsewhere (Ryabinin
+et al., arXiv 2301.11913; the balancer of yandex-research/swarm).
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ class ThroughputEMA:
 class Router:
     """Busy times and throughputs of one stage's workers (thread-safe: many micro-batches route at once)."""
 
-    def __init__(self, alpha: float = 0.1, ban_s: float = 30.0, clock=time.monotonic):
-        self.alpha, self.ban_s, self.clock = alpha, ban_s, clock
+    def __init__(self, alpha: float = 0.1, ban_s: float = 30.0, reprobe_s: float = 20.0, clock=time.monotonic):
+        self.alpha, self.ban_s, self.reprobe_s, self.clock = alpha, ban_s, reprobe_s, clock
+        self.measured: dict[str, float] = {}   # when each worker's throughput was last measured
         self.busy: dict[str, float] = {}
         self.speed: dict[str, ThroughputEMA] = {}
         self.banned: dict[str, float] = {}   # uid -> until when
@@ -68,23 +71,29 @@ class Router:
             candidates = [u for u in self.busy if u not in avoid]
             if not candidates:
                 raise NoWorker("no live worker")
-            uid = min(candidates, key=lambda u: (self.busy[u], self.sent[u], u))  # ties: the least tried (a newcomer)
-            self.busy[uid] = max(self.busy[uid], self.clock()) + size / self._throughput(uid)
+            now = self.clock()
+            # Earliest expected finish of this task: when the worker is free, plus the task at its throughput. With
+            # every worker busy this is SWARM's least-loaded rule; with idle ones it still prefers the faster.
+            finish = {u: max(self.busy[u], now) + size / self._throughput(u, now) for u in candidates}
+            uid = min(candidates, key=lambda u: (finish[u], self.sent[u], u))   # ties: the least tried (a newcomer)
+            self.busy[uid] = finish[uid]
             self.sent[uid] += 1
             return uid
 
-    def _throughput(self, uid: str) -> float:
+    def _throughput(self, uid: str, now: float) -> float:
         mine = self.speed[uid].get()
-        if mine:
+        if mine and now - self.measured.get(uid, now) < self.reprobe_s:
             return mine
-        # Unmeasured: as fast as the fastest measured one (no charge at all when none is measured yet), so the
-        # first measurement comes soon; a pessimistic guess would keep the worker idle for as long as it lasts.
+        # Unmeasured, or not measured for reprobe_s (a slow worker that got no task since may have recovered): as
+        # fast as the fastest measured one (no charge when none is), so it gets a task and a new measurement soon;
+        # a pessimistic guess would keep it idle for as long as the guess lasts.
         return max((s for s in (e.get() for e in self.speed.values()) if s), default=math.inf)
 
     def done(self, uid: str, size: float, seconds: float) -> None:
         with self._lock:
             if uid in self.speed:
                 self.speed[uid].update(size / max(seconds, 1e-6))
+                self.measured[uid] = self.clock()
 
     def drop(self, uid: str) -> None:
         """The worker failed or stalled: no tasks for ban_s seconds (or until it registers anew after that)."""
