@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "is plain averaging, the setting that learns best at this scale: BENCHMARKS.md, DiLoCo convergence).")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="diloco.outer_momentum of the dswarm rows.")
     p.add_argument("--eval-batches", type=int, default=32, help="eval.batches of the final held-out eval.")
-    p.add_argument("--slow-quota", type=float, default=0.25, help="Share of one core the slowed worker gets.")
+    p.add_argument("--slow-quota", type=float, default=0.1, help="Share of one core the slowed worker gets (on 2 cores "
+                   "shared by 4 workers and other load, a quarter of a core barely binds).")
     p.add_argument("--timeout", type=float, default=1200, help="Seconds one run may take.")
     p.add_argument("--quick", action="store_true", help="Smoke size: 20 steps, batch 4, seq 64.")
     p.add_argument("--keep", metavar="DIR", help="Keep every run's logs and metrics under DIR.")
