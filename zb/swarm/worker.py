@@ -24,7 +24,7 @@ import torch
 from zb import __version__
 from zb.config import fail, non_default_settings, source_of
 from zb.config_schema import Config
-from zb.errors import EnvironmentFailure, LeavingRun
+from zb.errors import LeavingRun
 from zb.fingerprint import fingerprint
 from zb.local_world import local_world
 from zb.models.loss import LossSpec
@@ -39,8 +39,9 @@ UNSUPPORTED = {"train.torch_compile": "stages run eagerly", "train.ac_ckpt": "a 
                "train.fused_linear_ce": "the last stage computes the loss whole", "optim.num_chunks": "idem",
                "train.reduce_every_micro_batch": "a worker is one process", "ckpt.path": "stage workers keep no "
                "checkpoints yet: a stage's state lives in its live workers (a joiner takes it from one)",
-               "ckpt.interval": "idem", "ckpt.live_recovery": "joiners of a stage take its state by blocking join",
-               "diloco.streams": "", "data.prefetch": "data is read between steps"}
+               "ckpt.interval": "idem", "ckpt.live_recovery": "a joiner of a stage takes its state from a live worker "
+               "of the stage at its next outer step (blocking join); turned off", "data.prefetch": "data is read "
+               "between steps", "diloco.blocking_join": "a joiner of a stage always takes its state by blocking join"}
 
 
 class StageWorker:
@@ -62,6 +63,8 @@ class StageWorker:
         self.diloco = None
         self.stage_cfg = copy.deepcopy(cfg)
         self.stage_cfg.elastic.namespace = registry.stage_namespace(cfg.elastic.namespace, stage_index)
+        self.stage_cfg.ckpt.live_recovery = False   # see UNSUPPORTED
+        self.stage_cfg.diloco.blocking_join = True
         self.token = os.urandom(6).hex()
         log.info("stage %d of %d: blocks %d-%d%s%s, %s params", stage_index, len(bounds), bounds[stage_index][0],
                  bounds[stage_index][1] - 1, " + embeddings" if stage_index == 0 else "",
@@ -106,10 +109,7 @@ class StageWorker:
     def outer_step(self, data_state: dict | None) -> None:
         from zb.train.lr_schedule import set_schedule_position
 
-        try:
-            report, received = self.diloco.outer_step(self.position, data_state)
-        except LeavingRun:
-            raise
+        report, received = self.diloco.outer_step(self.position, data_state)
         if received is not None:
             self.position = RunPosition(received.step, received.outer_step, self.position.tokens,
                                         received.run_tokens)
@@ -213,5 +213,3 @@ def run(cfg: Config):
         log.info("swarm worker done in %.1f s", time.perf_counter() - started)
         sink.close()
 
-
-__all__ = ["run", "StageWorker", "EnvironmentFailure"]
