@@ -29,8 +29,10 @@ class Hops:
     """Requests to the workers of stages 1..S-1, each routed, deadline-bound and re-issued on failure."""
 
     def __init__(self, link: registry.StoreLink, stages: int, hop_timeout: float, stage_wait: float,
-                 refresh_s: float = 2.0):
+                 heartbeat_timeout: float, refresh_s: float = 2.0):
         self.link, self.stages = link, stages
+        # A worker that died without leaving stays registered: its stage's heartbeat tells (no notice, no routing).
+        self.liveness = registry.Liveness(link, heartbeat_timeout)
         self.hop_timeout, self.stage_wait, self.refresh_s = hop_timeout, stage_wait, refresh_s
         self.routers = {j: Router(ban_s=max(5.0, 2 * hop_timeout)) for j in range(1, stages)}
         self.addresses: dict[str, str] = {}
@@ -56,7 +58,8 @@ class Hops:
                 return
             registered = set()
             for j, router in self.routers.items():
-                ws = stages[j]
+                alive = self.liveness.alive(j, list(stages[j]))
+                ws = {uid: w for uid, w in stages[j].items() if uid in alive}
                 registered |= set(ws)
                 for uid, w in ws.items():
                     self.addresses[uid] = w.address

@@ -53,7 +53,8 @@ class FirstStage(StageWorker):
         try:
             slot = self.join_stage(vocab_size)
             self.link = self.store_link()
-            self.hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait)
+            self.hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait,
+                             self.cfg.elastic.heartbeat_timeout)
             registry.publish_stages(self.link.client, self.num_stages)
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, _One(), slot,
                                                                 self.diloco.num_slots)
