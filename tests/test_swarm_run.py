@@ -50,6 +50,19 @@ def test_one_worker_per_stage_with_h1_equals_a_plain_run(tmp_path):
         cluster.close()
 
 
+def test_unpinned_workers_are_spread_over_the_stages_by_the_store(tmp_path):
+    cluster = TrainCluster(tmp_path, world_size=1)
+    try:
+        for i, uid in enumerate(("ua", "ub")):
+            cluster.start_train(uid, *SWARM, "--optim.total_steps", "10", rank=i)
+        for uid in ("ua", "ub"):
+            assert cluster.finish(uid, 150) == 0, cluster.log(uid)
+        chosen = sorted(e["stage"] for uid in ("ua", "ub") for e in cluster.metrics(uid, "swarm")[-1:])
+        assert chosen == [0, 1]
+    finally:
+        cluster.close()
+
+
 def _hashes_by_stage(cluster: TrainCluster, uids: list[str]) -> dict[int, dict[int, set[str]]]:
     out: dict[int, dict[int, set[str]]] = {}
     for uid in uids:
