@@ -24,6 +24,7 @@ import torch
 from zb import __version__
 from zb.config import fail, non_default_settings, source_of
 from zb.config_schema import Config
+from zb.diloco.rounds import RoundWork
 from zb.errors import LeavingRun
 from zb.fingerprint import fingerprint
 from zb.local_world import local_world
@@ -66,6 +67,7 @@ class StageWorker:
         self.stage_cfg.ckpt.live_recovery = False   # see UNSUPPORTED
         self.stage_cfg.diloco.blocking_join = True
         self.token = os.urandom(6).hex()
+        self.round_steps = self.round_micro_batches = 0   # since the last outer step: the weight in the average
         log.info("stage %d of %d: blocks %d-%d%s%s, %s params", stage_index, len(bounds), bounds[stage_index][0],
                  bounds[stage_index][1] - 1, " + embeddings" if stage_index == 0 else "",
                  " + norm and head" if stage_index == len(bounds) - 1 else "",
@@ -78,6 +80,9 @@ class StageWorker:
         print_ = dict(fingerprint(self.cfg, 1, vocab_size), swarm_stage=self.index,
                       stage_params=stage_signature(self.stage))
         self.diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink, print_)
+        # The stage's average weighs each worker by the micro-batches it processed since the last outer step: a
+        # worker that routing gave little work (a slow one) moved its replica less far on less data.
+        self.diloco.work_source = lambda: RoundWork(self.round_steps, self.round_micro_batches)
         slot = self.diloco.start()
         if self.diloco.joining:
             self.outer_step(None)
@@ -90,6 +95,8 @@ class StageWorker:
         """AdamW on the gradients of `count` micro-batches (their mean); returns the grad norm. With no
         micro-batch this step (none was routed here) the params stay: momentum alone would move them."""
         norm = 0.0
+        self.round_steps += 1
+        self.round_micro_batches += count
         if count:
             for p in self.stage.parameters():
                 if p.grad is not None:
@@ -110,6 +117,7 @@ class StageWorker:
         from zb.train.lr_schedule import set_schedule_position
 
         report, received = self.diloco.outer_step(self.position, data_state)
+        round_micro_batches, self.round_steps, self.round_micro_batches = self.round_micro_batches, 0, 0
         if received is not None:
             self.position = RunPosition(received.step, received.outer_step, self.position.tokens,
                                         received.run_tokens)
@@ -119,7 +127,8 @@ class StageWorker:
         fields = dict(outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
                       mesh_version=report.mesh_version, global_world_size=report.global_world_size,
                       num_peers=report.num_peers, allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes,
-                      wire_mbps=report.wire_mbps, applied=report.applied, attempts=report.attempts)
+                      wire_mbps=report.wire_mbps, applied=report.applied, attempts=report.attempts,
+                      round_micro_batches=round_micro_batches)
         if report.params_hash is not None:
             fields["params_hash"] = report.params_hash
         self.sink.log("outer_step", **fields)
