@@ -93,6 +93,11 @@ def test_two_stages_two_workers_replicas_agree_at_every_outer_step(tmp_path):
         _check_owners_counted_each_micro_batch_once(cluster, ["s0a", "s0b"], 10)
         served = {uid: cluster.metrics(uid, "swarm")[-1]["backward"] for uid in ("s1a", "s1b")}
         assert sum(served.values()) == 2 * 2 * 10, served     # every micro-batch's backward exactly once
+        # The weights of stage 1's average: the micro-batches each replica processed in the round, 2 x 2 x H in all.
+        for k in (1, 2):
+            weights = [e["round_micro_batches"] for u in ("s1a", "s1b") for e in cluster.metrics(u, "outer_step")
+                       if e["outer_step"] == k]
+            assert sum(weights) == 2 * 2 * 5, weights
     finally:
         cluster.close()
 
