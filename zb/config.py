@@ -454,10 +454,12 @@ def describe(cfg: Config) -> str:
     for key in _table_order():
         spec = KEYS[key]
         section, name = key.rsplit(".", 1)
-        if section.split(".")[0] == "diloco" and cfg.diloco is None:
-            if current != "diloco":
-                lines += ["", "# [diloco] is off: set any diloco.* key to turn DiLoCo on"]
-                current = "diloco"
+        top = section.split(".")[0]
+        if top in ("diloco", "swarm") and getattr(cfg, top) is None:
+            if current != top:
+                what = "DiLoCo" if top == "diloco" else "DiLoCo-SWARM (pipeline stages)"
+                lines += ["", f"# [{top}] is off: set any {top}.* key to turn {what} on"]
+                current = top
             continue
         if section != current:
             lines += ["", f"[{section}]"]

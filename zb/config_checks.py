@@ -73,6 +73,28 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
                                        "of diloco.inner_steps")
     if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
         yield from _streaming_problems(cfg.diloco)
+    if cfg.swarm is not None:
+        yield from _swarm_problems(cfg)
+
+
+def _swarm_problems(cfg: Config) -> Iterator[tuple[str, str]]:
+    """DiLoCo-SWARM: the stage's workers sync by blocking DiLoCo; a worker is one process."""
+    sw = cfg.swarm
+    if sw.stages < 2:
+        yield "swarm.stages", "must be at least 2 (one stage is plain DiLoCo: drop the [swarm] table)"
+    if sw.stage is not None and sw.stage >= sw.stages:
+        yield "swarm.stage", f"must be below swarm.stages ({sw.stages}); stages count from 0"
+    if sw.split is not None:
+        parts = [p.strip() for p in sw.split.split(",")]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            yield "swarm.split", "must list a positive block count per stage, comma separated (\"3,1\")"
+        elif len(parts) != sw.stages:
+            yield "swarm.split", f"names {len(parts)} stages but swarm.stages is {sw.stages}"
+    if cfg.diloco is None:
+        yield "swarm.stages", ("needs a [diloco] table: the workers of a stage sync by DiLoCo (set diloco.inner_steps, "
+                               "1 syncs every step)")
+    elif cfg.diloco.overlap != "none" or cfg.diloco.round_seconds is not None:
+        yield "swarm.stages", "needs diloco.overlap = none and no diloco.round_seconds (a stage syncs at fixed steps)"
 
 
 def _streaming_problems(d) -> Iterator[tuple[str, str]]:

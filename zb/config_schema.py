@@ -279,8 +279,29 @@ class ElasticConfig:
                                          env="ZERO_BAND_LIVE_RECO_ADDR")
     live_reco_port: Optional[int] = knob(None, "Port of this node's checkpoint sidecar (default: random free port).",
                                          env="ZERO_BAND_LIVE_RECO_PORT")
+    namespace: str = knob("", "Prefix of every key this node writes in the store: runs under different namespaces share "
+                          "one store without seeing each other (DiLoCo-SWARM puts each stage's DiLoCo run under "
+                          "swarm/s<stage>/ by itself).")
     status_interval: float = knob(5.0, "Seconds between this node's status records in the store (for `zb status` and its "
                                   "dashboard; also after every outer step); 0 publishes none.", check="non_negative")
+
+
+@dataclass
+class SwarmConfig:
+    stages: int = knob(2, "S: pipeline stages the model's blocks are split into (embeddings with the first, norm and "
+                          "head with the last); each node serves one stage.", check="positive", run_defining=True)
+    split: Optional[str] = knob(None, "Blocks per stage, comma separated (\"3,1\"); default: balanced by parameter count.",
+                                run_defining=True)
+    stage: Optional[int] = knob(None, "Serve this stage (0-based); default: the store picks the stage with the least "
+                                "measured throughput per worker.", check="non_negative")
+    max_in_flight: int = knob(4, "Micro-batches a first-stage worker keeps in flight through the pipeline at once.",
+                              check="positive")
+    hop_timeout: float = knob(30.0, "Seconds one hop (send, compute, answer) may take before the worker is dropped from "
+                              "routing and the micro-batch is re-issued to another worker of the stage.", check="positive")
+    stage_wait: float = knob(60.0, "Seconds a stage may have no live worker (or the run no first-stage worker) before "
+                             "this worker gives up (exit 1).", check="positive")
+    host: str = knob("127.0.0.1", "Address this worker listens on and advertises to the other stages' workers.")
+    port: int = knob(0, "Port this worker listens on (0: a free port).", check="non_negative")
 
 
 @dataclass
@@ -297,3 +318,6 @@ class Config:
     # (or an empty [diloco] table) turns it on.
     diloco: Optional[DilocoConfig] = field(default=None, metadata={"doc": "DiLoCo across nodes.", "section": True,
                                                                    "optional": DilocoConfig})
+    # Optional too: any swarm.* key turns `zb train` into a stage worker of a DiLoCo-SWARM run.
+    swarm: Optional[SwarmConfig] = field(default=None, metadata={"doc": "DiLoCo-SWARM: pipeline stages over nodes.",
+                                                                 "section": True, "optional": SwarmConfig})

@@ -35,11 +35,17 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
 
         launch_local_ranks(nproc_per_node, grace_period_s=cfg.ckpt.grace_period)
         return
-    from zb.train.run import run
-
     global TRAINED
     TRAINED = True  # set before training: a failing run must skip finalization too
-    counters = run(cfg)
+    if cfg.swarm is not None:
+        # The one place that knows DiLoCo-SWARM exists: a [swarm] table makes this process a stage worker.
+        from zb.swarm.worker import run as run_stage_worker
+
+        counters = run_stage_worker(cfg)
+    else:
+        from zb.train.run import run
+
+        counters = run(cfg)
     if counters.stop_signal is not None:
         # Stopped cleanly by a signal: the conventional 128 + signal number, so scripts can tell.
         raise SystemExit(128 + int(counters.stop_signal))

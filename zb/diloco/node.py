@@ -93,6 +93,9 @@ class DilocoNode:
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
         self.overlap = None
         self.rounds = None
+        # Set by a user that counts its own work (DiLoCo-SWARM: micro-batches a stage worker processed since the
+        # last outer step): the average then weighs contributors by it, as diloco.round_seconds weighs by tokens.
+        self.work_source = None
         if cfg.diloco.round_seconds is not None:
             self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
                                             cfg.optim.batch_size * cfg.data.seq_length, local_group)
@@ -132,7 +135,7 @@ class DilocoNode:
 
     def _connect(self):
         e = self.cfg.elastic
-        return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout)
+        return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
 
     def _agree(self, head_fn) -> dict:
         """Local rank 0 runs `head_fn` and shares its JSON result; an error there stops every rank."""
@@ -442,7 +445,8 @@ class DilocoNode:
         plan is that attempt's (None if its check-in failed) and stats is None."""
         digest = self._checkin_digest()
         # diloco.round_seconds: this node's steps and tokens of the round (the weights of the average)
-        work = self.rounds.work() if self.rounds is not None else rounds.RoundWork(0, 0)
+        work = self.rounds.work() if self.rounds is not None else \
+            self.work_source() if self.work_source is not None else rounds.RoundWork(0, 0)
         view = plan = stats = None
         attempts = 0
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
@@ -544,14 +548,15 @@ class DilocoNode:
         streams = self.streams.for_view(view, self.store)
         contributing = view.global_rank in plan.contributors
         weight = None
-        if self.rounds is not None:   # weighted by tokens: the weights sum to 1, the SUM is the update
+        if self.rounds is not None or self.work_source is not None:   # weighted: weights sum to 1, the SUM is the update
             weight = rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank)
         return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, streams, zeros=not contributing,
                                     scale=len(plan.contributors), weight=weight)
 
     def _apply(self, view, plan: checkin.Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
         applied = False
-        if stats is not None and self.rounds is not None and not any(plan.round_tokens[r] for r in plan.contributors):
+        weighted = self.rounds is not None or self.work_source is not None
+        if stats is not None and weighted and not any(plan.round_tokens[r] for r in plan.contributors):
             # Nobody trained in this round (only joiners, say): there is no update, not even momentum's.
             if view.global_rank in plan.appliers:
                 self.role = checkin.CONTRIBUTOR

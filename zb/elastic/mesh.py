@@ -124,7 +124,8 @@ class ElasticDeviceMesh:
             self._hosted = host_in_worker(self.cfg.addr or "127.0.0.1", self.cfg.port)
 
     def _connect(self):
-        client = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self._connect_timeout, self.cfg.store_timeout)
+        client = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self._connect_timeout, self.cfg.store_timeout,
+                         self.cfg.namespace)
         return client
 
     def _start_head(self) -> dict[str, Any]:
@@ -241,7 +242,8 @@ class ElasticDeviceMesh:
 
     def _follower_setup(self, view: WorldView) -> None:
         if self._store is None or view.store_epoch != self._store_epoch:
-            self._store = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self.cfg.connect_timeout, self.cfg.store_timeout)
+            self._store = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self.cfg.connect_timeout,
+                                  self.cfg.store_timeout, self.cfg.namespace)
             self._store_epoch = view.store_epoch
         if self._deathrattle is None:
             self._deathrattle = Deathrattle(view.uid, view.token, lambda: self._store)

@@ -52,16 +52,21 @@ def _wait_reachable(addr: str, port: int, timeout: float) -> None:
                              "elastic.connect_timeout")
 
 
-def connect(addr: str, port: int, connect_timeout: float, op_timeout: float):
-    """A client of the store at addr:port; EnvironmentFailure after `connect_timeout` s if unreachable."""
+def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, namespace: str = ""):
+    """A client of the store at addr:port; EnvironmentFailure after `connect_timeout` s if unreachable.
+
+    With a `namespace` (elastic.namespace) every key goes under that prefix: the membership, meshes and
+    check-ins of runs in different namespaces never meet, so one store can hold several runs (each stage
+    of a DiLoCo-SWARM run is one), with no key name changed anywhere else."""
     import torch.distributed as dist
 
     _wait_reachable(addr, port, connect_timeout)
     try:
-        return dist.TCPStore(addr, port, is_master=False, use_libuv=True,
-                             timeout=timedelta(seconds=max(connect_timeout, op_timeout)))
+        client = dist.TCPStore(addr, port, is_master=False, use_libuv=True,
+                               timeout=timedelta(seconds=max(connect_timeout, op_timeout)))
     except dist.DistError as e:
         raise StoreUnreachable(f"store {addr}:{port} refused the client: {str(e).splitlines()[0]}") from None
+    return dist.PrefixStore(namespace.rstrip("/"), client) if namespace else client
 
 
 def set_op_timeout(store, seconds: float) -> None:

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Simulate a DiLoCo-SWARM run on this machine: a store and an S x M grid (S stages, M workers each).
+#
+#   scripts/simulate_swarm.sh S M [zb train args...]
+#   scripts/simulate_swarm.sh 2 2 @configs/debug/swarm.toml
+#
+# Starts `zb store` on a free loopback port, then S x M `zb train` processes, worker m of stage j
+# pinned there (--swarm.stage j; GLOBAL_WORLD_SIZE=M is each stage's initial quorum), one log per
+# worker under $ZB_SIM_LOGDIR (default logs/swarm/<time>/sJwM.log, metrics in sJwM/metrics.jsonl).
+# The machine's cores are split between the workers (OMP_NUM_THREADS, unless set). At the end a
+# summary: the first-stage workers' final losses, each worker's micro-batches, and whether the
+# workers of each stage hold the same params at every outer step. Ctrl-C stops everything, with no
+# orphans. Exits non-zero if any worker failed. PYTHON picks the interpreter as in
+# simulate_multi_node_diloco.sh.
+set -euo pipefail
+
+if [ $# -lt 2 ]; then
+    echo "usage: $0 STAGES WORKERS_PER_STAGE [zb train args...]" >&2
+    exit 2
+fi
+S=$1 M=$2
+shift 2
+case "$S$M" in *[!0-9]*|"") echo "error: STAGES and WORKERS_PER_STAGE must be positive integers" >&2; exit 2;; esac
+if [ "$S" -lt 2 ] || [ "$M" -lt 1 ]; then
+    echo "error: at least 2 stages and 1 worker per stage (one stage is plain DiLoCo:" \
+         "scripts/simulate_multi_node_diloco.sh)" >&2
+    exit 2
+fi
+HERE=$(cd "$(dirname "$0")" && pwd)
+if [ -z "${PYTHON:-}" ]; then
+    for candidate in "$(command -v python || true)" "$(command -v python3 || true)" "$HERE/../.venv/bin/python"; do
+        if [ -n "$candidate" ] && "$candidate" -c "import zb" 2>/dev/null; then PYTHON=$candidate; break; fi
+    done
+fi
+if [ -z "${PYTHON:-}" ] || ! "$PYTHON" -c "import zb" 2>/dev/null; then
+    echo "error: no python that can import zb (tried ${PYTHON:-python, python3, .venv/bin/python}): activate the" \
+         "venv (source .venv/bin/activate) or set PYTHON=/path/to/python" >&2
+    exit 2
+fi
+CORES=$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / (S * M) > 0 ? CORES / (S * M) : 1 ))}
+LOGDIR=${ZB_SIM_LOGDIR:-logs/swarm/$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$LOGDIR"
+PORT=${ZB_SIM_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
+
+pids=()
+names=()
+store_pid=""
+cleanup() {
+    trap - INT TERM EXIT
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+    if [ -n "$store_pid" ]; then kill -TERM "$store_pid" 2>/dev/null || true; wait "$store_pid" 2>/dev/null || true; fi
+}
+trap 'echo "stopping all workers" >&2; cleanup; exit 130' INT TERM
+trap cleanup EXIT
+
+"$PYTHON" -m zb store --port "$PORT" >"$LOGDIR/store.log" 2>&1 &
+store_pid=$!
+echo "store on 127.0.0.1:$PORT (log: $LOGDIR/store.log); $S stages x $M workers," \
+     "$OMP_NUM_THREADS thread(s) each on $CORES core(s)" >&2
+
+for j in $(seq 0 $((S - 1))); do
+    for m in $(seq 0 $((M - 1))); do
+        name="s${j}w${m}"
+        GLOBAL_ADDR=127.0.0.1 GLOBAL_PORT=$PORT GLOBAL_WORLD_SIZE=$M GLOBAL_RANK=$m \
+            GLOBAL_UNIQUE_ID=${ZB_SIM_PREFIX:-}$name \
+            "$PYTHON" -m zb train --log.progress plain --train.log_model_hash --swarm.stages "$S" \
+            --swarm.stage "$j" "$@" --log.dir "$LOGDIR/$name" >"$LOGDIR/$name.log" 2>&1 &
+        pids+=($!)
+        names+=("$name")
+        echo "stage $j worker $m: pid $! (log: $LOGDIR/$name.log)" >&2
+    done
+done
+
+status=0
+for i in "${!pids[@]}"; do
+    if ! wait "${pids[$i]}"; then
+        echo "${names[$i]} failed: see $LOGDIR/${names[$i]}.log" >&2
+        status=1
+    fi
+done
+"$PYTHON" "$HERE/_swarm_report.py" "$LOGDIR" >&2 || true
+exit $status

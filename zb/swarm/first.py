@@ -1,0 +1,181 @@
+"""A first-stage worker: reads its data slot, drives its micro-batches through the pipeline, keeps
+their loss bookkeeping, and steps the first stage (embeddings + its blocks).
+
+Per step: up to swarm.max_in_flight micro-batches at once, each
+  stage 0 forward (kept for backward) -> forward hops through stages 1..S-2 -> the last stage's
+  loss and backward -> backward hops back (each carries that stage's inputs and output grads, so any
+  worker of the stage can serve it) -> stage 0 backward;
+then the stage's inner step, a step notice to every later worker (their step ends when every live
+first-stage worker has finished it), and every diloco.inner_steps steps the stage's outer step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from zb.swarm import registry, wire
+from zb.swarm.client import Hops, to_wire
+from zb.swarm.worker import StageWorker
+
+log = logging.getLogger("zb.swarm")
+
+
+@dataclass
+class Ended:
+    """What `zb train` reads back: the signal that stopped the run early, if any."""
+    stop_signal: int | None = None
+    step: int = 0
+
+
+class FirstStage(StageWorker):
+    def __init__(self, cfg, bounds, args, sink, uid: str, tokenizer):
+        super().__init__(cfg, 0, bounds, args, sink, uid)
+        self.tokenizer, self.num_stages = tokenizer, len(bounds)
+        self.accum = cfg.optim.batch_size // cfg.train.micro_bs
+        self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
+        self.hops = None
+        self.compute = threading.Lock()
+        self.counted: set[int] = set()   # micro-batch ids whose loss was counted (each exactly once)
+
+    def execute(self, vocab_size: int) -> Ended:
+        from zb.train.setup import build_loaders
+        from zb.train.signals import StopRequest
+
+        stop = StopRequest().install()
+        me = None
+        try:
+            slot = self.join_stage(vocab_size)
+            self.link = self.store_link()
+            self.hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait,
+                             self.cfg.elastic.heartbeat_timeout)
+            registry.publish_stages(self.link.client, self.num_stages)
+            self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, _One(), slot,
+                                                                self.diloco.num_slots)
+            position = self.diloco.data_position()
+            if position is not None:
+                self.train_loader.load_state_dict(position)
+            me = registry.Worker(self.uid, "-", self.position.step, self.token)
+            registry.register(self.link.client, 0, me)
+            self.hops.refresh(force=True)
+            self._loop(stop)
+            if stop.requested:
+                return Ended(stop.signum, self.position.step)
+            if self.cfg.eval.interval >= 0 and self.position.step > 0:
+                self._evaluate()
+            return Ended(None, self.position.step)
+        finally:
+            if me is not None:
+                self.link.run(lambda store: registry.leave(store, me, self.position.step))
+            if self.hops is not None:
+                self.hops.close()
+            self.shutdown()
+            stop.restore()
+
+    def _loop(self, stop) -> None:
+        cfg = self.cfg
+        with ThreadPoolExecutor(self.sw.max_in_flight, thread_name_prefix="zb-swarm-mb") as pool:
+            while self.position.step < self.total and not stop.requested:
+                t0 = time.perf_counter()
+                step = self.position.step
+                batches = [next(self.train_loader) for _ in range(self.accum)]
+                ids = [step * self.accum + i for i in range(self.accum)]
+                losses = list(pool.map(lambda a: self._micro_batch(step, *a), zip(ids, batches)))
+                for mb in ids:
+                    if mb in self.counted:
+                        raise RuntimeError(f"micro-batch {mb} counted twice")   # a bug: the bookkeeping is per id
+                    self.counted.add(mb)
+                lr = self.optimizer.param_groups[0]["lr"]
+                norm = self.inner_step(self.accum)
+                self.hops.notify_step(step, self.uid)
+                dt = time.perf_counter() - t0
+                self._log_step(sum(losses) / len(losses), lr, norm, dt, len(ids))
+                if self.outer_due():
+                    self.outer_step(self.train_loader.state_dict())
+                if cfg.eval.interval > 0 and self.position.step % cfg.eval.interval == 0 and \
+                        self.position.step < self.total:
+                    self._evaluate()
+
+    def _micro_batch(self, step: int, mb: int, batch) -> float:
+        inputs, labels = batch[0].to(self.device), batch[1]
+        cu = batch[2] if len(batch) > 2 else None
+        extra = [cu] if cu is not None else []
+        meta = {"cu": 1} if cu is not None else {}
+        with self.compute:
+            h0 = self.stage(inputs, cu.to(self.device) if cu is not None else None)
+        hidden = [to_wire(h0)]
+        for j in range(1, self.num_stages - 1):   # forward through the middle stages
+            reply = self.hops.call(j, wire.Message(wire.FORWARD, step, mb, meta, [hidden[-1]] + extra))
+            hidden.append(reply.tensors[0])
+        reply = self.hops.call(self.num_stages - 1,
+                               wire.Message(wire.LOSS, step, mb, meta, [hidden[-1], labels] + extra))
+        loss, grad = float(reply.meta["loss"]), reply.tensors[0]
+        for j in range(self.num_stages - 2, 0, -1):   # backward: stage j's inputs and its outputs' grad
+            request = wire.Message(wire.BACKWARD, step, mb, meta, [hidden[j - 1], grad] + extra)
+            grad = self.hops.call(j, request).tensors[0]
+        with self.compute:
+            h0.backward(grad.to(self.device))
+        return loss
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
+        total, count, step = 0.0, 0, self.position.step
+        it = iter(self.eval_loader())
+        for i in range(self.cfg.eval.batches):
+            batch = next(it, None)
+            if batch is None:
+                break
+            cu = batch[2] if len(batch) > 2 else None
+            extra, meta = ([cu], {"cu": 1}) if cu is not None else ([], {})
+            h = to_wire(self.stage(batch[0].to(self.device), cu.to(self.device) if cu is not None else None))
+            for j in range(1, self.num_stages):
+                msg = wire.Message(wire.EVAL, step, -1 - i, meta, [h] + ([batch[1]] if j == self.num_stages - 1
+                                                                           else []) + extra)
+                reply = self.hops.call(j, msg)
+                h = reply.tensors[0] if reply.tensors else None
+            total += float(reply.meta["loss"])
+            count += 1
+        loss = total / count if count else float("nan")
+        log.info("eval step %d | held-out loss %.4f", step, loss)
+        self.sink.log("eval", step=step, outer_step=self.position.outer_step, loss=loss,
+                      perplexity=math.inf if loss > 709 else math.exp(loss))
+        return loss
+
+    def _log_step(self, loss: float, lr: float, norm: float, dt: float, micro_batches: int) -> None:
+        from zb.train.progress import format_step_line
+
+        p = self.position
+        self.position = type(p)(p.step, p.outer_step, p.tokens + self.tokens_per_step,
+                                p.run_tokens + self.tokens_per_step * max(1, self._owners()))
+        p, tps = self.position, self.tokens_per_step / dt
+        if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
+            log.info(format_step_line(p.step, self.total, loss, lr, norm, tps, tps * self._owners(), p.run_tokens))
+        self.sink.log("step", step=p.step, outer_step=p.outer_step, loss=loss, lr=lr, grad_norm=norm, z_loss=None,
+                      tokens=p.tokens, tokens_per_s=round(tps, 1), run_tokens=p.run_tokens,
+                      run_tokens_per_s=round(tps * self._owners(), 1),
+                      perplexity=math.inf if loss > 709 else math.exp(loss), mfu=None, stage=0,
+                      micro_batches=micro_batches)
+        if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
+            routers = self.hops.routers
+            self.sink.log("swarm", step=p.step, stage=0, forward=len(self.counted), backward=len(self.counted),
+                          reissued=self.hops.reissued, not_ready=self.hops.not_ready,
+                          shares={str(j): dict(r.sent) for j, r in routers.items()},
+                          throughput={str(j): {u: round(v, 3) for u, v in r.throughputs().items() if v}
+                                      for j, r in routers.items()},
+                          pipeline_bytes_out=self.hops.bytes_out, pipeline_bytes_in=self.hops.bytes_in)
+            speed = self.accum / max(1e-9, dt)
+            self.link.run(lambda store: registry.publish_speed(store, self.uid, speed))
+
+    def _owners(self) -> int:
+        return self.diloco.mesh.view.global_world_size if self.diloco and self.diloco.mesh.view else 1
+
+
+class _One:
+    """The loaders' view of a single-process worker (no local ranks)."""
+    rank, world_size, is_head = 0, 1, True

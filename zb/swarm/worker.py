@@ -1,0 +1,224 @@
+"""`zb train` with a [swarm] table: one stage worker of a DiLoCo-SWARM run.
+
+Run: `scripts/simulate_swarm.sh 2 2` (a store and a 2-stage x 2-worker grid on this machine), or per
+machine `zb train @cfg.toml --swarm.stages 2 [--swarm.stage J]` against one `zb store`.
+
+What every worker shares (this module): its stage of the model, the inner AdamW and LR schedule on
+the stage's parameters, and the stage's DiLoCo run (zb.diloco.node.DilocoNode unchanged: the elastic
+mesh, check-ins, joiners' state transfer and outer Nesterov step), put in a namespace of the store
+of its own so the stages' runs never meet. The first stage's worker drives micro-batches
+(zb.swarm.first); the others serve them (zb.swarm.later).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import socket
+import time
+
+import torch
+
+from zb import __version__
+from zb.config import fail, non_default_settings, source_of
+from zb.config_schema import Config
+from zb.diloco.rounds import RoundWork
+from zb.errors import LeavingRun
+from zb.fingerprint import fingerprint
+from zb.local_world import local_world
+from zb.models.loss import LossSpec
+from zb.position import RunPosition
+from zb.swarm import registry
+from zb.swarm.stages import Stage, build_stage, split_blocks, stage_signature
+
+log = logging.getLogger("zb.swarm")
+
+# Settings of the single-node loop that a stage worker does not implement: warned about, never ignored silently.
+UNSUPPORTED = {"train.torch_compile": "stages run eagerly", "train.ac_ckpt": "a stage recomputes its forward anyway",
+               "train.fused_linear_ce": "the last stage computes the loss whole", "optim.num_chunks": "idem",
+               "train.reduce_every_micro_batch": "a worker is one process", "ckpt.path": "stage workers keep no "
+               "checkpoints yet: a stage's state lives in its live workers (a joiner takes it from one)",
+               "ckpt.interval": "idem", "ckpt.live_recovery": "a joiner of a stage takes its state from a live worker "
+               "of the stage at its next outer step (blocking join); turned off", "data.prefetch": "data is read "
+               "between steps", "diloco.blocking_join": "a joiner of a stage always takes its state by blocking join"}
+
+
+class StageWorker:
+    """Setup shared by both roles, the inner step and the outer step (DiLoCo within the stage)."""
+
+    def __init__(self, cfg: Config, stage_index: int, bounds: list[tuple[int, int]], args, sink, uid: str):
+        from zb.train.lr_schedule import build_optimizer, build_scheduler
+
+        self.cfg, self.sw, self.index, self.sink, self.uid = cfg, cfg.swarm, stage_index, sink, uid
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.device == "cuda" else \
+            torch.device("cpu")
+        self.stage: Stage = build_stage(args, stage_index, bounds, cfg.train.seed, self.device)
+        self.optimizer = build_optimizer(self.stage, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim)
+        self.loss = LossSpec(cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
+        self.total = cfg.train.max_steps or cfg.optim.total_steps
+        self.position = RunPosition()
+        self.link: registry.StoreLink | None = None
+        self.diloco = None
+        self.stage_cfg = copy.deepcopy(cfg)
+        self.stage_cfg.elastic.namespace = registry.stage_namespace(cfg.elastic.namespace, stage_index)
+        self.stage_cfg.ckpt.live_recovery = False   # see UNSUPPORTED
+        self.stage_cfg.diloco.blocking_join = True
+        self.token = os.urandom(6).hex()
+        self.round_steps = self.round_micro_batches = 0   # since the last outer step: the weight in the average
+        log.info("stage %d of %d: blocks %d-%d%s%s, %s params", stage_index, len(bounds), bounds[stage_index][0],
+                 bounds[stage_index][1] - 1, " + embeddings" if stage_index == 0 else "",
+                 " + norm and head" if stage_index == len(bounds) - 1 else "",
+                 f"{sum(p.numel() for p in self.stage.parameters()):,}")
+
+    def join_stage(self, vocab_size: int) -> int:
+        """Join the stage's DiLoCo run (a joiner receives the stage's state at its next outer step)."""
+        from zb.diloco.node import DilocoNode
+
+        print_ = dict(fingerprint(self.cfg, 1, vocab_size), swarm_stage=self.index,
+                      stage_params=stage_signature(self.stage))
+        self.diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink, print_)
+        # The stage's average weighs each worker by the micro-batches it processed since the last outer step: a
+        # worker that routing gave little work (a slow one) moved its replica less far on less data.
+        self.diloco.work_source = lambda: RoundWork(self.round_steps, self.round_micro_batches)
+        slot = self.diloco.start()
+        if self.diloco.joining:
+            self.outer_step(None)
+            log.info("joined stage %d at step %d with the state of a live worker of the stage", self.index,
+                     self.position.step)
+        return slot
+
+    # -- steps ----------------------------------------------------------------------------------
+    def inner_step(self, count: int) -> float:
+        """AdamW on the gradients of `count` micro-batches (their mean); returns the grad norm. With no
+        micro-batch this step (none was routed here) the params stay: momentum alone would move them."""
+        norm = 0.0
+        self.round_steps += 1
+        self.round_micro_batches += count
+        if count:
+            for p in self.stage.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
+            max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip > 0 else math.inf
+            norm = float(torch.nn.utils.clip_grad_norm_(self.stage.parameters(), max_norm, foreach=True))
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.position = RunPosition(self.position.step + 1, self.position.outer_step, self.position.tokens,
+                                    self.position.run_tokens)
+        return norm
+
+    def outer_due(self) -> bool:
+        return self.position.step % self.cfg.diloco.inner_steps == 0 or self.position.step == self.total
+
+    def outer_step(self, data_state: dict | None) -> None:
+        from zb.train.lr_schedule import set_schedule_position
+
+        report, received = self.diloco.outer_step(self.position, data_state)
+        round_micro_batches, self.round_steps, self.round_micro_batches = self.round_micro_batches, 0, 0
+        if received is not None:
+            self.position = RunPosition(received.step, received.outer_step, self.position.tokens,
+                                        received.run_tokens)
+            set_schedule_position(self.scheduler, received.step)
+        self.position = RunPosition(self.position.step, self.position.outer_step + 1, self.position.tokens,
+                                    self.position.run_tokens)
+        fields = dict(outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
+                      mesh_version=report.mesh_version, global_world_size=report.global_world_size,
+                      num_peers=report.num_peers, allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes,
+                      wire_mbps=report.wire_mbps, applied=report.applied, attempts=report.attempts,
+                      round_micro_batches=round_micro_batches)
+        if report.params_hash is not None:
+            fields["params_hash"] = report.params_hash
+        self.sink.log("outer_step", **fields)
+        log.info("stage %d outer step %d | workers %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes%s",
+                 self.index, self.position.outer_step, report.global_world_size, report.num_peers,
+                 report.mesh_version, report.allreduce_s, f"{report.wire_bytes:,}",
+                 "" if report.applied else " | " + (report.note or "NOT applied").strip(" |"))
+
+    def store_link(self) -> registry.StoreLink:
+        """The swarm's store client: the first connection waits elastic.connect_timeout (the store must be
+        there at start), reconnections after an outage try for a second at a time."""
+        from zb.elastic.tcpstore import connect
+
+        e = self.cfg.elastic
+        first = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
+        link = registry.StoreLink(lambda: connect(e.addr or "127.0.0.1", e.port, 1.0, e.store_timeout, e.namespace))
+        link.client = first
+        return link
+
+    def shutdown(self) -> None:
+        if self.diloco is not None:
+            self.diloco.shutdown(graceful=True)
+
+
+def plan_stages(cfg: Config, vocab_size: int):
+    """(model args, block ranges per stage), or exit 2 naming the key when the split cannot be."""
+    from zb.models import model_args
+
+    args = model_args(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.data.seq_length)
+    try:
+        return args, split_blocks(args, cfg.swarm.stages, cfg.swarm.split)
+    except ValueError as e:
+        fail(cfg, "swarm.split" if cfg.swarm.split and cfg.swarm.stages <= args.n_layers else "swarm.stages", str(e))
+
+
+def pick_stage(cfg: Config) -> int:
+    """swarm.stage, or the store's choice (the stage with the least measured throughput)."""
+    if cfg.swarm.stage is not None:
+        return cfg.swarm.stage
+    from zb.elastic.tcpstore import connect
+
+    e = cfg.elastic
+    store = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
+    stage = registry.choose_stage(store, cfg.swarm.stages)
+    log.info("the store chose stage %d for this worker (least measured throughput)", stage)
+    return stage
+
+
+def warn_unsupported(cfg: Config) -> None:
+    given = [k for k in UNSUPPORTED if source_of(cfg, k) != "default"]
+    for key in given:
+        why = UNSUPPORTED[key] or "not used by DiLoCo-SWARM"
+        log.warning("%s has no effect under [swarm]: %s", key, why)
+
+
+def run(cfg: Config):
+    """The dispatch from `zb train`: build this worker's stage and run its role to the end."""
+    from zb.data import build_tokenizer
+    from zb.log import apply_log_config, set_node_id
+    from zb.train.setup import node_identity, open_metrics
+
+    local = local_world()
+    apply_log_config(cfg.log.level, cfg.log.all_ranks, local.rank)
+    if local.world_size > 1:
+        fail(cfg, "swarm.stages", "a stage worker is one process: launch it without --nproc-per-node/torchrun")
+    warn_unsupported(cfg)
+    torch.manual_seed(cfg.train.seed)
+    cfg.elastic.unique_id = node_identity(cfg, local)
+    set_node_id(cfg.elastic.unique_id)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, retries=cfg.data.retries)
+    args, bounds = plan_stages(cfg, tokenizer.vocab_size)
+    sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=True)
+    sink.log("run_start", version=__version__, host=socket.gethostname(), pid=os.getpid(), local_world_size=1,
+             device=cfg.train.device, settings={k: v for k, v, _ in non_default_settings(cfg)})
+    started = time.perf_counter()
+    try:
+        stage = pick_stage(cfg)
+        if stage == 0:
+            from zb.swarm.first import FirstStage
+
+            role = FirstStage(cfg, bounds, args, sink, cfg.elastic.unique_id, tokenizer)
+        else:
+            from zb.swarm.later import LaterStage
+
+            role = LaterStage(cfg, stage, bounds, args, sink, cfg.elastic.unique_id)
+        return role.execute(tokenizer.vocab_size)
+    except LeavingRun:
+        log.warning("stopped on request")
+        raise
+    finally:
+        log.info("swarm worker done in %.1f s", time.perf_counter() - started)
+        sink.close()
+
