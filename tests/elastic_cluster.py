@@ -161,10 +161,23 @@ class TrainCluster(Cluster):
         return {e["outer_step"]: e["params_hash"] for e in self.metrics(uid, "outer_step") if e["applied"]}
 
     def close(self) -> None:
+        import psutil
+
         for proc in self.procs.values():
             if proc.poll() is None:
+                # torch's launcher may start its ranks in sessions of their own: kill them by name too,
+                # or a SIGKILLed launcher leaves them training (orphans).
+                try:
+                    ranks = psutil.Process(proc.pid).children(recursive=True)
+                except psutil.NoSuchProcess:
+                    ranks = []
                 os.killpg(proc.pid, signal.SIGCONT)
                 os.killpg(proc.pid, signal.SIGKILL)
+                for rank in ranks:
+                    try:
+                        rank.kill()
+                    except psutil.NoSuchProcess:
+                        pass
                 proc.wait(10)
         super().close()
 
