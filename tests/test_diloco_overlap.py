@@ -154,7 +154,7 @@ def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run, mode):
     assert run.hashes("n0") == {} or run.hashes("n0") == run.hashes("bad")
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])   # eager: a minute
 def test_checkpoint_resumes_each_node_where_it_stood(make_run, mode):
     """Eager: a checkpoint holds the shared outer state and the node's own eager term, not the
     average in flight: after a whole-run restart the first round trains exactly as the
