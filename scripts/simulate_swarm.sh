@@ -27,36 +27,23 @@ if [ "$S" -lt 2 ] || [ "$M" -lt 1 ]; then
     exit 2
 fi
 HERE=$(cd "$(dirname "$0")" && pwd)
-if [ -z "${PYTHON:-}" ]; then
-    for candidate in "$(command -v python || true)" "$(command -v python3 || true)" "$HERE/../.venv/bin/python"; do
-        if [ -n "$candidate" ] && "$candidate" -c "import zb" 2>/dev/null; then PYTHON=$candidate; break; fi
-    done
-fi
-if [ -z "${PYTHON:-}" ] || ! "$PYTHON" -c "import zb" 2>/dev/null; then
-    echo "error: no python that can import zb (tried ${PYTHON:-python, python3, .venv/bin/python}): activate the" \
-         "venv (source .venv/bin/activate) or set PYTHON=/path/to/python" >&2
-    exit 2
-fi
-CORES=$("$PYTHON" -c 'import os; print(len(os.sched_getaffinity(0)))')
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( CORES / (S * M) > 0 ? CORES / (S * M) : 1 ))}
+source "$HERE/_sim_common.sh"
+find_python
+split_cores $(( S * M ))
 LOGDIR=${ZB_SIM_LOGDIR:-logs/swarm/$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$LOGDIR"
-PORT=${ZB_SIM_PORT:-$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 
 pids=()
 names=()
 store_pid=""
 cleanup() {
     trap - INT TERM EXIT
-    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-    for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-    if [ -n "$store_pid" ]; then kill -TERM "$store_pid" 2>/dev/null || true; wait "$store_pid" 2>/dev/null || true; fi
+    stop_all
 }
 trap 'echo "stopping all workers" >&2; cleanup; exit 130' INT TERM
 trap cleanup EXIT
 
-"$PYTHON" -m zb store --port "$PORT" >"$LOGDIR/store.log" 2>&1 &
-store_pid=$!
+start_store "$LOGDIR"
 echo "store on 127.0.0.1:$PORT (log: $LOGDIR/store.log); $S stages x $M workers," \
      "$OMP_NUM_THREADS thread(s) each on $CORES core(s)" >&2
 
