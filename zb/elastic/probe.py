@@ -66,13 +66,22 @@ class ProbeListener(threading.Thread):
         self._sock.close()
 
 
-def reachable(endpoint: str, timeout: float) -> bool:
+def dial(endpoint: str, timeout: float) -> str:
+    """One connection to `endpoint` (host:port): "ok", "refused" (the host answered, nothing listens:
+    the peer's process is gone) or "silent" (timeout, no route, bad address: a partition, a
+    firewall, a link down, or a dead machine)."""
     host, _, port = endpoint.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
+            return "ok"
+    except ConnectionRefusedError:
+        return "refused"
     except (OSError, ValueError):
-        return False
+        return "silent"
+
+
+def reachable(endpoint: str, timeout: float) -> bool:
+    return dial(endpoint, timeout) == "ok"
 
 
 def refuses(endpoint: str, timeout: float) -> bool:
@@ -81,14 +90,7 @@ def refuses(endpoint: str, timeout: float) -> bool:
     A stopped (SIGSTOP) process still accepts into its backlog and a dead machine times out, so
     only a refusal counts as evidence, and only for a peer whose heartbeat is already silent.
     """
-    host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except (OSError, ValueError):
-        return False
+    return dial(endpoint, timeout) == "refused"
 
 
 def unreachable_peers(endpoints: dict[str, str], timeout: float) -> set[str]:
@@ -97,21 +99,11 @@ def unreachable_peers(endpoints: dict[str, str], timeout: float) -> set[str]:
     crash rules deal with it. A timeout or no route is: a partition, a firewall, a link down."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def silent(endpoint: str) -> bool:
-        host, _, port = endpoint.rpartition(":")
-        try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
-                return False
-        except ConnectionRefusedError:
-            return False
-        except (OSError, ValueError):
-            return True
-
     if not endpoints:
         return set()
     with ThreadPoolExecutor(len(endpoints)) as pool:
-        answers = dict(zip(endpoints, pool.map(silent, endpoints.values())))
-    return {uid for uid, bad in answers.items() if bad}
+        answers = dict(zip(endpoints, pool.map(lambda e: dial(e, timeout), endpoints.values())))
+    return {uid for uid, answer in answers.items() if answer == "silent"}
 
 
 def check_peers(endpoints: dict[str, str], timeout: float, still_alive: Callable[[str], bool]) -> None:
