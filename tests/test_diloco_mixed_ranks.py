@@ -16,7 +16,7 @@ from conftest import REPO, TINY, free_port, subprocess_env, zb_process
 
 from test_diloco_nodes import _agree_with_joiner, make_run  # noqa: F401 - make_run is a fixture
 from test_diloco_overlap import RUN_FLAGS, _reference, _worst
-from zb.diloco.stripes import rows
+from zb.shard_rows import rows
 
 MOVES = str(Path(__file__).parent / "drivers" / "stripe_moves.py")
 

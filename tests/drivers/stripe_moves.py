@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from zb.diloco.stripes import StripeLayout, rows
+from zb.diloco.stripes import StripeLayout
+from zb.shard_rows import rows
 
 
 def main() -> None:

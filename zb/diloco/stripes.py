@@ -24,14 +24,9 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from zb.shard_rows import rows
+
 WINDOW = 1 << 24   # values per node-local sum: 64 MB of fp32
-
-
-def rows(d0: int, parts: int, index: int) -> tuple[int, int]:
-    """Rows [a, b) of part `index` of `parts` when d0 rows are split as torch.chunk splits them."""
-    c = -(-d0 // parts) if d0 else 0
-    a = min(index * c, d0)
-    return a, min(a + c, d0)
 
 
 def _rows_of(t_shape: Sequence[int]) -> tuple[int, int]:

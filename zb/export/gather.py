@@ -23,6 +23,7 @@ from zb.ckpt.durable.state import MODEL, OUTER
 from zb.ckpt.format.manifest import Manifest
 from zb.errors import InvalidInput
 from zb.export.source import Checkpoint
+from zb.shard_rows import rows
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -83,8 +84,8 @@ def _stripe_shapes(ckpt: Checkpoint, order: list[str]) -> list[dict[str, tuple[i
             if not first:
                 shapes[name] = first   # a 0-d tensor is not sharded
                 continue
-            chunks = torch.arange(sum(p[name][0] for p in per_part)).chunk(stripes)
-            shapes[name] = (len(chunks[s]) if s < len(chunks) else 0, *first[1:])
+            a, b = rows(sum(p[name][0] for p in per_part), stripes, s)
+            shapes[name] = (b - a, *first[1:])
         out.append(shapes)
     return out
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from zb.config import fail
 from zb.config_schema import Config
-from zb.errors import InvalidInput
 
 MODEL_STATE_BYTES = 16      # fp32 param + fp32 grad + AdamW exp_avg + exp_avg_sq
 OUTER_STATE_BYTES = 12      # outer params + outer momentum + pseudo-gradient (fp32, CPU)
@@ -42,8 +41,7 @@ def check_memory(cfg: Config, params: int, local_world_size: int, device_type: s
     if device_total and per_device > device_total:
         fail(cfg, "model.name", f"{params:,} params need at least {gb(per_device)} per GPU for params, gradients and "
                                 f"AdamW state ({MODEL_STATE_BYTES} bytes per param over {local_world_size} local "
-                                f"rank(s)), and this GPU has {gb(device_total)}: use {more}, or a smaller model",
-             InvalidInput)
+                                f"rank(s)), and this GPU has {gb(device_total)}: use {more}, or a smaller model")
     if host_total and host > host_total:
         parts = []
         if per_device == 0:
@@ -52,7 +50,7 @@ def check_memory(cfg: Config, params: int, local_world_size: int, device_type: s
             parts.append(f"{OUTER_STATE_BYTES} bytes per param of DiLoCo outer state")
         fail(cfg, "model.name", f"{params:,} params need at least {gb(host)} of this machine's memory "
                                 f"({' and '.join(parts)}), and it has {gb(host_total)}: use {more}, or a smaller "
-                                "model", InvalidInput)
+                                "model")
 
 
 def machine_totals(device) -> tuple[int | None, int | None]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from zb.shard_rows import rows
+
 
 def join_and_split(parts: list[dict[str, torch.Tensor]], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Each tensor of `parts` (one dict per old local rank, in rank order) joined along dim 0, then
@@ -23,8 +25,8 @@ def join_and_split(parts: list[dict[str, torch.Tensor]], rank: int, size: int) -
             out[name] = first
             continue
         whole = torch.cat([p[name] for p in parts])
-        chunks = whole.chunk(size)
-        out[name] = (chunks[rank] if rank < len(chunks) else whole[:0]).clone()
+        a, b = rows(whole.shape[0], size, rank)
+        out[name] = whole[a:b].clone()
     return out
 
 
