@@ -27,6 +27,7 @@ from torch.distributed.fsdp import fully_shard
 from zb.config_schema import DilocoConfig
 from zb.diloco.outer import OuterState
 from zb.diloco.stripes import StripeLayout
+from zb.process_exit import leave
 
 
 def worker(rank: int, size: int, args, port: int, out) -> None:
@@ -57,7 +58,10 @@ def worker(rank: int, size: int, args, port: int, out) -> None:
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         out.put({"params": params, **{k: statistics.median(v) for k, v in times.items()}})
+        out.close()
+        out.join_thread()  # the report is through the pipe before the hard exit below
     dist.destroy_process_group()
+    leave(0)  # finalizing after gloo can abort a passing rank (zb.process_exit)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -317,6 +317,22 @@ def test_zb_store_serves_until_sigterm_and_warns_on_wildcard_bind():
         proc.wait(10)
 
 
+def test_stop_signals_wake_the_waiter_and_restore_the_handlers():
+    """The handler only sets a flag: an Event.set in a handler could deadlock on the lock its own
+    Event.wait holds, and `zb store` then ignored SIGTERM (1 run in ~40)."""
+    import os
+    import signal
+    import threading
+
+    from zb.stop_signals import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopSignals() as stop:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        assert stop.wait() == "SIGTERM"
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_stopping_heartbeat_sends_no_deathrattle_but_rattle_does():
     from datetime import timedelta
 

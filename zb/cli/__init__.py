@@ -89,20 +89,8 @@ def _dispatch(argv: list[str] | None) -> None:
 
 
 def _leave(code) -> None:
-    """After a training run, exit without interpreter finalization: gloo's worker threads can
-    still hold tensors then, and tearing those down without the interpreter aborts the process
-    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291). Everything
-    zb owns is closed by then; stdio and logs are flushed first."""
-    train = sys.modules.get("zb.cli.train")
-    if train is None or not getattr(train, "TRAINED", False):
-        return
-    import logging
-    import os
+    """Processes that built gloo groups (training, benchmark ranks) exit without interpreter
+    finalization, which can abort them (zb.process_exit)."""
+    from zb.process_exit import leave_if_gloo_used
 
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    leave_if_gloo_used(code)

@@ -182,30 +182,24 @@ def _watch(reader, host: str, port: int, where: str, interval: float, timeout: f
 
 def _serve(host: str, port: int, where: str, bind: str, http_port: int, interval: float, timeout: float,
            as_json: bool) -> None:
-    import signal
-    import threading
-
     from zb.cli.terminal import print_json, stderr
     from zb.status.reader import RunReader, open_store
     from zb.status.server import Dashboard, listen
+    from zb.stop_signals import StopSignals
 
     sock = listen(bind, http_port)     # before the store: a taken port fails at once
     board = Dashboard(sock, lambda: RunReader(open_store(host, port, timeout), where), interval, where).start()
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if as_json:
-            print_json({"url": board.url, "store": where, "bind": bind, "port": sock.getsockname()[1]})
-        stderr.print(f"zb status: dashboard of the run on {where} at {board.url} (read-only; Ctrl-C to stop)",
-                     markup=False)
-        error = board.document().get("error")
-        if error:
-            stderr.print(f"warning: {error}", markup=False)
-        while not stop.wait(0.5):
-            pass
+        with StopSignals() as stop:
+            if as_json:
+                print_json({"url": board.url, "store": where, "bind": bind, "port": sock.getsockname()[1]})
+            stderr.print(f"zb status: dashboard of the run on {where} at {board.url} (read-only; Ctrl-C to stop)",
+                         markup=False)
+            error = board.document().get("error")
+            if error:
+                stderr.print(f"warning: {error}", markup=False)
+            stop.wait()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         board.close()
 
 

@@ -6,8 +6,6 @@ import click
 
 from zb.cli.config_options import config_options, pop_config_flags, split_config_files
 
-TRAINED = False  # read by zb.cli.main: training processes exit without interpreter finalization
-
 EPILOG = """Config sources, later wins: defaults < @files (left to right) < env twins < flags.
 Example: zb train @configs/debug/normal.toml --optim.lr 3e-4.
 Local ranks: torchrun --nproc_per_node 2 -m zb train ..., or zb train --nproc-per-node 2 ...
@@ -35,8 +33,9 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
 
         launch_local_ranks(nproc_per_node, grace_period_s=cfg.ckpt.grace_period)
         return
-    global TRAINED
-    TRAINED = True  # set before training: a failing run must skip finalization too
+    from zb.process_exit import uses_gloo
+
+    uses_gloo()  # set before training: a failing run must skip interpreter finalization too
     if cfg.swarm is not None:
         # The one place that knows DiLoCo-SWARM exists: a [swarm] table makes this process a stage worker.
         from zb.swarm.worker import run as run_stage_worker

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from zb.collectives import all_reduce
 from zb.errors import EnvironmentFailure
+from zb.process_exit import uses_gloo
 
 
 @dataclass
@@ -67,6 +68,7 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout_s: float) -> N
 
 def make_group(store: dist.Store, prefix: str, rank: int, world: int, timeout: timedelta) -> dist.ProcessGroup:
     """A bare ProcessGroupGloo, bound to GLOO_SOCKET_IFNAME when set (needed across namespaces)."""
+    uses_gloo()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if not ifname:
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timeout)

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import signal
 import socket
-import threading
 from typing import Callable
 
 from zb.elastic.tcpstore import host, is_public
+from zb.stop_signals import StopSignals
 
 log = logging.getLogger("zb.elastic")
 
@@ -22,17 +21,13 @@ def serve(bind: str, port: int, ready: Callable[[dict], None]) -> None:
     """Host the store until SIGINT/SIGTERM; `ready` gets the address info once it listens."""
     store = host(bind, port)
     addr = worker_address(bind)
-    stop = threading.Event()
     # Handlers first: whoever reads the ready line may signal at once.
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        ready({"host": bind, "port": store.port, "addr": addr, "public": is_public(bind),
-               "env": {"GLOBAL_ADDR": addr, "GLOBAL_PORT": str(store.port)}})
-        while not stop.wait(1.0):
-            pass
+        with StopSignals() as stop:
+            ready({"host": bind, "port": store.port, "addr": addr, "public": is_public(bind),
+                   "env": {"GLOBAL_ADDR": addr, "GLOBAL_PORT": str(store.port)}})
+            stop.wait()
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         log.info("store on %s:%d stopped", bind, store.port)
         del store
 
