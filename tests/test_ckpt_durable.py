@@ -265,14 +265,16 @@ def test_agree_on_latest_through_the_store():
     store = dist.TCPStore("127.0.0.1", free_port(), 1, True, wait_for_workers=False)
     results = {}
     steps = {"a": [10, 20, 30], "b": [10, 20], "c": [20, 30]}
-    threads = [threading.Thread(target=lambda u=u: results.__setitem__(u, agree_on_latest(store, u, steps[u], 3, 20)))
+    threads = [threading.Thread(target=lambda u=u: results.__setitem__(u, agree_on_latest(store, u, steps[u], 3, 20, "v1")))
                for u in steps]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
     assert results == {"a": 20, "b": 20, "c": 20}
-    assert agree_on_latest(store, "late", [30], 3, 1) is None  # decided already; it lacks step 20
+    assert agree_on_latest(store, "late", [30], 3, 1, "v1") is None  # decided already; it lacks step 20
+    # The next start of the run against the same store agrees anew: the old decision is not its own.
+    assert agree_on_latest(store, "a", [10, 20, 30, 40], 1, 5, "v2") == 40
 
 
 def test_benchmark_smoke():

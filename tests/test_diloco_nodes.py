@@ -9,6 +9,7 @@ Nodes are real `zb train` processes (through torch's launcher for 2 local ranks)
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,6 +171,33 @@ def test_whole_run_restart_resumes_the_agreed_checkpoint(make_run):
     events = restart.metrics("n0", "outer_step")
     assert [(e["outer_step"], e["step"]) for e in events] == [(1, 5), (2, 10), (3, 15), (4, 20)]
     assert restart.hashes("n0")[4] == restart.hashes("n1")[4]
+
+
+def test_whole_run_killed_restarts_against_the_store_that_outlived_it(make_run):
+    """Every node SIGKILLed (no goodbye): the store still holds their world. Restarted under the same ids, each
+    sees the old members' heartbeats move (the new incarnations bump the same counters); a member that asked
+    to join again under a new token counts as gone, so the restart seeds a new world and resumes (it used to
+    wait out elastic.store_timeout for a leader that never came, then exit 1)."""
+    from zb.ckpt.durable.layout import complete_steps
+
+    run = make_run(2)
+    args = lambda uid: ["--optim.total_steps", "300", "--ckpt.path", str(make_run_dir(run, uid)),  # noqa: E731
+                        "--ckpt.interval", "5", "--ckpt.resume", "latest"]
+    for i in range(2):
+        run.start_train(f"n{i}", *args(f"n{i}"), rank=i)
+    run.wait_for("n0", lambda: all(10 in complete_steps(make_run_dir(run, f"n{i}")) for i in range(2)),
+                 "both nodes' step-10 checkpoints")
+    for i in range(2):
+        os.killpg(run.procs[f"n{i}"].pid, signal.SIGKILL)
+        run.procs[f"n{i}"].wait(10)
+    for i in range(2):
+        run.start_train(f"n{i}", *args(f"n{i}"), rank=i)
+    for i in range(2):
+        assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
+    steps = {re.search(r"resumed from \S+ at step (\d+)", (run.tmp / f"n{i}.log").read_text()).group(1)
+             for i in range(2)}
+    assert len(steps) == 1, steps
+    assert run.hashes("n0")[60] == run.hashes("n1")[60]
 
 
 def make_run_dir(run: TrainCluster, uid: str) -> Path:

@@ -105,6 +105,16 @@ def admissible_joiners(world: World, snap: Snapshot, liveness: Liveness) -> list
             if r.uid and r.stripes == world.stripes and not liveness.is_dead(r.uid)]
 
 
+def renewed_members(world: World, snap: Snapshot) -> set[str]:
+    """Members that asked to join again under another token: previous incarnations, found silent before the
+    new one started (zb.elastic.identity). The heartbeat counter both share moves with the new one's beats,
+    so judged by it such a member would pass for alive forever."""
+    return {r.uid for r in snap.joins[world.join_cursor:] if r.uid in world.tokens and r.token != world.tokens[r.uid]}
+
+
 def members_all_out(world: World, snap: Snapshot, liveness: Liveness) -> bool:
-    """True when no member of `world` is alive: a joiner may then seed the next world itself."""
-    return all((m, world.tokens.get(m, "")) in snap.gone or liveness.is_dead(m) for m in world.nodes)
+    """True when no member of `world` is alive: a joiner may then seed the next world itself. Renewed members
+    count as gone: else a whole run restarted against a store that outlived it could never start (every node
+    waiting for the others' old selves)."""
+    renewed = renewed_members(world, snap)
+    return all((m, world.tokens.get(m, "")) in snap.gone or liveness.is_dead(m) or m in renewed for m in world.nodes)

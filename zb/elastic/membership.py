@@ -130,9 +130,11 @@ class Membership:
         observe_counters(self.store, self.liveness, sorted(uids))
 
     def _may_seed(self, world: World | None, snap: Snapshot, quorum: int, quorum_deadline: float) -> bool:
-        if world is not None:
-            return members_all_out(world, snap, self.liveness)
-        live = {r.uid for r in admissible_joiners(World(stripes=self.stripes), snap, self.liveness)}
+        """With no world, or one whose members are all out (a whole run restarted against a store that
+        outlived it), once the quorum asked to join or its deadline passed: as a fresh store would."""
+        if world is not None and not members_all_out(world, snap, self.liveness):
+            return False
+        live = {r.uid for r in admissible_joiners(world or World(stripes=self.stripes), snap, self.liveness)}
         return len(live) >= quorum or time.monotonic() >= quorum_deadline
 
     def _seed(self, world: World | None, snap: Snapshot) -> None:

@@ -19,8 +19,9 @@ from zb.elastic import keys, localsync
 from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_unique_id
+from zb.elastic.judge import renewed_members
 from zb.elastic.membership import Membership
-from zb.elastic.probe import ProbeListener, check_peers, gloo_address, unreachable_peers
+from zb.elastic.probe import ProbeListener, check_peers, gloo_address, reachable, unreachable_peers
 from zb.elastic.ring import check_link_matrix, publish_link_matrix
 from zb.elastic.store_state import Snapshot
 from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
@@ -205,9 +206,21 @@ class ElasticDeviceMesh:
         return cut
 
     def _check_reachable(self, snap: Snapshot) -> None:
-        peers = [u for u in snap.world.nodes if u != self._membership.uid]
+        # A renewed member's old endpoint is closed while its new incarnation beats: not a peer to reach.
+        renewed = renewed_members(snap.world, snap)
+        peers = [u for u in snap.world.nodes if u != self._membership.uid and u not in renewed]
         endpoints = {u: e.decode() for u, e in zip(peers, read_many(self._membership.store, [keys.probe(u) for u in peers])) if e}
-        check_peers(endpoints, timeout=min(5.0, self.cfg.connect_timeout), still_alive=self._still_beating)
+        timeout = min(5.0, self.cfg.connect_timeout)
+
+        def live_and_unreachable(uid: str) -> bool:
+            """Its counter moves, and not because a new incarnation (restarting under the id, with a new endpoint
+            that answers) took over from the one whose closed endpoint was read."""
+            if not self._still_beating(uid):
+                return False
+            now = read_many(self._membership.store, [keys.probe(uid)])[0].decode()
+            return now == endpoints[uid] or not reachable(now, timeout)
+
+        check_peers(endpoints, timeout=timeout, still_alive=live_and_unreachable)
 
     def _still_beating(self, uid: str) -> bool:
         store = self._membership.store

@@ -41,9 +41,11 @@ class RunCheckpoints:
             self.manager = CheckpointManager(ckpt, node_id=node_id, local_rank=local_rank,
                                              local_world_size=local_world_size, sink=sink, local_group=local_group)
 
-    def resume(self, *, store=None, joining: bool = False) -> "Resumed | None":
+    def resume(self, *, store=None, scope: str = "", joining: bool = False,
+               quorum: int | None = None) -> "Resumed | None":
         """Load per ckpt.resume into the run's state (in place) and return the rest for the run to apply.
-        `store`: the run's global store under DiLoCo, where `latest` is agreed with the other nodes;
+        `store`: the run's global store under DiLoCo, where `latest` is agreed with the other nodes that start
+        together (`scope` names this start; waiting for `quorum` of them, default elastic.world_size);
         `joining`: this node joins a running run, whose state comes from a live node instead."""
         if self.manager is None or not self.cfg.ckpt.resume:
             return None
@@ -55,7 +57,8 @@ class RunCheckpoints:
             from zb.ckpt.durable.agree import agree_on_latest
 
             agreed = agree_on_latest(store, self.cfg.elastic.unique_id, self.manager.committed_steps(),
-                                     quorum=self.cfg.elastic.world_size, timeout=self.cfg.elastic.start_timeout)
+                                     quorum=quorum or self.cfg.elastic.world_size, timeout=self.cfg.elastic.start_timeout,
+                                     scope=scope)
             if agreed is None:
                 return None
         return self.manager.resume(self.state_of(), agreed_step=agreed)

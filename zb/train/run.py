@@ -230,7 +230,9 @@ class TrainingRun:
 
     def _resume(self) -> None:
         diloco = self.diloco
+        # The nodes that start together share the world they were admitted to: its version names this start.
         loaded = self.checkpoints.resume(store=diloco.store if diloco is not None else None,
+                                         scope=f"v{diloco.mesh.view.mesh_version}" if diloco is not None else "",
                                          joining=diloco is not None and diloco.joining)
         if loaded is None:
             return

@@ -4,6 +4,10 @@ Each node appends `{"uid": ..., "steps": [...]}` to one store key, waits until `
 published or `timeout` passed, computes the choice from what it read, and proposes it with
 compare_set on a decision key: the first proposal wins and every node returns that same step, even
 one that read a different set of publications. A late node reads the decision without proposing.
+
+The keys are per `scope`, one for each start of the run: a store outlives the runs that used it
+(a whole run killed and restarted against it), and the decision of an earlier start (often "no
+step", when it began from scratch) must never be read as this one's.
 """
 
 from __future__ import annotations
@@ -15,8 +19,19 @@ from typing import Any
 
 log = logging.getLogger("zb.ckpt")
 
-STEPS_KEY = "zb/ckpt/resume/steps"        # append-only: one JSON line per node
-DECISION_KEY = "zb/ckpt/resume/decision"  # JSON {"step": int | null}, written once with compare_set
+ROOT = "zb/ckpt/resume"
+
+
+def steps_key(scope: str) -> str:
+    """Append-only: one JSON line per node."""
+    return f"{ROOT}/{scope}/steps"
+
+
+def decision_key(scope: str) -> str:
+    """JSON {"step": int | null}, written once with compare_set."""
+    return f"{ROOT}/{scope}/decision"
+
+
 POLL_S = 0.1
 
 
@@ -41,21 +56,26 @@ def parse_publications(raw: bytes) -> dict[str, list[int]]:
     return out
 
 
-def agree_on_latest(store: Any, uid: str, my_steps: list[int], quorum: int, timeout: float) -> int | None:
+def agree_on_latest(store: Any, uid: str, my_steps: list[int], quorum: int, timeout: float, scope: str) -> int | None:
     """Publish my committed steps; return the run's decision (None: nothing every node has).
 
     A node that does not hold the decided step gets None (with a warning): it cannot resume that
     step from its own disk and should join through live recovery instead.
     """
-    if not store.check([DECISION_KEY]):
-        store.append(STEPS_KEY, json.dumps({"uid": uid, "steps": sorted(my_steps)}) + "\n")
-        published = _wait_for(store, quorum, timeout)
+    steps, decided = steps_key(scope), decision_key(scope)
+    if not store.check([decided]):
+        store.append(steps, json.dumps({"uid": uid, "steps": sorted(my_steps)}) + "\n")
+        published = _wait_for(store, steps, decided, quorum, timeout)
         choice = newest_common_step(published)
         log.info("checkpoint steps published by %d node(s); newest common step: %s", len(published), choice)
-        decision = store.compare_set(DECISION_KEY, "", json.dumps({"step": choice}))
+        decision = store.compare_set(decided, "", json.dumps({"step": choice}))
     else:
-        decision = store.get(DECISION_KEY)
+        decision = store.get(decided)
     step = json.loads(decision)["step"]
+    if step is None and my_steps:
+        log.warning("the run found no checkpoint step that every node has (this node has %s): it starts from "
+                    "scratch, and this node's checkpoints are replaced as the new run saves the same steps",
+                    _steps_text(my_steps))
     if step is not None and step not in my_steps:
         log.warning("the run resumes from step %d, which this node has not committed: not resuming from disk",
                     step)
@@ -63,10 +83,15 @@ def agree_on_latest(store: Any, uid: str, my_steps: list[int], quorum: int, time
     return step
 
 
-def _wait_for(store: Any, quorum: int, timeout: float) -> dict[str, list[int]]:
+def _steps_text(steps: list[int]) -> str:
+    steps = sorted(steps)
+    return ", ".join(map(str, steps)) if len(steps) <= 4 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}"
+
+
+def _wait_for(store: Any, steps: str, decided: str, quorum: int, timeout: float) -> dict[str, list[int]]:
     deadline = time.monotonic() + timeout
     while True:
-        published = parse_publications(store.get(STEPS_KEY)) if store.check([STEPS_KEY]) else {}
-        if len(published) >= quorum or store.check([DECISION_KEY]) or time.monotonic() >= deadline:
+        published = parse_publications(store.get(steps)) if store.check([steps]) else {}
+        if len(published) >= quorum or store.check([decided]) or time.monotonic() >= deadline:
             return published
         time.sleep(POLL_S)
