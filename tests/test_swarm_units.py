@@ -57,6 +57,35 @@ def test_stages_chained_equal_the_whole_model_forward_and_backward():
             assert torch.allclose(p.grad, names[name].grad, atol=1e-6), name
 
 
+def _server(args, stage_index: int = 1):
+    from zb.models.loss import LossSpec
+    from zb.swarm.server import StageServer
+
+    stage = build_stage(args, stage_index, split_blocks(args, 2), 5)
+    return StageServer(stage, "127.0.0.1", 0, hop_timeout=0.4, loss=LossSpec(0.0))
+
+
+def test_a_restarted_worker_takes_the_runs_step_from_its_first_request_only():
+    """Adoption (a worker restarting a stage that lost all its workers): the first request says where the run is.
+    One that finds the run at this worker's own step disarms it: a later request for the next step is then the
+    first stage running ahead of this worker's inner step, held and refused as for any worker, never computed
+    on this step's params and counted into it."""
+    args = _args(2)
+    hidden = torch.randn(2, 16, args.dim)
+    ahead = _server(args)
+    ahead.adopt = True
+    reply = ahead.handle(wire.Message(wire.FORWARD, 7, 0, {}, [hidden]))
+    assert reply.kind == wire.REPLY and ahead.adopted == 7 and ahead.open_step == 7 and not ahead.adopt
+    same = _server(args)
+    same.adopt = True
+    assert same.handle(wire.Message(wire.FORWARD, 0, 0, {}, [hidden])).kind == wire.REPLY
+    assert not same.adopt and same.adopted is None
+    early = same.handle(wire.Message(wire.FORWARD, 1, 1, {}, [hidden]))
+    assert early.kind == wire.NOT_READY and same.open_step == 0
+    for server in (ahead, same):
+        server.close()
+
+
 # -- wire ----------------------------------------------------------------------------------------------
 def _pair():
     a, b = socket.socketpair()

@@ -61,10 +61,12 @@ class FirstStage(StageWorker):
             position = self.diloco.data_position()
             if position is not None:
                 self.train_loader.load_state_dict(position)
+            self.resume()
             me = registry.Worker(self.uid, "-", self.position.step, self.token)
             registry.register(self.link.client, 0, me)
             self.hops.refresh(force=True)
             self._loop(stop)
+            self.checkpoints.final(self.position.step)
             if stop.requested:
                 return Ended(stop.signum, self.position.step)
             if self.cfg.eval.interval >= 0 and self.position.step > 0:
@@ -98,9 +100,19 @@ class FirstStage(StageWorker):
                 self._log_step(sum(losses) / len(losses), lr, norm, dt, len(ids))
                 if self.outer_due():
                     self.outer_step(self.train_loader.state_dict())
+                self.checkpoints.maybe_save(self.position.step)
                 if cfg.eval.interval > 0 and self.position.step % cfg.eval.interval == 0 and \
                         self.position.step < self.total:
                     self._evaluate()
+
+    def data_state(self) -> tuple[dict, bool]:
+        return self.train_loader.state_dict(), self.train_loader.exact_resume
+
+    def load_data_state(self, state: dict | None) -> None:
+        if self.cfg.ckpt.skip_dataloader:
+            log.info("ckpt.skip_dataloader: the data starts from the beginning of this worker's slot")
+        elif state is not None:
+            self.train_loader.load_state_dict(state)
 
     def _micro_batch(self, step: int, mb: int, batch) -> float:
         inputs, labels = batch[0].to(self.device), batch[1]

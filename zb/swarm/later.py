@@ -33,6 +33,7 @@ class LaterStage(StageWorker):
         self._owners_seen = time.monotonic()
         self._stepped_at = time.monotonic()
         self._first_stage: dict[str, registry.Worker] = {}
+        self.resumed = False
 
     def execute(self, vocab_size: int) -> Ended:
         from zb.train.signals import StopRequest
@@ -43,11 +44,12 @@ class LaterStage(StageWorker):
             self.join_stage(vocab_size)
             self.link = self.store_link()
             self.liveness = registry.Liveness(self.link, self.cfg.elastic.heartbeat_timeout)
+            self.resumed = self.resume()
             self.server.open(self.position.step)
-            # Alone in its stage at step 0: if the run is further on, this worker restarts a stage that lost every
-            # worker, and takes the run's step from the first request (with workers beside it, it catches up
-            # through the step notices instead).
-            self.server.adopt = self.position.step == 0 and self.diloco.mesh.view.global_world_size == 1
+            # Alone in its stage: if the run is further on, this worker restarts a stage that lost every worker
+            # (from its checkpoint or the initial weights), and takes the run's step from the first request (with
+            # workers beside it, it catches up through the step notices instead).
+            self.server.adopt = self.diloco.mesh.view.global_world_size == 1
             self.server.start()
             me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
             registry.register(self.link.client, self.index, me)
@@ -57,6 +59,7 @@ class LaterStage(StageWorker):
                 if stop.requested:
                     break
                 self._step()
+            self.checkpoints.final(self.position.step)
             if stop.requested:
                 return Ended(stop.signum, self.position.step)
             self._serve_until_owners_leave(stop)
@@ -103,8 +106,13 @@ class LaterStage(StageWorker):
     def _adopt(self, step: int) -> None:
         from zb.train.lr_schedule import set_schedule_position
 
-        log.warning("stage %d had no worker holding its state: this worker starts it afresh (initial weights) at the "
-                    "run's step %d; what the stage had learned is lost", self.index, step)
+        if self.resumed:
+            log.warning("stage %d had no worker holding its state: this worker continues it from its checkpoint of "
+                        "step %d at the run's step %d; what the stage learned in between is lost", self.index,
+                        self.position.step, step)
+        else:
+            log.warning("stage %d had no worker holding its state: this worker starts it afresh (initial weights) at "
+                        "the run's step %d; what the stage had learned is lost", self.index, step)
         self.position = type(self.position)(step, self.position.outer_step, self.position.tokens,
                                             self.position.run_tokens)
         set_schedule_position(self.scheduler, step)
@@ -119,6 +127,7 @@ class LaterStage(StageWorker):
             norm = self.inner_step(count)
             if self.outer_due():
                 self.outer_step(None)
+            self.checkpoints.maybe_save(self.position.step)
         self.server.open(self.position.step)
         now = time.monotonic()
         dt, self._stepped_at = now - self._stepped_at, now

@@ -68,11 +68,16 @@ def left_after(store) -> dict[str, int]:
     return out
 
 
+def registrations(store, stage: int) -> list[str]:
+    """Every registration line of the stage, in order (left or not)."""
+    return read_lines(store, workers_key(stage))
+
+
 def workers(store, stage: int) -> dict[str, Worker]:
     """The stage's registered workers that have not left (the newest registration of a uid counts)."""
     gone = {" ".join(line.split()[:2]) for line in read_lines(store, LEFT)}
     out: dict[str, Worker] = {}
-    for line in read_lines(store, workers_key(stage)):
+    for line in registrations(store, stage):
         uid, address, first, token = line.split()
         out[uid] = Worker(uid, address, int(first), token)
     return {uid: w for uid, w in out.items() if f"{uid} {w.token}" not in gone}
@@ -99,6 +104,30 @@ def choose_stage(store, stages: int) -> int:
     low = min(scores)
     tied = [j for j, s in enumerate(scores) if s <= low * 1.0001]
     return tied[arrival % len(tied)]
+
+
+def heartbeat_keys(stage: int, uids: list[str]) -> list[str]:
+    """The stage heartbeat counters of `uids`, relative to the swarm's namespace."""
+    prefix = stage_namespace("", stage)
+    return [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
+
+
+def first_stage_training(link: "StoreLink", timeout: float, poll_s: float = 0.2) -> bool:
+    """Whether first-stage workers are training now: one is registered, has not left, and its stage heartbeat
+    moves within `timeout`. A registration left over from a run that died never moves, so with only those
+    this waits the whole timeout."""
+    uids = list(link.run(lambda store: workers(store, 0), fallback=None) or {})
+    if not uids:
+        return False
+    keys = heartbeat_keys(0, uids)
+    first = link.run(lambda store: read_many(store, keys))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        now = link.run(lambda store: read_many(store, keys))
+        if first is not None and now is not None and now != first:
+            return True
+    return False
 
 
 class StoreLink:
@@ -138,8 +167,7 @@ class Liveness:
     def alive(self, stage: int, uids: list[str]) -> set[str]:
         """Workers whose heartbeat moved within the timeout; with the store down, every worker last seen alive
         (no verdict without evidence)."""
-        prefix = stage_namespace("", stage)
-        keys = [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
+        keys = heartbeat_keys(stage, uids)
         values = self.link.run(lambda store: read_many(store, keys))
         if values is None:
             return {u for u in uids if u in self._seen}

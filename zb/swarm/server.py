@@ -41,8 +41,10 @@ class StageServer:
         self.bytes_in = self.bytes_out = 0
         self.last_done: dict[str, int] = {}   # first-stage worker -> the latest step it finished
         self.changed = threading.Condition()
-        # A worker that started a stage afresh (no live peer held its state) takes the run's step from the first
-        # request instead of waiting at step 0 for notices that never come: set by the worker, cleared on adoption.
+        # A worker that restarted a stage (no live peer held its state) takes the run's step from the first
+        # request instead of waiting for notices of steps the run has left behind: set by the worker. Only the
+        # first request decides: later, one for the next step is the first stage running ahead of this worker's
+        # inner step (held, as for any worker), not the run being elsewhere.
         self.adopt = False
         self.adopted: int | None = None
         self._server = _Server((host, port), _handler(self))
@@ -67,9 +69,11 @@ class StageServer:
             return wire.Message(wire.REPLY, msg.step, msg.mb)
         if msg.kind not in (wire.FORWARD, wire.BACKWARD, wire.LOSS, wire.EVAL):
             return wire.Message(wire.ERROR, msg.step, msg.mb, {"error": f"unexpected {wire.KIND_NAMES[msg.kind]}"})
-        if self.adopt and msg.kind != wire.EVAL and msg.step > self.open_step:
+        if self.adopt and msg.kind != wire.EVAL:
             with self.changed:
-                self.adopt, self.adopted, self.open_step = False, msg.step, msg.step
+                if msg.step > self.open_step:
+                    self.adopted, self.open_step = msg.step, msg.step
+                self.adopt = False
                 self.changed.notify_all()
         if msg.kind != wire.EVAL and msg.step > self.open_step:
             # Usually the step opens within moments (the last notice is on its way): hold the request a little

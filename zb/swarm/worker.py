@@ -31,6 +31,7 @@ from zb.local_world import local_world
 from zb.models.loss import LossSpec
 from zb.position import RunPosition
 from zb.swarm import registry
+from zb.swarm.checkpoints import StageCheckpoints, checkpointed_stage
 from zb.swarm.stages import Stage, build_stage, split_blocks, stage_signature
 
 log = logging.getLogger("zb.swarm")
@@ -38,11 +39,10 @@ log = logging.getLogger("zb.swarm")
 # Settings of the single-node loop that a stage worker does not implement: warned about, never ignored silently.
 UNSUPPORTED = {"train.torch_compile": "stages run eagerly", "train.ac_ckpt": "a stage recomputes its forward anyway",
                "train.fused_linear_ce": "the last stage computes the loss whole", "optim.num_chunks": "idem",
-               "train.reduce_every_micro_batch": "a worker is one process", "ckpt.path": "stage workers keep no "
-               "checkpoints yet: a stage's state lives in its live workers (a joiner takes it from one)",
-               "ckpt.interval": "idem", "ckpt.live_recovery": "a joiner of a stage takes its state from a live worker "
-               "of the stage at its next outer step (blocking join); turned off", "data.prefetch": "data is read "
-               "between steps", "diloco.blocking_join": "a joiner of a stage always takes its state by blocking join"}
+               "train.reduce_every_micro_batch": "a worker is one process",
+               "ckpt.live_recovery": "a joiner of a stage takes its state from a live worker of the stage at its next "
+               "outer step (blocking join); turned off", "data.prefetch": "data is read between steps",
+               "diloco.blocking_join": "a joiner of a stage always takes its state by blocking join"}
 
 
 class StageWorker:
@@ -68,6 +68,8 @@ class StageWorker:
         self.stage_cfg.diloco.blocking_join = True
         self.token = os.urandom(6).hex()
         self.round_steps = self.round_micro_batches = 0   # since the last outer step: the weight in the average
+        self.fingerprint: dict = {}
+        self.checkpoints = StageCheckpoints(self)   # a ckpt.path that can never work fails here, before any work
         log.info("stage %d of %d: blocks %d-%d%s%s, %s params", stage_index, len(bounds), bounds[stage_index][0],
                  bounds[stage_index][1] - 1, " + embeddings" if stage_index == 0 else "",
                  " + norm and head" if stage_index == len(bounds) - 1 else "",
@@ -77,9 +79,10 @@ class StageWorker:
         """Join the stage's DiLoCo run (a joiner receives the stage's state at its next outer step)."""
         from zb.diloco.node import DilocoNode
 
-        print_ = dict(fingerprint(self.cfg, 1, vocab_size), swarm_stage=self.index,
-                      stage_params=stage_signature(self.stage))
-        self.diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink, print_)
+        self.fingerprint = dict(fingerprint(self.cfg, 1, vocab_size), swarm_stage=self.index,
+                                stage_params=stage_signature(self.stage))
+        self.diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink,
+                                 self.fingerprint)
         # The stage's average weighs each worker by the micro-batches it processed since the last outer step: a
         # worker that routing gave little work (a slow one) moved its replica less far on less data.
         self.diloco.work_source = lambda: RoundWork(self.round_steps, self.round_micro_batches)
@@ -89,6 +92,30 @@ class StageWorker:
             log.info("joined stage %d at step %d with the state of a live worker of the stage", self.index,
                      self.position.step)
         return slot
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def data_state(self) -> tuple[dict, bool]:
+        """What a checkpoint keeps of the data: (loader state, whether it resumes exactly); first stage only."""
+        return {}, True
+
+    def resume(self) -> bool:
+        """Resume from this worker's checkpoint per ckpt.resume (zb.swarm.checkpoints); True when it did."""
+        from zb.train.lr_schedule import set_schedule_position
+
+        loaded = self.checkpoints.resume(self.link)
+        if loaded is None:
+            return False
+        self.position = loaded.position
+        set_schedule_position(self.scheduler, loaded.position.step)
+        if loaded.outer:
+            self.diloco.load_checkpoint_tensors(loaded.outer)
+        self.load_data_state(loaded.data_state)
+        log.info("stage %d resumed from %s at step %d (outer step %d)", self.index, loaded.path,
+                 self.position.step, self.position.outer_step)
+        return True
+
+    def load_data_state(self, state: dict | None) -> None:
+        """The first stage takes its loader's position back; later stages read no data."""
 
     # -- steps ----------------------------------------------------------------------------------
     def inner_step(self, count: int) -> float:
@@ -149,6 +176,7 @@ class StageWorker:
         return link
 
     def shutdown(self) -> None:
+        self.checkpoints.close()
         if self.diloco is not None:
             self.diloco.shutdown(graceful=True)
 
@@ -168,6 +196,10 @@ def pick_stage(cfg: Config) -> int:
     """swarm.stage, or the store's choice (the stage with the least measured throughput)."""
     if cfg.swarm.stage is not None:
         return cfg.swarm.stage
+    stage = checkpointed_stage(cfg)
+    if stage is not None and stage < cfg.swarm.stages:
+        log.info("stage %d: the stage of the checkpoint this worker resumes", stage)
+        return stage
     from zb.elastic.tcpstore import connect
 
     e = cfg.elastic

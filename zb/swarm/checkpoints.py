@@ -1,0 +1,108 @@
+"""A stage worker's checkpoints: what they hold, which stage a restarted worker takes, and which
+step it resumes.
+
+A worker checkpoints its stage as a node checkpoints its model (zb.train.checkpointing and the
+durable manager, unchanged): the stage's params, the inner AdamW and LR schedule, the RNG, the
+stage's DiLoCo outer state, the run position and, on the first stage, the data slot's position.
+`ckpt.path` is the worker's own directory, as it is a node's.
+
+What a resume means depends on the run:
+- The worker joins a stage that has live workers: the stage's state comes from one of them
+  (blocking join), not from disk.
+- The whole run restarts (no first-stage worker is training): every worker publishes its committed
+  steps and all resume the newest step that every worker of every stage has, agreed through the
+  store. The stages must resume one step: a pipeline of stages from different steps is a model that
+  never existed. The quorum is elastic.world_size workers per stage.
+- A later stage lost all its workers while the run went on: the restarted worker resumes its own
+  newest checkpoint, then takes the run's step from the first request (zb.swarm.later). The stage
+  loses what it learned after that checkpoint instead of everything.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from zb.swarm import registry
+from zb.train.checkpointing import RunCheckpoints
+
+if TYPE_CHECKING:
+    from zb.ckpt.durable.manager import Resumed, TrainState
+    from zb.config_schema import Config
+    from zb.swarm.worker import StageWorker
+
+log = logging.getLogger("zb.swarm")
+
+def checkpointed_stage(cfg: "Config") -> int | None:
+    """The stage of the checkpoint this worker would resume (ckpt.resume), None without one: an unpinned
+    worker takes its checkpoint's stage instead of the store's choice."""
+    from zb.ckpt.durable.layout import complete_steps, part_name, resolve_part
+    from zb.ckpt.format.catalog import read_manifest
+    from zb.ckpt.format.manifest import snapshot_name
+
+    spec, root = cfg.ckpt.resume, cfg.ckpt.path
+    if not spec or "://" in spec:
+        return None
+    if spec == "latest":
+        steps = complete_steps(Path(root)) if root and Path(root).is_dir() else []
+        if not steps:
+            return None
+        part = Path(root) / snapshot_name(steps[-1]) / part_name(0)
+    else:
+        part = resolve_part(Path(spec), 0)
+    try:
+        stage = read_manifest(part).meta.get("fingerprint", {}).get("swarm_stage")
+    except (OSError, ValueError):
+        return None    # unreadable: the resume itself says what is wrong
+    return stage if isinstance(stage, int) and not isinstance(stage, bool) else None
+
+
+class StageCheckpoints:
+    """The checkpoints of one stage worker; does nothing without a ckpt setting."""
+
+    def __init__(self, worker: "StageWorker"):
+        self.worker = worker
+        self.run = RunCheckpoints(worker.cfg, node_id=worker.uid, local_rank=0, local_world_size=1, is_head=True,
+                                  sink=worker.sink, local_group=None, state_of=self.state)
+
+    def state(self) -> "TrainState":
+        from zb.ckpt.durable.state import TrainState
+        from zb.config import to_dict
+
+        w = self.worker
+        data_state, exact = w.data_state()
+        return TrainState(w.stage, w.optimizer, w.scheduler, w.position, data_state, w.diloco.checkpoint_tensors(),
+                          to_dict(w.cfg), w.fingerprint, data_exact=exact)
+
+    def resume(self, link: registry.StoreLink) -> "Resumed | None":
+        """Load this worker's checkpoint per the module's rules, in place; the rest for the worker to apply."""
+        w = self.worker
+        if self.run.manager is None or not w.cfg.ckpt.resume:
+            return None
+        if w.diloco.joining:
+            return self.run.resume(joining=True)
+        if w.index > 0 and registry.first_stage_training(link, w.cfg.elastic.heartbeat_timeout):
+            log.info("the run is training without stage %d: resuming this worker's own newest checkpoint",
+                     w.index)
+            return self.run.resume()
+        if w.cfg.ckpt.resume != "latest":
+            return self.run.resume()
+        return self.run.resume(store=link.client, scope=f"swarm/{_epoch(link.client)}",
+                               quorum=w.cfg.elastic.world_size * w.sw.stages)
+
+    def maybe_save(self, step: int) -> bool:
+        return self.run.maybe_save(step)
+
+    def final(self, step: int) -> None:
+        self.run.final(step)
+
+    def close(self) -> None:
+        self.run.close()
+
+
+def _epoch(store) -> int:
+    """Which restart of the run this is, the same number on every worker of it: first-stage workers
+    register only after the agreement is decided, so every restarting worker counts the same
+    registrations, and a store that outlived an earlier run never hands that run's decision on."""
+    return len(registry.registrations(store, 0))
