@@ -11,6 +11,9 @@ Rows (real `zb train` processes on the built-in offline data of the convergence 
   dswarm-hH  the same grid, DiLoCo within each stage every H steps (outer Nesterov, --outer-lr/--outer-momentum)
   slowed     dswarm-h10 with one stage-1 worker held to --slow-quota of a core by a cgroup CPU quota (root,
              cgroup v1 cpu controller; the OS slows it, nothing in zb), next to `even`: the same run unslowed
+  restart    dswarm-h10 with stage checkpoints every 10 steps, every worker SIGKILLed halfway and all restarted
+             against the same store (ckpt.resume latest): compared with dswarm-h10 of the same seed; reports
+             the step every stage resumed, the steps done twice and the seconds from relaunch to the first step
 Loss: first-stage worker 0's held-out eval after the final outer step (all replicas agree then), on held-out
 shard 0 of M as single's. Bytes: within-stage all-reduce bytes (all workers' outer steps) and pipeline bytes
 (what the first-stage workers sent and received). Prints a table on stderr and one JSON line on stdout.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -39,7 +43,7 @@ CGROUP = Path("/sys/fs/cgroup/cpu")
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="single,swarm,dswarm-h10,dswarm-h50,slowed", help="Comma-separated rows.")
+    p.add_argument("--rows", default="single,swarm,dswarm-h10,dswarm-h50,slowed,restart", help="Comma-separated rows.")
     p.add_argument("--seeds", default="1,2", help="train.seed values; the convergence rows run once per seed.")
     p.add_argument("--steps", type=int, default=300, help="Steps S (a multiple of every H).")
     p.add_argument("--batch", type=int, default=8, help="B: batch of each first-stage worker, in sequences.")
@@ -64,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.seeds = [int(s) for s in args.seeds.split(",")]
     for row in args.rows:
         h = _h(row)
-        if row not in ("single", "swarm", "slowed") and (h is None or not row.startswith("dswarm-h")):
-            p.error(f"unknown row {row!r}: single, swarm, dswarm-h<H> or slowed")
+        if row not in ("single", "swarm", "slowed", "restart") and (h is None or not row.startswith("dswarm-h")):
+            p.error(f"unknown row {row!r}: single, swarm, dswarm-h<H>, slowed or restart")
         if h and args.steps % h:
             p.error(f"--steps {args.steps} is not a multiple of H in {row}")
     return args
@@ -86,7 +90,7 @@ def train_args(args, seed: int, batch: int) -> list[str]:
 def sync_args(row: str, args) -> list[str]:
     if row == "swarm":
         return ["--diloco.inner_steps", "1", "--diloco.outer_optimizer", "avg"]
-    h = 10 if row in ("slowed", "even") else _h(row)
+    h = 10 if row in ("slowed", "even", "restart") else _h(row)
     return ["--diloco.inner_steps", str(h), "--diloco.outer_lr", str(args.outer_lr), "--diloco.outer_momentum",
             str(args.outer_momentum)]
 
@@ -97,24 +101,62 @@ def run_grid(workdir: Path, args, seed: int, row: str, slow: bool = False) -> di
     try:
         port = start_store(procs)
         env = dict(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(port), GLOBAL_WORLD_SIZE=str(args.workers))
-        names = []
         common = [*train_args(args, seed, args.batch), *sync_args(row, args), "--swarm.stages", "2",
                   "--train.log_model_hash", "--diloco.compression", "none"]
-        for j in range(2):
-            for m in range(args.workers):
-                name = f"s{j}w{m}"
-                procs.train(name, [*common, "--swarm.stage", str(j)], GLOBAL_RANK=str(m), GLOBAL_UNIQUE_ID=name, **env)
-                names.append(name)
+        names = [f"s{j}w{m}" for j in range(2) for m in range(args.workers)]
+
+        def start_all() -> None:
+            for name in names:
+                ckpt = ["--ckpt.path", str(workdir / "ckpt" / name), "--ckpt.interval", "10", "--ckpt.resume",
+                        "latest"] if row == "restart" else []
+                procs.train(name, [*common, "--swarm.stage", name[1], *ckpt], GLOBAL_RANK=name[3],
+                            GLOBAL_UNIQUE_ID=name, **env)
+
+        start_all()
         if slow:
             group = slow_down(procs.procs[f"s1w{args.workers - 1}"].pid, args.slow_quota)
         started = time.monotonic()
+        restart = kill_halfway_and_restart(procs, names, args, start_all) if row == "restart" else {}
         procs.wait(names)
         wall = time.monotonic() - started
-        return summarize({n: read_metrics(workdir / n / "metrics.jsonl") for n in names}, args, wall)
+        return dict(**summarize({n: read_metrics(workdir / n / "metrics.jsonl") for n in names}, args, wall), **restart)
     finally:
         procs.close()
         if group is not None:
             group.rmdir()
+
+
+def kill_halfway_and_restart(procs: Procs, names: list[str], args, start_all) -> dict:
+    """SIGKILL every worker once first-stage worker 0 passed half the steps, relaunch them all against the same
+    store, and report where they resumed and how long the relaunch took to its first step."""
+    half = args.steps // 2
+    while not any(e["step"] >= half for e in procs.metrics("s0w0", "step")):
+        for name in names:
+            procs.check_alive(name)
+        procs.remaining()
+        time.sleep(0.1)
+    if any(procs.procs[name].poll() is not None for name in names):
+        raise RuntimeError("a worker ended before the kill at half the steps: give the restart row more --steps")
+    for name in names:
+        procs.kill(name)
+    killed_at = procs.metrics("s0w0", "step")[-1]["step"]
+    before = len(procs.metrics("s0w0", "step"))
+    relaunched = time.monotonic()
+    start_all()
+    while len(procs.metrics("s0w0", "step")) == before:
+        for name in names:
+            procs.check_alive(name)
+        procs.remaining()
+        time.sleep(0.05)
+    restart_s = time.monotonic() - relaunched
+    resumed = set()
+    for name in names:
+        found = re.findall(r"resumed from \S+ at step (\d+)", (procs.workdir / f"{name}.log").read_text())
+        resumed.add(int(found[-1]) if found else None)
+    if len(resumed) != 1 or None in resumed:
+        raise RuntimeError(f"the workers did not all resume one step: {sorted(resumed, key=str)}")
+    step = resumed.pop()
+    return dict(killed_at=killed_at, resumed_step=step, redone_steps=killed_at - step, restart_s=round(restart_s, 1))
 
 
 def slow_down(pid: int, quota: float) -> Path:
@@ -138,7 +180,7 @@ def summarize(records: dict[str, list[dict]], args, wall: float) -> dict:
         by_step: dict[int, set] = {}
         for n in records:
             if n.startswith(stage):
-                for r in outer[n]:
+                for r in _last_start(records[n], "outer_step"):   # a restarted run redoes some outer steps
                     if r["applied"]:
                         by_step.setdefault(r["outer_step"], set()).add(r.get("params_hash"))
         agree &= all(len(v) == 1 for v in by_step.values())
@@ -150,6 +192,12 @@ def summarize(records: dict[str, list[dict]], args, wall: float) -> dict:
                 pipeline_bytes=sum(swarm_last[n]["pipeline_bytes_out"] + swarm_last[n]["pipeline_bytes_in"]
                                    for n in owners),
                 served=served, reissued=sum(swarm_last[n]["reissued"] for n in owners))
+
+
+def _last_start(records: list[dict], event: str) -> list[dict]:
+    """The `event` records of the worker's last start (a metrics file appends across starts)."""
+    starts = [i for i, r in enumerate(records) if r["event"] == "run_start"]
+    return [r for r in records[starts[-1] if starts else 0:] if r["event"] == event]
 
 
 def run_plain(workdir: Path, args, seed: int) -> dict:
@@ -210,6 +258,12 @@ def report(runs: list[dict], args) -> dict:
                     if base_bytes else None, pipeline_bytes=int(sum(r["pipeline_bytes"] for r in rs) / len(rs)),
                     run_tokens_per_s=round(sum(r["run_tokens_per_s"] for r in rs) / len(rs), 1),
                     agree=all(r["agree"] for r in rs))
+        if name == "restart":
+            same_seed = {r["seed"]: r["loss"] for r in rows.get("dswarm-h10", [])}
+            pairs = [(r["loss"], same_seed[r["seed"]]) for r in rs if r["seed"] in same_seed]
+            line.update(loss_vs_h10=round(sum(a for a, _ in pairs) / sum(b for _, b in pairs) - 1, 4) if pairs else None,
+                        resumed_step=[r["resumed_step"] for r in rs], redone_steps=[r["redone_steps"] for r in rs],
+                        restart_s=[r["restart_s"] for r in rs])
         if name in ("slowed", "even"):
             served = rs[0]["served"]
             line["served"] = served
@@ -223,6 +277,12 @@ def report(runs: list[dict], args) -> dict:
         print(f"{t['row']:<12}{t['seeds']:>6}{t['loss']:>10.4f}{vs:>10}{t['stage_bytes'] / 1e6:>10.1f}{xb:>9}"
               f"{t['pipeline_bytes'] / 1e6:>9.1f}{t['run_tokens_per_s']:>9.0f}  {str(t['agree']):<6} "
               f"{t.get('slowed_share', '')}", file=sys.stderr)
+    for t in table:
+        if t["row"] == "restart":
+            vs = f"{100 * t['loss_vs_h10']:+.2f}%" if t["loss_vs_h10"] is not None else "- (no dswarm-h10 row)"
+            print(f"restart: held-out loss vs dswarm-h10 of the same seeds {vs}; resumed at steps {t['resumed_step']}, "
+                  f"{t['redone_steps']} steps done twice, first step {t['restart_s']} s after the relaunch",
+                  file=sys.stderr)
     config = {k: getattr(args, k) for k in ("steps", "batch", "workers", "seq", "model", "lr", "warmup", "outer_lr",
                                              "outer_momentum", "eval_batches", "slow_quota")}
     return dict(bench="swarm", config=config, table=table, runs=runs, load=os.getloadavg()[0])

@@ -105,23 +105,30 @@ def test_a_later_stage_that_lost_its_only_worker_continues_from_its_checkpoint(t
         cluster.close()
 
 
-def test_first_stage_training_tells_a_live_run_from_records_of_a_dead_one():
+def test_first_stage_training_tells_a_live_run_from_records_of_a_dead_or_restarting_one():
     import torch.distributed as dist
 
-    from zb.elastic import keys
     from zb.swarm import registry
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
                           timeout=timedelta(seconds=5))
     link = registry.StoreLink(lambda: store)
     assert not registry.first_stage_training(link, 1.0)             # nobody registered: a fresh run
-    registry.register(store, 0, registry.Worker("dead", "-", 0, "t0"))
+    dead = registry.Worker("dead", "-", 0, "t0")
+    registry.register(store, 0, dead)
+    registry.publish_progress(store, dead, 12)
     t0 = time.monotonic()
-    assert not registry.first_stage_training(link, 1.0)             # registered, but its heartbeat never moves
+    assert not registry.first_stage_training(link, 1.0)             # registered, but its progress never moves
     assert time.monotonic() - t0 >= 1.0
-    registry.register(store, 0, registry.Worker("live", "-", 0, "t1"))
-    beat, stop = f"{registry.stage_namespace('', 0)}/{keys.heartbeat('live')}", threading.Event()
-    thread = threading.Thread(target=lambda: [store.add(beat, 1) for _ in iter(lambda: stop.wait(0.1), True)])
+    # The same worker restarting (a new process under its id announced itself): known at once.
+    registry.announce_start(store, 0, "dead", "t9")
+    t0 = time.monotonic()
+    assert not registry.first_stage_training(link, 30.0) and time.monotonic() - t0 < 5
+    live = registry.Worker("live", "-", 0, "t1")
+    registry.register(store, 0, live)
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [registry.publish_progress(store, live, i)
+                                              for i in range(10**6) if not stop.wait(0.1)])
     thread.start()
     try:
         assert registry.first_stage_training(link, 5.0)

@@ -82,7 +82,9 @@ class StageCheckpoints:
             return None
         if w.diloco.joining:
             return self.run.resume(joining=True)
-        if w.index > 0 and registry.first_stage_training(link, w.cfg.elastic.heartbeat_timeout):
+        # A step can take up to a hop timeout per micro-batch: watch for one beyond the heartbeat timeout.
+        window = w.cfg.elastic.heartbeat_timeout + w.sw.hop_timeout
+        if w.index > 0 and registry.first_stage_training(link, window):
             log.info("the run is training without stage %d: resuming this worker's own newest checkpoint",
                      w.index)
             return self.run.resume()

@@ -41,8 +41,9 @@ class LaterStage(StageWorker):
         stop = StopRequest().install()
         me = None
         try:
-            self.join_stage(vocab_size)
             self.link = self.store_link()
+            registry.announce_start(self.link.client, self.index, self.uid, self.token)
+            self.join_stage(vocab_size)
             self.liveness = registry.Liveness(self.link, self.cfg.elastic.heartbeat_timeout)
             self.resumed = self.resume()
             self.server.open(self.position.step)

@@ -6,8 +6,11 @@ zb.elastic.tcpstore.connect), so the elastic machinery needs no change; these ke
     swarm/workers/<j>   append-only, one line per registration: "<uid> <host:port> <first step> <token>"
     swarm/left          append-only, "<uid> <token> <steps done>" per line: left on purpose (routing drops it
                         at once; a later stage counts the steps it finished as finished by it)
+    swarm/started       append-only, "<stage> <uid> <token>" per worker process, at its start
     swarm/arrivals      counter: the n-th worker to pick a stage (breaks ties between simultaneous starts)
     swarm/speed/<uid>   this worker's measured micro-batches per second (the stage choice reads them)
+    swarm/progress/<uid>  "<token> <step>": the last step a first-stage worker finished
+    swarm/resume/...    the whole-run agreement on the checkpoint step to resume (zb.swarm.checkpoints)
 """
 
 from __future__ import annotations
@@ -36,11 +39,16 @@ def workers_key(stage: int) -> str:
 
 
 LEFT = f"{ROOT}/left"
+STARTED = f"{ROOT}/started"
 ARRIVALS = f"{ROOT}/arrivals"
 
 
 def speed_key(uid: str) -> str:
     return f"{ROOT}/speed/{uid}"
+
+
+def progress_key(uid: str) -> str:
+    return f"{ROOT}/progress/{uid}"
 
 
 @dataclass(frozen=True)
@@ -106,22 +114,42 @@ def choose_stage(store, stages: int) -> int:
     return tied[arrival % len(tied)]
 
 
-def heartbeat_keys(stage: int, uids: list[str]) -> list[str]:
-    """The stage heartbeat counters of `uids`, relative to the swarm's namespace."""
-    prefix = stage_namespace("", stage)
-    return [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
+def publish_progress(store, worker: Worker, step: int) -> None:
+    """A first-stage worker finished `step` (what tells a restarting later-stage worker that the run is live)."""
+    store.set(progress_key(worker.uid), f"{worker.token} {step}")
 
 
-def first_stage_training(link: "StoreLink", timeout: float, poll_s: float = 0.2) -> bool:
-    """Whether first-stage workers are training now: one is registered, has not left, and its stage heartbeat
-    moves within `timeout`. A registration left over from a run that died never moves, so with only those
-    this waits the whole timeout."""
-    uids = list(link.run(lambda store: workers(store, 0), fallback=None) or {})
+def announce_start(store, stage: int, uid: str, token: str) -> None:
+    """A worker process starts (before it joins its stage's run or resumes): a registration of the same uid under
+    another token is then an earlier incarnation's, whatever heartbeat or progress key the uid still moves."""
+    store.append(STARTED, f"{stage} {uid} {token}\n")
+
+
+def started_tokens(store, stage: int) -> dict[str, str]:
+    """uid -> the token of the latest process of that uid started on `stage`."""
+    out = {}
+    for line in read_lines(store, STARTED):
+        j, uid, token = line.split()
+        if int(j) == stage:
+            out[uid] = token
+    return out
+
+
+def first_stage_training(link: "StoreLink", window: float, poll_s: float = 0.2) -> bool:
+    """Whether first-stage workers are training now: a registered one that has not left, and whose uid has not
+    started again since (a whole run restarting under the same ids), moves its progress key within `window`
+    seconds. False at once when there is none; registrations of a run that died under other ids hold this for
+    the whole window."""
+    def candidates(store) -> list[str]:
+        started = started_tokens(store, 0)
+        return [u for u, w in workers(store, 0).items() if started.get(u, w.token) == w.token]
+
+    uids = link.run(candidates, fallback=None)
     if not uids:
         return False
-    keys = heartbeat_keys(0, uids)
+    keys = [progress_key(u) for u in uids]
     first = link.run(lambda store: read_many(store, keys))
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + window
     while time.monotonic() < deadline:
         time.sleep(poll_s)
         now = link.run(lambda store: read_many(store, keys))
@@ -167,7 +195,8 @@ class Liveness:
     def alive(self, stage: int, uids: list[str]) -> set[str]:
         """Workers whose heartbeat moved within the timeout; with the store down, every worker last seen alive
         (no verdict without evidence)."""
-        keys = heartbeat_keys(stage, uids)
+        prefix = stage_namespace("", stage)
+        keys = [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
         values = self.link.run(lambda store: read_many(store, keys))
         if values is None:
             return {u for u in uids if u in self._seen}
