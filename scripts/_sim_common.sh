@@ -3,15 +3,21 @@
 
 SIM_HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
-# PYTHON: as given, else the first of python, python3 and this checkout's .venv that can import zb;
-# exit 2 with one line when none can (a bare system python fails only inside a node's log).
+# The simulators' own settings (ZB_SIM_*) stay in the script: exported, every node would warn that zb
+# does not know them.
+for _sim_var in ${!ZB_SIM_@}; do export -n "$_sim_var"; done
+
+# PYTHON: as given, else the first of python, python3 and this checkout's .venv that can import zb
+# with its dependencies (in the checkout any python imports the bare package); exit 2 with one line
+# when none can (a bare system python fails only inside a node's log).
+ZB_IMPORT="import torch, zb.cli.terminal"
 find_python() {
     if [ -z "${PYTHON:-}" ]; then
         for candidate in "$(command -v python || true)" "$(command -v python3 || true)" "$SIM_HERE/../.venv/bin/python"; do
-            if [ -n "$candidate" ] && "$candidate" -c "import zb" 2>/dev/null; then PYTHON=$candidate; break; fi
+            if [ -n "$candidate" ] && "$candidate" -c "$ZB_IMPORT" 2>/dev/null; then PYTHON=$candidate; break; fi
         done
     fi
-    if [ -z "${PYTHON:-}" ] || ! "$PYTHON" -c "import zb" 2>/dev/null; then
+    if [ -z "${PYTHON:-}" ] || ! "$PYTHON" -c "$ZB_IMPORT" 2>/dev/null; then
         echo "error: no python that can import zb (tried ${PYTHON:-python, python3, .venv/bin/python}): activate the" \
              "venv (source .venv/bin/activate) or set PYTHON=/path/to/python" >&2
         exit 2

@@ -9,7 +9,9 @@
 # worker under $ZB_SIM_LOGDIR (default logs/swarm/<time>/sJwM.log, metrics in sJwM/metrics.jsonl).
 # The machine's cores are split between the workers (OMP_NUM_THREADS, unless set). At the end a
 # summary: the first-stage workers' final losses, each worker's micro-batches, and whether the
-# workers of each stage hold the same params at every outer step. Ctrl-C stops everything, with no
+# workers of each stage hold the same params at every outer step. ZB_SIM_CKPT=DIR gives worker sJwM
+# the checkpoint directory DIR/sJwM and --ckpt.resume latest (add --ckpt.interval N): run the script
+# again with the same DIR and the grid resumes from its checkpoints. Ctrl-C stops everything, with no
 # orphans. Exits non-zero if any worker failed. PYTHON picks the interpreter as in
 # simulate_multi_node_diloco.sh.
 set -euo pipefail
@@ -50,10 +52,14 @@ echo "store on 127.0.0.1:$PORT (log: $LOGDIR/store.log); $S stages x $M workers,
 for j in $(seq 0 $((S - 1))); do
     for m in $(seq 0 $((M - 1))); do
         name="s${j}w${m}"
+        ckpt=()
+        if [ -n "${ZB_SIM_CKPT:-}" ]; then
+            ckpt=(--ckpt.path "$ZB_SIM_CKPT/$name" --ckpt.resume latest)
+        fi
         GLOBAL_ADDR=127.0.0.1 GLOBAL_PORT=$PORT GLOBAL_WORLD_SIZE=$M GLOBAL_RANK=$m \
             GLOBAL_UNIQUE_ID=${ZB_SIM_PREFIX:-}$name \
             "$PYTHON" -m zb train --log.progress plain --train.log_model_hash --swarm.stages "$S" \
-            --swarm.stage "$j" "$@" --log.dir "$LOGDIR/$name" >"$LOGDIR/$name.log" 2>&1 &
+            --swarm.stage "$j" "${ckpt[@]}" "$@" --log.dir "$LOGDIR/$name" >"$LOGDIR/$name.log" 2>&1 &
         pids+=($!)
         names+=("$name")
         echo "stage $j worker $m: pid $! (log: $LOGDIR/$name.log)" >&2

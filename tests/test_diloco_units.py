@@ -124,6 +124,10 @@ def test_fingerprint_names_the_differing_keys():
     with pytest.raises(InvalidInput, match="model.n_layers") as e:
         check_against(b, encode(a))
     assert "optim.lr" not in str(e.value), "the LR may differ per node"
+    # A long value (a swarm stage's parameter list) is cut: the message stays one readable line.
+    with pytest.raises(InvalidInput, match=r"stage_params \(run: 'a{56}\.\.\. \(402 chars\)") as e:
+        check_against({**a, "stage_params": "b" * 400}, encode({**a, "stage_params": "a" * 400}))
+    assert len(str(e.value)) < 300
 
 
 def test_live_recovery_that_cannot_catch_up_falls_back_instead_of_failing(monkeypatch, tmp_path):

@@ -74,6 +74,12 @@ def test_whole_run_killed_and_restarted_resumes_one_step_and_trains_as_if_never_
             assert abs(e["loss"] - expected[e["step"]]) <= 1e-6 * abs(expected[e["step"]]), (e, expected)
         # The final checkpoint of every stage is at the run's last step.
         assert all(complete_steps(tmp_path / "ckpt" / f"ck{j}")[-1] == 200 for j in (0, 1))
+        # Bad input: a worker pinned to another stage than its checkpoint's is refused with one line, exit 2.
+        cluster.start_train("ck0", *SWARM, "--swarm.stage", "1", "--elastic.namespace", "other", *RUN, "--ckpt.path",
+                            str(tmp_path / "ckpt" / "ck0"), "--ckpt.resume", "latest")
+        assert cluster.finish("ck0", 120) == 2
+        log = (tmp_path / "ck0.log").read_text()
+        assert "holds stage 0, but this worker runs stage 1 (swarm.stage)" in log and "Traceback" not in log
     finally:
         cluster.close()
 

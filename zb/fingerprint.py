@@ -39,7 +39,14 @@ def encode(values: dict[str, Any]) -> str:
 
 def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
     keys = sorted(set(mine) | set(theirs))
-    return [f"{k} (run: {theirs.get(k)!r}, this node: {mine.get(k)!r})" for k in keys if mine.get(k) != theirs.get(k)]
+    return [f"{k} (run: {_short(theirs.get(k))}, this node: {_short(mine.get(k))})" for k in keys
+            if mine.get(k) != theirs.get(k)]
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value for a one-line message: long ones (a stage's parameter list) cut, with their length."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} chars)"
 
 
 def check_against(mine: dict[str, Any], published: str) -> None:

@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from zb.errors import InvalidInput
 from zb.swarm import registry
 from zb.train.checkpointing import RunCheckpoints
 
@@ -82,6 +83,11 @@ class StageCheckpoints:
             return None
         if w.diloco.joining:
             return self.run.resume(joining=True)
+        stage = checkpointed_stage(w.cfg)
+        if stage is not None and stage != w.index:
+            raise InvalidInput(f"the checkpoint under {w.cfg.ckpt.resume if w.cfg.ckpt.resume != 'latest' else w.cfg.ckpt.path}"
+                               f" holds stage {stage}, but this worker runs stage {w.index} (swarm.stage): leave "
+                               "swarm.stage unset to take the checkpoint's stage, or give this worker its own ckpt.path")
         # A step can take up to a hop timeout per micro-batch: watch for one beyond the heartbeat timeout.
         window = w.cfg.elastic.heartbeat_timeout + w.sw.hop_timeout
         if w.index > 0 and registry.first_stage_training(link, window):
