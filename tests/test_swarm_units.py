@@ -179,6 +179,10 @@ def test_router_newcomer_is_probed_soon_and_dropped_worker_gets_nothing():
     assert "b" in r.live()
     with pytest.raises(NoWorker):
         r.choose(1.0, avoid={"a", "b"})
+    r.drop("b")                        # b failed again; then a new process registers under its id
+    r.renew("b")
+    r.set_workers(["a", "b"])
+    assert "b" in r.live() and r.choose(1.0) == "b"   # a newcomer at once, not banned for the dead one
 
 
 def test_router_tries_again_a_worker_whose_first_request_was_slow():
@@ -248,6 +252,12 @@ def test_registry_workers_leave_and_rejoin(store):
     assert sorted(registry.workers(store, 1)) == ["b"] and registry.left_after(store) == {"a": 7}
     registry.register(store, 1, registry.Worker("a", "h:3", 9, "t3"))   # restarted under the same id
     assert registry.workers(store, 1)["a"].address == "h:3"
+    # b's process died and a new one started under its id: its old registration (a closed address, a heartbeat
+    # counter the new process keeps moving) is nobody's any more, until the new one registers.
+    registry.announce_start(store, 1, "b", "t4")
+    assert sorted(registry.workers(store, 1)) == ["a"]
+    registry.register(store, 1, registry.Worker("b", "h:4", 12, "t4"))
+    assert registry.workers(store, 1)["b"].address == "h:4"
 
 
 def test_stage_choice_spreads_simultaneous_starts_then_follows_throughput(store):

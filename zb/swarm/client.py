@@ -36,6 +36,7 @@ class Hops:
         self.hop_timeout, self.stage_wait, self.refresh_s = hop_timeout, stage_wait, refresh_s
         self.routers = {j: Router(ban_s=max(5.0, 2 * hop_timeout)) for j in range(1, stages)}
         self.addresses: dict[str, str] = {}
+        self.tokens: dict[str, str] = {}   # each worker's registration token: a new one is a restarted process
         self._pool: dict[str, list[socket.socket]] = defaultdict(list)
         self._lock = threading.Lock()
         self._refreshed = 0.0
@@ -62,6 +63,12 @@ class Hops:
                 ws = {uid: w for uid, w in stages[j].items() if uid in alive}
                 registered |= set(ws)
                 for uid, w in ws.items():
+                    if self.tokens.get(uid, w.token) != w.token:
+                        # Restarted: its ban, measurements and pooled connections were the dead process's.
+                        router.renew(uid)
+                        for sock in self._pool.pop(uid, []):
+                            sock.close()
+                    self.tokens[uid] = w.token
                     self.addresses[uid] = w.address
                 router.set_workers(list(ws))
             self.registered = registered

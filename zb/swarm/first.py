@@ -102,7 +102,7 @@ class FirstStage(StageWorker):
                 dt = time.perf_counter() - t0
                 self._log_step(sum(losses) / len(losses), lr, norm, dt, len(ids))
                 if self.outer_due():
-                    self.outer_step(self.train_loader.state_dict())
+                    self.outer_step_unless_stopping(stop, self.train_loader.state_dict())
                 self.checkpoints.maybe_save(self.position.step)
                 if cfg.eval.interval > 0 and self.position.step % cfg.eval.interval == 0 and \
                         self.position.step < self.total:

@@ -59,7 +59,7 @@ class LaterStage(StageWorker):
                 self._await_step_end(self.position.step, stop)
                 if stop.requested:
                     break
-                self._step()
+                self._step(stop)
             self.checkpoints.final(self.position.step)
             if stop.requested:
                 return Ended(stop.signum, self.position.step)
@@ -119,7 +119,7 @@ class LaterStage(StageWorker):
         set_schedule_position(self.scheduler, step)
         self.server.adopted = None
 
-    def _step(self) -> None:
+    def _step(self, stop) -> None:
         with self.server.compute:
             count = self.server.backward_count
             losses, self.server.losses = self.server.losses, []
@@ -127,7 +127,7 @@ class LaterStage(StageWorker):
             lr = self.optimizer.param_groups[0]["lr"]
             norm = self.inner_step(count)
             if self.outer_due():
-                self.outer_step(None)
+                self.outer_step_unless_stopping(stop, None)
             self.checkpoints.maybe_save(self.position.step)
         self.server.open(self.position.step)
         now = time.monotonic()

@@ -82,13 +82,15 @@ def registrations(store, stage: int) -> list[str]:
 
 
 def workers(store, stage: int) -> dict[str, Worker]:
-    """The stage's registered workers that have not left (the newest registration of a uid counts)."""
+    """The stage's registered workers that have not left (the newest registration of a uid counts), without the
+    registrations of a process whose uid started again since (it died; the new one registers once it is ready)."""
     gone = {" ".join(line.split()[:2]) for line in read_lines(store, LEFT)}
     out: dict[str, Worker] = {}
     for line in registrations(store, stage):
         uid, address, first, token = line.split()
         out[uid] = Worker(uid, address, int(first), token)
-    return {uid: w for uid, w in out.items() if f"{uid} {w.token}" not in gone}
+    started = started_tokens(store, stage)
+    return {uid: w for uid, w in out.items() if f"{uid} {w.token}" not in gone and started.get(uid, w.token) == w.token}
 
 
 def publish_stages(store, stages: int) -> None:
@@ -136,15 +138,11 @@ def started_tokens(store, stage: int) -> dict[str, str]:
 
 
 def first_stage_training(link: "StoreLink", window: float, poll_s: float = 0.2) -> bool:
-    """Whether first-stage workers are training now: a registered one that has not left, and whose uid has not
-    started again since (a whole run restarting under the same ids), moves its progress key within `window`
+    """Whether first-stage workers are training now: a registered one (see workers(): not one whose uid started
+    again since, as in a whole run restarting under the same ids) moves its progress key within `window`
     seconds. False at once when there is none; registrations of a run that died under other ids hold this for
     the whole window."""
-    def candidates(store) -> list[str]:
-        started = started_tokens(store, 0)
-        return [u for u, w in workers(store, 0).items() if started.get(u, w.token) == w.token]
-
-    uids = link.run(candidates, fallback=None)
+    uids = list(link.run(lambda store: workers(store, 0), fallback=None) or {})
     if not uids:
         return False
     keys = [progress_key(u) for u in uids]

@@ -101,6 +101,14 @@ class Router:
             self.busy.pop(uid, None)
             self.banned[uid] = self.clock() + self.ban_s
 
+    def renew(self, uid: str) -> None:
+        """A new process registered under `uid` (a restart): a newcomer, not the one banned or measured."""
+        with self._lock:
+            self.banned.pop(uid, None)
+            self.speed.pop(uid, None)
+            self.measured.pop(uid, None)
+            self.busy.pop(uid, None)
+
     def live(self) -> list[str]:
         with self._lock:
             return sorted(self.busy)

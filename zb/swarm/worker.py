@@ -164,6 +164,17 @@ class StageWorker:
                  report.mesh_version, report.allreduce_s, f"{report.wire_bytes:,}",
                  "" if report.applied else " | " + (report.note or "NOT applied").strip(" |"))
 
+    def outer_step_unless_stopping(self, stop, data_state: dict | None) -> None:
+        """The outer step, skipped by a worker that is stopping: its deathrattle went out with the signal, so its
+        stage's run no longer counts on it (and would refuse its check-in)."""
+        if stop.requested:
+            return
+        try:
+            self.outer_step(data_state)
+        except LeavingRun:
+            if not stop.requested:
+                raise
+
     def store_link(self) -> registry.StoreLink:
         """The swarm's store client: the first connection waits elastic.connect_timeout (the store must be
         there at start), reconnections after an outage try for a second at a time."""
