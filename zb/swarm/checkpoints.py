@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zb.swarm")
 
+
 def checkpointed_stage(cfg: "Config") -> int | None:
     """The stage of the checkpoint this worker would resume (ckpt.resume), None without one: an unpinned
     worker takes its checkpoint's stage instead of the store's choice."""
@@ -85,9 +86,10 @@ class StageCheckpoints:
             return self.run.resume(joining=True)
         stage = checkpointed_stage(w.cfg)
         if stage is not None and stage != w.index:
-            raise InvalidInput(f"the checkpoint under {w.cfg.ckpt.resume if w.cfg.ckpt.resume != 'latest' else w.cfg.ckpt.path}"
-                               f" holds stage {stage}, but this worker runs stage {w.index} (swarm.stage): leave "
-                               "swarm.stage unset to take the checkpoint's stage, or give this worker its own ckpt.path")
+            where = w.cfg.ckpt.path if w.cfg.ckpt.resume == "latest" else w.cfg.ckpt.resume
+            raise InvalidInput(f"the checkpoint under {where} holds stage {stage}, but this worker runs stage {w.index} "
+                               "(swarm.stage): leave swarm.stage unset to take the checkpoint's stage, or give this "
+                               "worker its own ckpt.path")
         # A step can take up to a hop timeout per micro-batch: watch for one beyond the heartbeat timeout.
         window = w.cfg.elastic.heartbeat_timeout + w.sw.hop_timeout
         if w.index > 0 and registry.first_stage_training(link, window):
