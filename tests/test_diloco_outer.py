@@ -43,7 +43,7 @@ def test_outer_step_is_nesterov_on_the_average_pseudo_gradient():
     assert outs[0]["buckets"] > 1, "the test should exercise several buckets"
 
 
-@pytest.mark.parametrize("compression", ["none", "int8"])
+@pytest.mark.parametrize("compression", [pytest.param("none", marks=pytest.mark.soak), "int8"])   # suite time
 def test_nodes_end_with_identical_outer_params(compression):
     outs = _run_nodes(3, compression)
     assert len({o["hash"] for o in outs}) == 1

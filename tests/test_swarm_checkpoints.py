@@ -47,11 +47,7 @@ def test_whole_run_killed_and_restarted_resumes_one_step_and_trains_as_if_never_
     every step after it equals the uninterrupted run's."""
     cluster = TrainCluster(tmp_path, world_size=1)
     try:
-        _start(cluster, "ref", ckpt=False)
-        for uid in ("ref0", "ref1"):
-            assert cluster.finish(uid, 200) == 0, cluster.log(uid)
-        expected = {e["step"]: e["loss"] for e in cluster.metrics("ref0", "step")}
-
+        _start(cluster, "ref", ckpt=False)     # the uninterrupted run, beside the one to kill (own namespaces)
         _start(cluster, "ck", ckpt=True)
         cluster.wait_for("ck0", lambda: all(10 in complete_steps(tmp_path / "ckpt" / f"ck{j}") for j in (0, 1)),
                          "both stages' step-10 checkpoints", 200)
@@ -59,6 +55,9 @@ def test_whole_run_killed_and_restarted_resumes_one_step_and_trains_as_if_never_
             cluster.procs[uid].send_signal(signal.SIGKILL)
             cluster.procs[uid].wait(10)
         assert cluster.metrics("ck0", "step")[-1]["step"] < 200, "the run ended before the kill: make it longer"
+        for uid in ("ref0", "ref1"):
+            assert cluster.finish(uid, 200) == 0, cluster.log(uid)
+        expected = {e["step"]: e["loss"] for e in cluster.metrics("ref0", "step")}
         _start(cluster, "ck", ckpt=True, pinned=False)
         for uid in ("ck0", "ck1"):
             assert cluster.finish(uid, 200) == 0, cluster.log(uid)

@@ -27,7 +27,7 @@ def _losses(proc: subprocess.CompletedProcess) -> list[float]:
     return json.loads(line)["losses"]
 
 
-@pytest.mark.parametrize("reduce", ["last", "every", "fused"])
+@pytest.mark.parametrize("reduce", ["last", pytest.param("every", marks=pytest.mark.soak), "fused"])   # suite time
 def test_two_rank_fsdp_matches_one_process(reduce):
     """micro_bs 2 on 2 ranks: 2 micro batches per rank, gradients reduced after the last or after each;
     "fused": the sharded run computes the loss fused with the output projection (the weight gathered

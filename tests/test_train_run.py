@@ -44,7 +44,7 @@ def test_fake_data_runs(tmp_path):
     assert len(read_metrics(tmp_path / "metrics.jsonl", "step")) == 1  # log_interval 10: only the last step
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.soak)])   # 2 ranks: soak (suite time)
 def test_verbose_shows_debug_lines_on_the_training_path(tmp_path, nproc):
     """-v gives per-step timings and the settings with their sources, also on the ranks that torch's
     launcher starts (they do not see the command line's -v); without it, none."""
