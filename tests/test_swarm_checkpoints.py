@@ -121,9 +121,9 @@ def test_first_stage_training_tells_a_live_run_from_records_of_a_dead_or_restart
     assert not registry.first_stage_training(link, 1.0)             # nobody registered: a fresh run
     dead = registry.Worker("dead", "-", 0, "t0")
     registry.register(store, 0, dead)
-    registry.publish_progress(store, dead, 12)
+    store.add(registry.heartbeat_keys(0, ["dead"])[0], 12)
     t0 = time.monotonic()
-    assert not registry.first_stage_training(link, 1.0)             # registered, but its progress never moves
+    assert not registry.first_stage_training(link, 1.0)             # registered, but its heartbeat never moves
     assert time.monotonic() - t0 >= 1.0
     # The same worker restarting (a new process under its id announced itself): known at once.
     registry.announce_start(store, 0, "dead", "t9")
@@ -132,8 +132,8 @@ def test_first_stage_training_tells_a_live_run_from_records_of_a_dead_or_restart
     live = registry.Worker("live", "-", 0, "t1")
     registry.register(store, 0, live)
     stop = threading.Event()
-    thread = threading.Thread(target=lambda: [registry.publish_progress(store, live, i)
-                                              for i in range(10**6) if not stop.wait(0.1)])
+    beat = registry.heartbeat_keys(0, ["live"])[0]
+    thread = threading.Thread(target=lambda: [store.add(beat, 1) for _ in range(10**6) if not stop.wait(0.1)])
     thread.start()
     try:
         assert registry.first_stage_training(link, 5.0)

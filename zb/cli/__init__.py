@@ -13,6 +13,7 @@ import sys
 import click
 
 from zb import __version__
+from zb.process_exit import leave_if_gloo_used
 
 # name -> "module:attribute"; order is the order shown in `zb --help`.
 COMMANDS: dict[str, str] = {
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _dispatch(argv)
     except SystemExit as e:
-        _leave(e.code)
+        leave_if_gloo_used(e.code)   # training and benchmark ranks exit without finalization (zb.process_exit)
         raise
-    _leave(0)
+    leave_if_gloo_used(0)
 
 
 def _dispatch(argv: list[str] | None) -> None:
@@ -86,11 +87,3 @@ def _dispatch(argv: list[str] | None) -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         abort("interrupted", 130)
-
-
-def _leave(code) -> None:
-    """Processes that built gloo groups (training, benchmark ranks) exit without interpreter
-    finalization, which can abort them (zb.process_exit)."""
-    from zb.process_exit import leave_if_gloo_used
-
-    leave_if_gloo_used(code)

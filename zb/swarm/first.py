@@ -43,7 +43,6 @@ class FirstStage(StageWorker):
         self.hops = None
         self.compute = threading.Lock()
         self.counted: set[int] = set()   # micro-batch ids whose loss was counted (each exactly once)
-        self.me: registry.Worker | None = None
 
     def execute(self, vocab_size: int) -> Ended:
         from zb.train.setup import build_loaders
@@ -64,7 +63,7 @@ class FirstStage(StageWorker):
             if position is not None:
                 self.train_loader.load_state_dict(position)
             self.resume()
-            me = self.me = registry.Worker(self.uid, "-", self.position.step, self.token)
+            me = registry.Worker(self.uid, "-", self.position.step, self.token)
             registry.register(self.link.client, 0, me)
             self.hops.refresh(force=True)
             self._loop(stop)
@@ -98,7 +97,6 @@ class FirstStage(StageWorker):
                 lr = self.optimizer.param_groups[0]["lr"]
                 norm = self.inner_step(self.accum)
                 self.hops.notify_step(step, self.uid)
-                self.link.run(lambda store: registry.publish_progress(store, self.me, self.position.step))
                 dt = time.perf_counter() - t0
                 self._log_step(sum(losses) / len(losses), lr, norm, dt, len(ids))
                 if self.outer_due():

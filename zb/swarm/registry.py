@@ -9,7 +9,6 @@ zb.elastic.tcpstore.connect), so the elastic machinery needs no change; these ke
     swarm/started       append-only, "<stage> <uid> <token>" per worker process, at its start
     swarm/arrivals      counter: the n-th worker to pick a stage (breaks ties between simultaneous starts)
     swarm/speed/<uid>   this worker's measured micro-batches per second (the stage choice reads them)
-    swarm/progress/<uid>  "<token> <step>": the last step a first-stage worker finished
     swarm/resume/...    the whole-run agreement on the checkpoint step to resume (zb.swarm.checkpoints)
 """
 
@@ -46,9 +45,6 @@ ARRIVALS = f"{ROOT}/arrivals"
 def speed_key(uid: str) -> str:
     return f"{ROOT}/speed/{uid}"
 
-
-def progress_key(uid: str) -> str:
-    return f"{ROOT}/progress/{uid}"
 
 
 @dataclass(frozen=True)
@@ -116,14 +112,9 @@ def choose_stage(store, stages: int) -> int:
     return tied[arrival % len(tied)]
 
 
-def publish_progress(store, worker: Worker, step: int) -> None:
-    """A first-stage worker finished `step` (what tells a restarting later-stage worker that the run is live)."""
-    store.set(progress_key(worker.uid), f"{worker.token} {step}")
-
-
 def announce_start(store, stage: int, uid: str, token: str) -> None:
     """A worker process starts (before it joins its stage's run or resumes): a registration of the same uid under
-    another token is then an earlier incarnation's, whatever heartbeat or progress key the uid still moves."""
+    another token is then an earlier incarnation's, whatever heartbeat counter the uid still moves."""
     store.append(STARTED, f"{stage} {uid} {token}\n")
 
 
@@ -137,15 +128,21 @@ def started_tokens(store, stage: int) -> dict[str, str]:
     return out
 
 
+def heartbeat_keys(stage: int, uids: list[str]) -> list[str]:
+    """The heartbeat counters the stage's DiLoCo mesh bumps for `uids`, relative to the swarm's namespace."""
+    prefix = stage_namespace("", stage)
+    return [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
+
+
 def first_stage_training(link: "StoreLink", window: float, poll_s: float = 0.2) -> bool:
     """Whether first-stage workers are training now: a registered one (see workers(): not one whose uid started
-    again since, as in a whole run restarting under the same ids) moves its progress key within `window`
-    seconds. False at once when there is none; registrations of a run that died under other ids hold this for
-    the whole window."""
+    again since, as in a whole run restarting under the same ids, whose new process bumps the same counter)
+    moves its stage heartbeat within `window` seconds. False at once when there is none; registrations of a run
+    that died under other ids hold this for the whole window."""
     uids = list(link.run(lambda store: workers(store, 0), fallback=None) or {})
     if not uids:
         return False
-    keys = [progress_key(u) for u in uids]
+    keys = heartbeat_keys(0, uids)
     first = link.run(lambda store: read_many(store, keys))
     deadline = time.monotonic() + window
     while time.monotonic() < deadline:
@@ -193,8 +190,7 @@ class Liveness:
     def alive(self, stage: int, uids: list[str]) -> set[str]:
         """Workers whose heartbeat moved within the timeout; with the store down, every worker last seen alive
         (no verdict without evidence)."""
-        prefix = stage_namespace("", stage)
-        keys = [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
+        keys = heartbeat_keys(stage, uids)
         values = self.link.run(lambda store: read_many(store, keys))
         if values is None:
             return {u for u in uids if u in self._seen}
