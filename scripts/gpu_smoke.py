@@ -179,7 +179,10 @@ def stage_diloco(work: Path, gpus: int) -> str:
     hashes = [[e.get("params_hash") for e in _metrics(work / f"diloco{i}", "outer_step")] for i in range(2)]
     if not hashes[0] or None in hashes[0] or hashes[0] != hashes[1]:
         raise StageFailed(f"diloco: params hashes differ between the nodes or are missing: {hashes}")
-    return f"2 nodes x {per_node} rank(s), {len(hashes[0])} outer steps, params hashes equal on both"
+    events = [e for i in range(2) for e in _metrics(work / f"diloco{i}", "outer_step")]
+    split = ", ".join(f"{name} {sorted(e.get(key, 0.0) for e in events)[len(events) // 2]:.3f} s"
+                      for key, name in (("d2h_s", "device-to-host"), ("reduce_s", "all-reduce"), ("h2d_s", "host-to-device")))
+    return f"2 nodes x {per_node} rank(s), {len(hashes[0])} outer steps, params hashes equal on both; median {split}"
 
 
 RUNNERS = {"single": stage_single, "ac-compile": stage_ac_compile, "torchrun": stage_torchrun,

@@ -49,6 +49,10 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
     assert sorted(a) == [1, 2, 3] and a == b
     assert all(e["num_peers"] == 2 for e in run.metrics("n0", "outer_step"))
     assert all(e["wire_bytes"] > 0 for e in run.metrics("n0", "outer_step"))
+    for e in run.metrics("n0", "outer_step"):
+        # The sync's seconds split: copies and collectives overlap inside allreduce_s (4 decimals each).
+        assert 0 <= e["d2h_s"] <= e["allreduce_s"] + 1e-3 and 0 < e["reduce_s"] <= e["allreduce_s"] + 1e-3, e
+        assert e["h2d_s"] >= 0, e
 
 
 def _hashes_by_mesh(run: TrainCluster, uid: str, world_size: int = 2) -> dict[tuple[int, int], str]:

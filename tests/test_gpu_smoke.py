@@ -29,3 +29,27 @@ def test_rejects_an_unknown_stage():
     proc = subprocess.run([sys.executable, SCRIPT, "--stage", "everything"], capture_output=True, text=True,
                           timeout=60, env=subprocess_env(), cwd=REPO)
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+BENCH = str(REPO / "scripts" / "bench_gpu.py")
+
+
+def test_gpu_bench_refuses_in_one_line_without_a_gpu():
+    proc = subprocess.run([sys.executable, BENCH, "throughput"], capture_output=True, text=True, timeout=60,
+                          env=subprocess_env(CUDA_VISIBLE_DEVICES=""), cwd=REPO)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA GPU is visible" in proc.stderr
+
+
+def test_gpu_bench_throughput_runs_both_loops_on_the_cpu():
+    """--cpu checks the script itself (the GPU numbers are in BENCHMARKS.md): both loops run, interleaved,
+    and the row carries the ratio of their rates."""
+    import json
+
+    proc = subprocess.run([sys.executable, BENCH, "throughput", "--cpu", "--model", "debug", "--compile", "off",
+                           "--steps", "4", "--warmup", "1", "--repeats", "2"], capture_output=True, text=True,
+                          timeout=170, env=subprocess_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    assert len(row["plain_tokens_per_s"]) == len(row["zb_tokens_per_s"]) == 2
+    assert row["ratio"] > 0 and row["micro_bs"] == 8 and row["seq"] == 128

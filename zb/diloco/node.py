@@ -61,6 +61,11 @@ class OuterReport:
     fragment: int | None = None  # streaming: the fragment this outer step synced
     hidden_s: float = 0.0   # overlap: all-reduce seconds that ran behind compute
     stall_s: float = 0.0    # overlap: seconds training waited for the all-reduce (blocking: all of it)
+    # Blocking outer steps: where the seconds went. d2h_s and reduce_s overlap inside allreduce_s
+    # (buckets are reduced while later ones are copied); h2d_s follows it (outer params to the model).
+    d2h_s: float = 0.0
+    reduce_s: float = 0.0
+    h2d_s: float = 0.0
     # diloco.round_seconds: the run's step after the round (every node moves there), each node's inner
     # steps in the round (by node id), the run's tokens in it, and this node's weight in the average.
     run_step: int | None = None
@@ -452,8 +457,11 @@ class DilocoNode:
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self._resolve()
             self._fresh_view = False
+            filled_s = 0.0
             if sync is not None and not self.layout.identity:
+                t0 = time.perf_counter()
                 self.outer.fill_pseudo_gradients()   # rows move inside the node: every local rank, every attempt
+                filled_s = time.perf_counter() - t0
             try:
                 plan = stats = None
                 if self.layout.owner:
@@ -464,6 +472,8 @@ class DilocoNode:
                     stats = sync(view, plan) if sync is not None else None
                 elif sync is not None:
                     stats = SyncStats()          # a rank with no stripe sends nothing
+                if stats is not None:
+                    stats.d2h_s += filled_s
                 ok = True
             except PeerFailure as e:
                 log.warning("outer step attempt %d failed: %s", attempts, e)
@@ -563,11 +573,14 @@ class DilocoNode:
             return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors),
                                round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), False, attempts,
                                note=" | no node trained in this round: nothing to apply")
+        h2d_s = 0.0
         if stats is not None and view.global_rank in plan.appliers:
             finite = bool(torch.isfinite(self.outer.flat.grad).all())
             if localsync.all_ok(self.local_group, finite):
                 self.outer.step()
+                t0 = time.perf_counter()
                 self.outer.push_to_model()
+                h2d_s = time.perf_counter() - t0
                 applied = True
                 self.role = checkin.CONTRIBUTOR
             else:
@@ -578,7 +591,8 @@ class DilocoNode:
                       "again at the next outer step", attempts)
         stats = stats or SyncStats()
         return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
-                           round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), applied, attempts)
+                           round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), applied, attempts,
+                           d2h_s=round(stats.d2h_s, 4), reduce_s=round(stats.reduce_s, 4), h2d_s=round(h2d_s, 4))
 
     def _skip_non_finite(self) -> None:
         """Some node sent NaN/Inf: every node skips the step; a node whose own params are non-finite

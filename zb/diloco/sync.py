@@ -28,6 +28,9 @@ class SyncStats:
     seconds: float = 0.0      # wall time from the first copy to the last bucket reduced
     wire_bytes: int = 0       # bytes this rank sent
     buckets: int = 0
+    # Where `seconds` went (the two overlap: buckets are reduced while later ones are copied):
+    d2h_s: float = 0.0        # the caller filling pseudo-gradients: device-to-host copy and subtraction
+    reduce_s: float = 0.0     # the worker inside all_reduce calls (quantize, wire, dequantize)
 
     @property
     def mbps(self) -> float:
@@ -50,6 +53,7 @@ class _Reducer(threading.Thread):
         self.todo: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.wire_bytes = 0
+        self.busy_s = 0.0
 
     def run(self) -> None:
         while (item := self.todo.get()) is not None:
@@ -57,12 +61,14 @@ class _Reducer(threading.Thread):
                 continue  # drain: the buffer is undefined after a failure anyway
             a, b = item
             try:
+                t0 = time.perf_counter()
                 bucket = self.outer.flat.grad[a:b]
                 stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, compression=self.cfg.compression,
                                    streams=self.streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
                 if self.scale != 1:
                     bucket.div_(self.scale)
                 self.wire_bytes += stats.wire_bytes
+                self.busy_s += time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 self.error = e
 
@@ -84,12 +90,15 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
         outer.flat.grad.zero_()
     reducer.start()
     next_bucket = 0
+    d2h_s = 0.0
     try:
         for index, (_, end) in enumerate(outer.param_ranges()):
             if not zeros:
+                t1 = time.perf_counter()
                 g = outer.pseudo_gradient_of(index)
                 if weight is not None:
                     g.mul_(weight)
+                d2h_s += time.perf_counter() - t1
             while next_bucket < len(ranges) and ranges[next_bucket][1] <= end:
                 reducer.todo.put(ranges[next_bucket])
                 next_bucket += 1
@@ -98,4 +107,4 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
         reducer.join()
     if reducer.error is not None:
         raise reducer.error
-    return SyncStats(time.perf_counter() - t0, reducer.wire_bytes, len(ranges))
+    return SyncStats(time.perf_counter() - t0, reducer.wire_bytes, len(ranges), d2h_s, reducer.busy_s)

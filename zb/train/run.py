@@ -367,8 +367,8 @@ class TrainingRun:
                       global_world_size=report.global_world_size, num_peers=report.num_peers,
                       allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes, wire_mbps=report.wire_mbps,
                       applied=report.applied, attempts=report.attempts, hidden_s=report.hidden_s,
-                      stall_s=report.stall_s, outer_tokens_per_s=round(round_tps, 1), outer_mfu=self._mfu(round_tps),
-                      **extra)
+                      stall_s=report.stall_s, d2h_s=report.d2h_s, reduce_s=report.reduce_s, h2d_s=report.h2d_s,
+                      outer_tokens_per_s=round(round_tps, 1), outer_mfu=self._mfu(round_tps), **extra)
         if report.params_hash is not None:
             fields["params_hash"] = report.params_hash
         if report.fragment is not None:
