@@ -264,7 +264,9 @@ class ElasticConfig:
                                     env="ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS", check="positive")
     pg_timeout: float = knob(60.0, "Timeout of the global gloo groups: building them, and collectives without a tighter deadline of their own.",
                              env="ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS", check="positive")
-    connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start.", check="positive")
+    connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start; also the most its "
+                                        "handshake may take (something that listens there but is not a zb store is "
+                                        "one error after it).", check="positive")
     start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", check="positive")
     sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).", check="positive")
     link_matrix: Optional[str] = knob(None, "A `zb iperf-mesh --json` file: order the ring by its measured links (maximize "

@@ -10,9 +10,11 @@ first turns that into one line, and bounds the wait.
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
-from zb.errors import EnvironmentFailure, InvalidInput, ZbError
+from zb import stop_signals
+from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
 
 
 def unresolvable(option: str, host: str, error: socket.gaierror) -> ZbError:
@@ -40,6 +42,44 @@ def wait_listening(host: str, port: int, timeout_s: float, option: str) -> OSErr
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
+def store_client(host: str, port: int, timeout_s: float, answer_s: float, hint: str,
+                 failure: type[ZbError] = EnvironmentFailure, **options):
+    """A TCPStore client of host:port (`options` go to torch's constructor), or one `failure` line
+    when what listens there does not answer as a TCPStore within `answer_s` s.
+
+    torch's client sends its handshake and waits without end for the reply, in C++, on the calling
+    thread: against an HTTP server or a hung process that was a `zb train` ignoring Ctrl-C twice and
+    SIGTERM, killable only by SIGKILL. So the client is built on a helper thread while this one waits
+    in short slices, where signal handlers run; a stop signal (zb.stop_signals) ends the wait on the
+    main thread at once with LeavingRun. A helper left waiting on a silent peer is a daemon thread."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    result: dict = {}
+
+    def build() -> None:
+        try:
+            result["store"] = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                                            **options)
+        except Exception as e:  # noqa: BLE001 - DistNetworkError / RuntimeError, one line for the user
+            result["error"] = str(e).splitlines()[0][:160]
+
+    helper = threading.Thread(target=build, name="zb-store-handshake", daemon=True)
+    helper.start()
+    deadline = time.monotonic() + answer_s
+    on_main = threading.current_thread() is threading.main_thread()
+    while helper.is_alive() and time.monotonic() < deadline:
+        helper.join(0.1)
+        if on_main and helper.is_alive() and stop_signals.requested():
+            raise LeavingRun(f"{stop_signals.requested()} received while connecting to the store at {host}:{port}")
+    if "store" in result:
+        return result["store"]
+    why = result.get("error") or f"no answer within {answer_s:g} s"
+    raise failure(f"{host}:{port} accepts connections but does not answer as a TCPStore ({why}): is it a "
+                  f"`zb store`? {hint}")
+
+
 def connect_store(host: str, port: int, rank: int, world: int, timeout_s: float, option: str = "--store",
                   raise_hint: str = ""):
     """A TCPStore for a command's ranks: rank 0 hosts it, the others connect. An unresolvable host is
@@ -60,13 +100,12 @@ def connect_store(host: str, port: int, rank: int, world: int, timeout_s: float,
             raise EnvironmentFailure(f"cannot reach the store at {host}:{port} within {timeout_s:g} s "
                                      f"({failed.strerror or failed}); check the address and that rank 0 is "
                                      f"running{raise_hint}")
+        return store_client(host, port, timeout_s, timeout_s, f"check the address{raise_hint}", world_size=world,
+                            wait_for_workers=False)
     try:
         # wait_for_workers=False: the command's own start barrier waits instead, and names who is missing.
-        return dist.TCPStore(host, port, world, rank == 0, timeout=timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
+        return dist.TCPStore(host, port, world, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     except Exception as e:  # noqa: BLE001 - DistNetworkError / RuntimeError, one line for the user
-        role = "host the store on" if rank == 0 else "reach the store at"
-        hint = "is the port free?" if rank == 0 else "check the address and that rank 0 is running"
-        raise EnvironmentFailure(f"cannot {role} {host}:{port} within {timeout_s:g} s "
-                                 f"({str(e).splitlines()[0]}); {hint}") from None
+        raise EnvironmentFailure(f"cannot host the store on {host}:{port} within {timeout_s:g} s "
+                                 f"({str(e).splitlines()[0]}); is the port free?") from None
 

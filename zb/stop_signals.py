@@ -1,4 +1,5 @@
-"""Serving until SIGINT/SIGTERM, for commands that only wait (`zb store`, `zb status --serve`).
+"""Serving until SIGINT/SIGTERM, for commands that only wait (`zb store`, `zb status --serve`), and the
+process-wide record of a stop signal that waits deep in zb poll (`requested`).
 
 The handler only sets a flag. A handler that takes a lock, as threading.Event.set does, deadlocks
 when the signal lands while the main thread holds that same lock inside Event.wait: the process
@@ -11,6 +12,20 @@ import signal
 import time
 
 POLL_S = 0.1
+
+_received: str | None = None   # the first stop signal this process got, whichever handler caught it
+
+
+def note(name: str) -> None:
+    """Record a stop signal (called by every zb handler of SIGINT/SIGTERM; sets a flag only)."""
+    global _received
+    _received = _received or name
+
+
+def requested() -> str | None:
+    """The name of the first stop signal this process received, or None: a wait that cannot finish
+    on its own (a store that never answers) polls it and ends at once."""
+    return _received
 
 
 class StopSignals:
@@ -32,6 +47,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         self.received = signal.Signals(signum).name
+        note(self.received)
 
     def wait(self) -> str:
         """Block until a stop signal arrives; its name."""

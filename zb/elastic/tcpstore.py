@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from typing import Sequence
 
-from zb.dial import unresolvable
+from zb.dial import store_client, unresolvable
 from zb.errors import EnvironmentFailure, InvalidInput
 
 log = logging.getLogger("zb.elastic")
@@ -61,11 +61,8 @@ def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, nam
     import torch.distributed as dist
 
     _wait_reachable(addr, port, connect_timeout)
-    try:
-        client = dist.TCPStore(addr, port, is_master=False, use_libuv=True,
-                               timeout=timedelta(seconds=max(connect_timeout, op_timeout)))
-    except dist.DistError as e:
-        raise StoreUnreachable(f"store {addr}:{port} refused the client: {str(e).splitlines()[0]}") from None
+    client = store_client(addr, port, max(connect_timeout, op_timeout), connect_timeout,
+                          "check elastic.addr/elastic.port (GLOBAL_ADDR/GLOBAL_PORT)", StoreUnreachable, use_libuv=True)
     return dist.PrefixStore(namespace.rstrip("/"), client) if namespace else client
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 import time
 from typing import Any, Iterator
 
@@ -46,35 +45,16 @@ def _quiet_stderr() -> Iterator[None]:
 def open_store(host: str, port: int, timeout: float):
     """A read-only client of the store at host:port; one EnvironmentFailure line when nothing (or not a
     store) answers within `timeout` s; an address that does not resolve is invalid input (exit 2)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from zb.dial import wait_listening
+    from zb.dial import store_client, wait_listening
 
     failed = wait_listening(host, port, timeout, "--store")
     if failed is not None:
         raise EnvironmentFailure(f"store {host}:{port} unreachable after {timeout:g} s "
                                  f"({failed.strerror or failed}); is `zb store` running there? check --store")
-    result: dict[str, Any] = {}
-
-    def client() -> None:
-        try:
-            result["store"] = dist.TCPStore(host, port, is_master=False, use_libuv=True, wait_for_workers=False,
-                                            timeout=timedelta(seconds=timeout))
-        except dist.DistError as e:
-            result["error"] = str(e).splitlines()[0][:120]
-
-    # torch's client waits without end for a peer that accepts and never answers (a hung store): bounded here.
-    with _quiet_stderr():
-        thread = threading.Thread(target=client, name="zb-status-connect", daemon=True)
-        thread.start()
-        thread.join(2 * timeout + 2.0)      # its own retries can overrun `timeout` on a busy machine
-    if "store" in result:
-        return result["store"]
-    why = result.get("error") or f"no answer within {2 * timeout + 2:g} s: hung?"
-    raise EnvironmentFailure(f"{host}:{port} accepts connections but does not answer as a TCPStore ({why}); "
-                             "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)")
+    with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
+        return store_client(host, port, timeout, 2 * timeout + 2.0,  # its own retries can overrun `timeout`
+                            "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)",
+                            use_libuv=True, wait_for_workers=False)
 
 
 class RunReader:

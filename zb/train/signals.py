@@ -12,6 +12,8 @@ import logging
 import signal
 import time
 
+from zb import stop_signals
+
 log = logging.getLogger("zb.train")
 
 SAME_REQUEST_WINDOW_S = 3.0
@@ -40,6 +42,7 @@ class StopRequest:
         if not self.requested:
             self.requested, self._first_at = True, now
             self.signum, self.signal_name = signum, signal.Signals(signum).name
+            stop_signals.note(self.signal_name)
             log.warning("%s received: stopping after this step (send it again to abort)", self.signal_name)
         elif now - self._first_at > SAME_REQUEST_WINDOW_S:
             raise KeyboardInterrupt

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import signal
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from zb.ckpt.recovery.peer import parse_peer
@@ -60,14 +59,10 @@ def _probe(host: str, port: int, deadline_s: float) -> None:
 def _connect_store(store_addr: str, connect_timeout: float) -> Any:
     host, port = parse_peer(store_addr)
     _probe(host, port, connect_timeout)
-    from torch.distributed import TCPStore
+    from zb.dial import store_client
 
-    try:
-        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=max(connect_timeout, 1.0)),
-                        wait_for_workers=False)
-    except Exception as e:  # noqa: BLE001 - torch raises several types (DistNetworkError, RuntimeError)
-        raise EnvironmentFailure(f"cannot reach the global store at {store_addr}: {str(e).splitlines()[0]} "
-                                 "(is `zb store` running there?)") from None
+    bound = max(connect_timeout, 1.0)
+    return store_client(host, port, bound, bound, "check --store (the address of `zb store`)", wait_for_workers=False)
 
 
 class _Stop(Exception):
