@@ -43,7 +43,8 @@ def outputs(proc: subprocess.CompletedProcess, out: Path, mode: str, rc: int = 0
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_resume_is_bit_exact_in_a_new_process(tmp_path, ranks):
-    """With one rank the first process also dies in the middle of copying a later checkpoint."""
+    """With one rank the first process also dies in the middle of copying a later checkpoint to disk:
+    complete only in RAM, that one is copied to disk at the next start and resumed from."""
     port, steps = free_port(), 3 if ranks == 1 else 2
     first = run_driver(["first", str(tmp_path), str(steps)] + (["die"] if ranks == 1 else []), ranks, port)
     if ranks == 1:
@@ -51,9 +52,12 @@ def test_resume_is_bit_exact_in_a_new_process(tmp_path, ranks):
     straight = outputs(first, tmp_path, "first", rc=9 if ranks == 1 else 0)
     resumed = outputs(run_driver(["resume", str(tmp_path), str(steps)], ranks, port), tmp_path, "resume")
     assert set(straight) == set(resumed) == set(range(ranks))
+    start = 2 * steps if ranks == 1 else steps     # the RAM-only step 2 x STEPS, or the checkpoint at STEPS
+    if ranks == 1:
+        assert complete_steps(tmp_path / "disk") == [steps, 2 * steps]
     for rank in range(ranks):
         assert resumed[rank]["step"] == straight[rank]["step"] == 2 * steps
-        assert resumed[rank]["losses"] == straight[rank]["losses"][steps:]  # exact floats, not approx
+        assert resumed[rank]["losses"] == straight[rank]["losses"][start:]  # exact floats, not approx
         assert resumed[rank]["params"] == straight[rank]["params"]
 
 

@@ -4,9 +4,9 @@
     torchrun --nproc_per_node 2 tests/drivers/ckpt_resume.py MODE CKPT_DIR STEPS
 
 MODE first: 2 x STEPS steps with a checkpoint after STEPS (the uninterrupted reference run).
-resume: `ckpt.resume latest`, then train until step 2 x (the checkpoint's step). With `die`, first
-then checkpoints step 2 x STEPS and exits hard (os._exit 9) in the middle of its copy to disk, so
-`latest` must fall back to step STEPS.
+resume: `ckpt.resume latest`, then train until step 2 x STEPS. With `die`, first then checkpoints
+step 2 x STEPS and exits hard (os._exit 9) in the middle of its copy to disk: that step is complete
+only in RAM, so the resume's start copies it to disk and resumes from it (nothing left to train).
 The builtin data loader covers the data position; a one-node DiLoCo outer step every OUTER_EVERY
 steps (no all-reduce) covers the outer params and momentum. Every rank prints one JSON line:
 its losses and a sha256 of its parameter shards, into CKPT_DIR/out-MODE-RANK.json.
@@ -109,7 +109,7 @@ def main() -> None:
         at = resumed.position
         loader.load_state_dict(resumed.data_state)
         outer.load_state_tensors(resumed.outer)
-        end, save_at = 2 * at.step, -1
+        save_at = -1
     losses = []
     while at.step < end:
         losses.append(trainer.train_step(take(loader, accum)).loss)

@@ -35,17 +35,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zb.ckpt.durable.copies import check_writable_dir
+from zb.ckpt.durable.copies import check_writable_dir, copy_part, retry
 from zb.ckpt.durable.layout import (check_complete, clean_own_leftovers, complete_steps, part_count, part_name,
                                     resolve_part, scan_steps, step_from_name)
-from zb.ckpt.durable.ramdir import release, sweep_stale
+from zb.ckpt.durable.ramdir import ram_only_steps, release, sweep_stale
 from zb.ckpt.durable.reshard import join_and_split, stripe_of
 from zb.ckpt.durable.remote import check_remote, download_part, remote_scan, remote_steps
 from zb.ckpt.durable.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer,
                                    check_rng, json_meta, live_tensors, load_model, load_optimizer, load_rng,
                                    load_scheduler)
 from zb.ckpt.durable.worker import Job, Targets, Worker
-from zb.ckpt.format.catalog import CorruptSnapshot, read_manifest, verify_snapshot
+from zb.ckpt.format.catalog import CorruptSnapshot, check_quick, read_manifest, verify_snapshot
 from zb.ckpt.format.manifest import snapshot_name
 from zb.ckpt.format.snapshot import load_snapshot
 from zb.config_schema import CkptConfig
@@ -85,6 +85,7 @@ class CheckpointManager:
     def __init__(self, cfg: CkptConfig, *, node_id: str, local_rank: int, local_world_size: int, sink: Any,
                  local_group: Any = None, attempts: int = 3, retry_delay: float = 1.0):
         self.cfg, self.node_id, self.sink, self.group = cfg, node_id, sink, local_group
+        self.attempts, self.retry_delay = attempts, retry_delay
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.disk_root = Path(cfg.path) if cfg.path else None
         self.ram_root = Path(cfg.ram_dir) / node_id if cfg.ram_dir else None
@@ -154,7 +155,7 @@ class CheckpointManager:
         """Stop the worker and remove this rank's RAM copies (they only fed the disk copy)."""
         idle = self._worker.wait(timeout)
         if not idle:
-            log.warning("closing with checkpoint copies still running; the last one may be incomplete")
+            log.warning("stopping with checkpoint copies still running: %s", self._in_flight())
         self._worker.stop(5.0 if idle or timeout != 0 else 0)  # an idle worker ends at once
         if self.ram_root is not None and self.disk_root is not None and not self._worker.alive:
             # The RAM copy of a newest checkpoint that never reached ckpt.path is the only copy of that
@@ -162,6 +163,21 @@ class CheckpointManager:
             keep = [self._worker.ram_only] if self._worker.not_durable and self._worker.ram_only else []
             release(self.ram_root, [part_name(self.local_rank)], keep=keep)
         # else a copy is still being written there: the next run's sweep removes it once we are gone
+
+    def _in_flight(self) -> str:
+        """Where the checkpoint being copied stands, and the newest one that is safe, in one sentence."""
+        job = self._worker.current
+        durable = complete_steps(self.disk_root) if self.disk_root is not None else []
+        safe = f"the newest complete checkpoint on ckpt.path is step {durable[-1]}" if durable else \
+            "no checkpoint is complete on ckpt.path yet"
+        if job is None or self.disk_root is None:
+            return safe
+        in_ram = self.ram_root is not None and job.release.is_set() and not job.final
+        if in_ram:
+            return (f"step {job.step} is complete in RAM at {self.ram_root / snapshot_name(job.step)} and its copy to "
+                    f"ckpt.path is unfinished; the next start with the same ckpt.path and ckpt.ram_dir finishes it; "
+                    f"{safe}")
+        return f"step {job.step} was still being written and is lost; {safe}"
 
     def check_durable(self) -> None:
         """At the end of a run: raise EnvironmentFailure (exit 1) when the newest checkpoints never
@@ -187,8 +203,33 @@ class CheckpointManager:
         if self.disk_root is not None:
             for line in clean_own_leftovers(self.disk_root, self.local_rank):
                 (log.warning if line.startswith("restored") else log.info)("checkpoint leftovers: %s", line)
+        if self.ram_root is not None and self.disk_root is not None:
+            self._finish_ram_copies()
         if self.ram_root is not None and self.local_rank == 0:
             sweep_stale(self.ram_root.parent)
+
+    def _finish_ram_copies(self) -> None:
+        """Checkpoints of an earlier run of this node complete only in RAM (its copy to ckpt.path never
+        finished: a second Ctrl-C, a kill) are copied there now, this rank's part by this rank, so a
+        resume finds them and no sweep takes them. EnvironmentFailure when the copy fails: the RAM
+        copy stays, and the message says where it is."""
+        for step in ram_only_steps(self.ram_root, self.disk_root):
+            src = self.ram_root / snapshot_name(step) / part_name(self.local_rank)
+            dst = self.disk_root / snapshot_name(step)
+            try:
+                check_quick(dst / part_name(self.local_rank))
+                continue  # this rank's part got there; another rank's did not
+            except (InvalidInput, OSError):
+                pass
+            copied, error = retry(f"checkpoint step {step}: copy from RAM to disk", lambda: copy_part(src, dst),
+                                  self.attempts, self.retry_delay)
+            if copied is None:
+                raise EnvironmentFailure(
+                    f"checkpoint step {step} of an earlier run is complete only in RAM at {src.parent} and could not "
+                    f"be copied to ckpt.path {self.disk_root} ({error}); free space there and start again, or copy "
+                    f"that directory there yourself") from None
+            log.warning("checkpoint step %d of an earlier run was complete only in RAM (its copy to ckpt.path never "
+                        "finished): copied from %s to %s", step, src, copied)
 
     def committed_steps(self) -> list[int]:
         """Complete checkpoints of this node (all local ranks' markers; sizes checked), on its disk or

@@ -8,6 +8,11 @@ wrote and its owner file, and the last one out removes the directory (`release`)
 with SIGKILL cannot; the next run on the machine removes directories whose every owner is dead
 (`sweep_stale`), and never one with a live owner, another host's owner, or no owner file (written
 by something else, or just being created).
+
+Nor one that holds the only complete copy of a checkpoint, whatever ended its run (a second Ctrl-C,
+SIGKILL, a power cut while the copy to ckpt.path was running): the owner file records the run's
+ckpt.path, and a complete step in RAM newer than every complete step there is kept (`ram_only_steps`)
+until a run of that node copies it to ckpt.path at its start (zb.ckpt.durable.manager).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import os
 import shutil
 import socket
 from pathlib import Path
+
+from zb.ckpt.durable.layout import complete_steps
 
 log = logging.getLogger("zb.ckpt")
 
@@ -38,13 +45,36 @@ def owner_file(directory: Path, pid: int | None = None) -> Path:
     return Path(directory) / f"{OWNER_PREFIX}{pid or os.getpid()}"
 
 
-def claim(directory: Path) -> Path:
-    """Create `directory` if needed and record this process as one of its owners."""
+def claim(directory: Path, ckpt_path: Path | None = None) -> Path:
+    """Create `directory` if needed and record this process as one of its owners, with the ckpt.path
+    its RAM copies are staged for."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = owner_file(directory)
-    path.write_text(json.dumps({"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname()}))
+    doc = {"pid": os.getpid(), "start": _start_time(os.getpid()), "host": socket.gethostname()}
+    if ckpt_path is not None:
+        doc["ckpt_path"] = str(Path(ckpt_path).resolve())
+    path.write_text(json.dumps(doc))
     return path
+
+
+def ram_only_steps(directory: Path, ckpt_path: Path) -> list[int]:
+    """Steps complete in `directory` (a node's RAM copies) and newer than every step complete under
+    ckpt_path: the only complete copies of those checkpoints."""
+    durable = complete_steps(ckpt_path)
+    return [s for s in complete_steps(directory) if not durable or s > durable[-1]]
+
+
+def _ckpt_paths(owners: list[Path]) -> set[Path]:
+    paths = set()
+    for owner in owners:
+        try:
+            recorded = json.loads(owner.read_text()).get("ckpt_path")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded:
+            paths.add(Path(recorded))
+    return paths
 
 
 def release(directory: Path, own: list[str], keep: list[Path] = ()) -> None:
@@ -111,6 +141,13 @@ def sweep_stale(ram_dir: Path) -> list[Path]:
         for directory in candidates:
             owners = list(directory.glob(f"{OWNER_PREFIX}*"))
             if owners and not any(alive(o) for o in owners):
+                pending = sorted({s for path in _ckpt_paths(owners) for s in ram_only_steps(directory, path)})
+                if kind == "" and pending:
+                    log.warning("kept %s: it holds the only complete copy of checkpoint step %s (its run ended "
+                                "before the copy to ckpt.path finished); a run of node %s with the same ckpt.path "
+                                "and ckpt.ram_dir copies it there at its start", directory,
+                                ", ".join(map(str, pending)), directory.name)
+                    continue
                 shutil.rmtree(directory, ignore_errors=True)
                 removed.append(directory)
                 log.info("removed %s: RAM copies of an earlier run on this machine whose processes are gone",

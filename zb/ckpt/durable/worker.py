@@ -75,6 +75,7 @@ class Worker:
         self.ever_failed: list[int] = []  # steps that never reached ckpt.path
         self._claimed = False
         self.ram_only: Path | None = None  # the RAM copy of the newest checkpoint that never reached ckpt.path
+        self.current: Job | None = None    # the job being processed, for the message of a stop that cannot wait
         self._thread = threading.Thread(target=self._run, name="zb-ckpt", daemon=True)
         self._thread.start()
 
@@ -102,11 +103,13 @@ class Worker:
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
+            self.current = job
             try:
                 self._process(job)
             except Exception:  # noqa: BLE001 - a bug here must not kill training; log it loudly
                 log.exception("checkpoint of step %d failed", job.step)
             finally:
+                self.current = None
                 job.release.set()
                 with self._cond:
                     self._pending -= 1
@@ -182,7 +185,7 @@ class Worker:
                 # The owner file lets a later run remove these RAM copies if this process dies. Without
                 # ckpt.path the RAM copies are the checkpoints (a restart resumes from them): not claimed.
                 try:
-                    claim(root)
+                    claim(root, self.t.disk_root)
                     self._claimed = True
                 except OSError as e:
                     log.warning("cannot use the RAM directory %s: %s", root, e)
