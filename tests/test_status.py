@@ -185,6 +185,23 @@ def test_a_store_that_never_answers_never_blocks_the_loop():
     silent.close()
 
 
+def test_an_address_that_does_not_resolve_ends_no_thread_with_a_traceback(monkeypatch):
+    """An unresolvable elastic.addr: the node itself fails with one clean line; the status thread only
+    notes it (before the fix it died with a traceback printed ahead of that line, issue 30 defect 5)."""
+    import threading
+
+    from zb.elastic.tcpstore import connect
+
+    escaped = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
+    publisher = StatusPublisher(_status("n4"), lambda: connect("no-such-host.invalid", 29600, 0.5, 0.5),
+                                interval=0.05)
+    publisher.start()
+    wait_until(lambda: publisher._outage_since is not None, 30, "the failed publication")
+    assert publisher.is_alive() and escaped == []
+    publisher.close()
+
+
 def test_an_unreachable_store_is_logged_once_and_retried(caplog, store):
     from zb.elastic.tcpstore import connect
 

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import connect, store_errors
-from zb.errors import EnvironmentFailure
+from zb.errors import ZbError
 from zb.status.record import NodeStatus, encode
 
 log = logging.getLogger("zb.status")
@@ -122,7 +122,7 @@ class StatusPublisher(threading.Thread):
             if self._outage_since is not None:
                 log.info("status: publishing to the store again after %.1f s", time.monotonic() - self._outage_since)
                 self._outage_since = None
-        except (*store_errors(), EnvironmentFailure) as e:
+        except (*store_errors(), ZbError) as e:   # ZbError: an address that does not resolve (the node says so)
             self._store = None
             if self._outage_since is None:
                 self._outage_since = time.monotonic()
@@ -130,4 +130,4 @@ class StatusPublisher(threading.Thread):
                 # elastic.host_store) and says so if it cannot: no second voice then.
                 level = logging.WARNING if self.published else logging.DEBUG
                 log.log(level, "status: could not publish this node's status to the store (%s); training goes on, "
-                        "retrying every %g s", str(e).splitlines()[0][:160], self.interval)
+                        "retrying every %g s", str(e).splitlines()[0][:300], self.interval)
