@@ -29,7 +29,13 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
         click.echo(describe(cfg), nl=False)
         return
     if nproc_per_node is not None:
+        from zb.local_world import LocalWorld
         from zb.train.launch import launch_local_ranks
+
+        if cfg.swarm is None:   # a stage worker holds a part of the model: it checks its own
+            from zb.train.setup import preflight
+
+            preflight(cfg, LocalWorld(rank=0, world_size=nproc_per_node), announce=False)
 
         launch_local_ranks(nproc_per_node, grace_period_s=cfg.ckpt.grace_period)
         return

@@ -60,8 +60,9 @@ def mps_bf16_ok() -> bool:
     return bool(check is not None and check(14, 0))
 
 
-def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
-    """CUDA + NCCL, else MPS (Apple GPUs, one local rank), else CPU + gloo; the reason logged once."""
+def pick_placement(cfg: TrainConfig, local: LocalWorld, *, announce: bool = True) -> Placement:
+    """CUDA + NCCL, else MPS (Apple GPUs, one local rank), else CPU + gloo; the reason logged once
+    (not with `announce` False: a launcher checking before it starts the ranks, which log it)."""
     if cfg.device == "cpu":
         hide_gpus()
     has_cuda = cfg.device not in ("cpu", "mps") and torch.cuda.is_available()
@@ -69,12 +70,12 @@ def pick_placement(cfg: TrainConfig, local: LocalWorld) -> Placement:
         raise InvalidInput("train.device = 'cuda' but no CUDA device is visible; use --train.device cpu or auto")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and has_cuda)
     if use_cuda:
-        return _log(local, *_cuda(local), cfg)
+        return _log(local, *_cuda(local), cfg, announce)
     use_mps, why_not = _want_mps(cfg, local)
     if use_mps:
-        return _log(local, torch.device("mps"), "gloo", "Apple GPU (MPS), one local rank", cfg)
+        return _log(local, torch.device("mps"), "gloo", "Apple GPU (MPS), one local rank", cfg, announce)
     reason = "CPU with gloo " + ("(train.device = cpu)" if cfg.device == "cpu" else f"({why_not})")
-    return _log(local, torch.device("cpu"), "gloo", reason, cfg)
+    return _log(local, torch.device("cpu"), "gloo", reason, cfg, announce)
 
 
 def _cuda(local: LocalWorld) -> tuple[torch.device, str, str]:
@@ -108,10 +109,11 @@ def _want_mps(cfg: TrainConfig, local: LocalWorld) -> tuple[bool, str]:
     return True, ""
 
 
-def _log(local: LocalWorld, device: torch.device, backend: str, reason: str, cfg: TrainConfig) -> Placement:
+def _log(local: LocalWorld, device: torch.device, backend: str, reason: str, cfg: TrainConfig,
+         announce: bool = True) -> Placement:
     # auto: bf16 where it is fast and safe (CUDA); fp32 on MPS (bf16 support varies by macOS) and CPU.
     param = cfg.param_dtype if cfg.param_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    if local.is_head:
+    if local.is_head and announce:
         log.info("device: %s; params computed in %s", reason, param)
     reduce = param if cfg.reduce_dtype == "param" else cfg.reduce_dtype
     return Placement(device, backend, DTYPES[param], DTYPES[reduce])

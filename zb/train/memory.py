@@ -53,6 +53,19 @@ def check_memory(cfg: Config, params: int, local_world_size: int, device_type: s
                                 "model")
 
 
+def params_before_tokenizer(cfg: Config) -> int:
+    """The model's parameter count before its tokenizer is known (it may have to be downloaded):
+    exact with model.vocab_size, else every param except the embedding and output rows. A lower
+    bound, so the memory check can run before any download."""
+    import torch
+
+    from zb.models import Transformer, count_params, model_args
+
+    args = model_args(cfg.model, vocab_size=cfg.model.vocab_size or 1, max_seq_len=cfg.data.seq_length)
+    with torch.device("meta"):
+        return count_params(Transformer(args))
+
+
 def machine_totals(device) -> tuple[int | None, int | None]:
     """(total bytes of `device` when it is a GPU, total RAM of this machine); None where unknown."""
     import psutil

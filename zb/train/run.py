@@ -26,10 +26,10 @@ from zb.position import RunPosition
 from zb.status.publisher import publish_status
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import (Placement, close_local_group, control_group, control_timeout_s, init_control_group,
-                             init_local_group, pick_placement)
+                             init_local_group)
 from zb.train.lr_schedule import build_optimizer, build_scheduler, set_schedule_position
 from zb.train.progress import TrainingDisplay, format_step_line
-from zb.train.setup import build_loaders, build_model, check_batch, check_placement, node_identity, open_metrics
+from zb.train.setup import build_loaders, build_model, check_batch, node_identity, open_metrics, preflight
 from zb.train.signals import StopRequest
 from zb.train.step import StepResult, Trainer, take
 
@@ -67,7 +67,7 @@ def run(cfg: Config) -> Counters:
     if log.isEnabledFor(logging.DEBUG):
         for key, value, source in non_default_settings(cfg):
             log.debug("setting %s = %r (%s)", key, value, source)
-    placement = pick_placement(cfg.train, local)
+    placement = preflight(cfg, local)
     init_local_group(local, placement)
     try:
         return TrainingRun(cfg, local, placement).execute()
@@ -102,7 +102,6 @@ class TrainingRun:
 
         self.cfg, self.local, self.placement = cfg, local, placement
         self.accum = check_batch(cfg, local)
-        check_placement(cfg, placement)
         cfg.elastic.unique_id = node_identity(cfg, local)
         set_node_id(cfg.elastic.unique_id)
         self.sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=local.is_head)

@@ -20,7 +20,7 @@ from zb.elastic import localsync
 from zb.errors import EnvironmentFailure
 from zb.local_world import LocalWorld
 from zb.metrics import MetricsSink
-from zb.train.device import Placement
+from zb.train.device import Placement, pick_placement
 from zb.train.fsdp import apply_activation_checkpointing, materialize, shard_model
 
 log = logging.getLogger("zb.train")
@@ -47,6 +47,21 @@ def check_placement(cfg: Config, placement: Placement) -> None:
         fail(cfg, "model.attn_impl", f"flash-attn needs bf16 or fp16 activations but params compute in "
                                      f"{str(placement.param_dtype).removeprefix('torch.')}; set "
                                      f"--train.param_dtype bf16, or use auto or sdpa")
+
+
+def preflight(cfg: Config, local: LocalWorld, *, announce: bool = True) -> Placement:
+    """The checks every local rank makes at its start, before anything is downloaded or allocated:
+    the batch split, the device and what it can run, and the memory bound (before the tokenizer is
+    known, for every param but the vocabulary rows). `zb train --nproc-per-node` makes them once
+    before it starts the ranks, so a mistake is one line, not one per rank after torch's banner."""
+    from zb.train.memory import check_memory, machine_totals, params_before_tokenizer
+
+    check_batch(cfg, local)
+    placement = pick_placement(cfg.train, local, announce=announce)
+    check_placement(cfg, placement)
+    check_memory(cfg, params_before_tokenizer(cfg), local.world_size, placement.device.type,
+                 *machine_totals(placement.device))
+    return placement
 
 
 def _warn_without_downloads(cfg: Config) -> None:
