@@ -122,3 +122,42 @@ def test_log_dir_that_cannot_be_written_names_the_key(tmp_path, monkeypatch, err
         open_metrics(cfg, node="n", is_head=True)
     assert e.value.exit_code == exit_code
     assert open_metrics(cfg, node="n", is_head=False).path is None  # only the node's head writes metrics
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model.attn_impl", "flash"], "flash-attn runs on CUDA only"),
+    (["--optim.batch_size", "4", "--train.micro_bs", "4"], "must be a multiple of train.micro_bs x local ranks (4 x 2"),
+])
+def test_the_launcher_checks_before_it_starts_the_ranks(args, message):
+    """A mistake every rank would make is one line from the launcher, not one per rank after torch's
+    OMP banner and a "failed (exitcode: 2)" line (issue 30, defect 9)."""
+    proc = zb_process("train", "--nproc-per-node", "2", *args, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], proc.stderr
+
+
+def test_a_model_too_big_is_refused_before_its_tokenizer_is_fetched():
+    """The memory check runs before any download: a hub tokenizer that cannot be fetched here is never
+    asked for (issue 30, defect 3: 2.5 minutes of hub retries came first)."""
+    proc = zb_process("train", "--model.name", "405B", "--model.type", "llama3", "--data.tokenizer",
+                      "meta-llama/Meta-Llama-3-8B", "--train.device", "cpu", timeout=120,
+                      HF_ENDPOINT="http://127.0.0.1:9")
+    assert proc.returncode == 2, proc.stderr
+    assert "params need at least" in proc.stderr and "hub" not in proc.stderr.lower(), proc.stderr
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_works_before_and_after_the_command(where):
+    """`zb train -v` was "No such option" (issue 30, defect 8): -v/-q work on either side."""
+    flags = ["--optim.total_steps", "2", "--log.progress", "plain", "--train.device", "cpu", "--eval.interval", "-1"]
+    args = ["-v", "train", *flags] if where == "before" else ["train", "-v", *flags]
+    proc = zb_process(*args, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert " D [" in proc.stderr and "setting optim.total_steps = 2 (flag" in proc.stderr
+
+
+def test_quiet_after_the_command_keeps_only_warnings():
+    proc = zb_process("train", "-q", "--optim.total_steps", "2", "--train.device", "cpu", "--eval.interval", "-1",
+                      "--log.progress", "plain", timeout=120)
+    assert proc.returncode == 0 and " I [" not in proc.stderr, proc.stderr

@@ -13,6 +13,7 @@ import sys
 import click
 
 from zb import __version__
+from zb.cli.verbosity import QUIET_HELP, VERBOSE_HELP
 from zb.process_exit import leave_if_gloo_used
 
 # name -> "module:attribute"; order is the order shown in `zb --help`.
@@ -40,12 +41,14 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, attr = target.split(":")
-        return getattr(importlib.import_module(module_name), attr)
+        from zb.cli.verbosity import add_verbosity_options
+
+        return add_verbosity_options(getattr(importlib.import_module(module_name), attr))
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="Debug log lines (per-step timings, settings and their sources).")
-@click.option("-q", "--quiet", count=True, help="Less log output (warnings and errors only).")
+@click.option("-v", "--verbose", count=True, help=VERBOSE_HELP + " Also after the command: zb train -v.")
+@click.option("-q", "--quiet", count=True, help=QUIET_HELP)
 @click.version_option(__version__, prog_name="zb")
 @click.pass_context
 def cli(ctx: click.Context, verbose: int, quiet: int) -> None:
