@@ -314,3 +314,58 @@ def test_malformed_hf_endpoint_exits_2_from_the_cli(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: HF_ENDPOINT = 'http://[::1' (from env HF_ENDPOINT): not an http(s) URL (Invalid IPv6 URL); "
         "set it to the hub or mirror's URL (e.g. https://huggingface.co) or unset it"]
+
+
+@pytest.fixture
+def unresolvable_hub(monkeypatch, tmp_path):
+    """A hub whose host name does not resolve, as on a machine without internet; nothing reached yet."""
+    monkeypatch.setattr("zb.data.hub._reached", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://no-such-hub.invalid")
+    monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+
+def test_a_hub_that_does_not_resolve_fails_at_once(unresolvable_hub, tmp_path, caplog):
+    """Issue 30, defect 3: 2.5 minutes of retries (zb's around huggingface_hub's) on a name that does not
+    resolve; now the first call fails, exit 1 (the environment), naming the way out."""
+    from zb.data.hub import open_dataset
+
+    with pytest.raises(EnvironmentFailure, match="no-such-hub.invalid does not resolve.*HF_HUB_OFFLINE=1"):
+        build_tokenizer("acme/tok", retries=5)
+    with pytest.raises(EnvironmentFailure, match="no-such-hub.invalid does not resolve"):
+        open_dataset(REPO, key="data.dataset_name_or_paths", retries=5, cache_dir=tmp_path / "cache")
+    assert "retry" not in caplog.text.lower()
+
+
+def test_a_cached_tokenizer_serves_when_the_hub_does_not_resolve(tmp_path, monkeypatch):
+    from tokenizers import Tokenizer, models
+
+    path = tmp_path / "tokenizer.json"
+    tok = Tokenizer(models.BPE())
+    tok.add_special_tokens(["</s>"])
+    tok.save(str(path))
+    with FakeHub({}, models={"acme/tok": {"tokenizer.json": path.read_bytes()}}) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        build_tokenizer("acme/tok")
+    monkeypatch.setattr("zb.data.hub._reached", False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://no-such-hub.invalid")
+    assert build_tokenizer("acme/tok").eos_id == tok.token_to_id("</s>")
+
+
+@pytest.mark.parametrize("env, message", [({"HF_ENDPOINT": "http://no-such-hub.invalid"}, "does not resolve"),
+                                          ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")])
+def test_train_on_local_files_offline_is_one_line_and_exit_1(tmp_path, env, message):
+    """Local data with the default tokenizer (a hub name): at once, exit 1 as the README says for an
+    unreachable hub (it was exit 2 after 2.5 minutes)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "hello world"}\n' * 20)
+    proc = zb_process("train", "--data.dataset_name_or_paths", str(data), "--optim.total_steps", "2",
+                      "--train.device", "cpu", timeout=120, ZB_DATA_CACHE=str(tmp_path / "cache"), **env)
+    assert proc.returncode == 1, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0] and "data.tokenizer = 'mistralai/Mistral-7B-v0.1'" in errors[0]
+    assert "Retry" not in proc.stderr and "retry" not in proc.stderr

@@ -67,15 +67,52 @@ def hub_download(repo_id: str, filename: str, *, repo_type: str, revision: str |
     what = f"{filename} of {repo_id}"
     kwargs = dict(repo_type=repo_type, revision=revision, cache_dir=cache_dir, endpoint=hub_endpoint())
     try:
-        if offline():
+        unreachable = None if offline() else unresolvable_hub()
+        if offline() or unreachable:
             return Path(hf_hub_download(repo_id, filename, local_files_only=True, **kwargs))
-        return Path(with_retries(lambda: hf_hub_download(repo_id, filename, **kwargs), retries, f"download of {what}"))
-    except LocalEntryNotFoundError:  # only offline: online, with_retries turned it into EnvironmentFailure
+        path = Path(with_retries(lambda: hf_hub_download(repo_id, filename, **kwargs), retries, f"download of {what}"))
+        _reached_hub()
+        return path
+    except LocalEntryNotFoundError:  # offline or unresolvable: online, with_retries turned it into EnvironmentFailure
+        if unreachable:
+            raise EnvironmentFailure(f"download of {what}: {unreachable}, and the cache {cache_dir} has no copy "
+                                     f"({OFFLINE_HINT})") from None
         raise EnvironmentFailure(f"HF_HUB_OFFLINE is set and {what} is not in the cache {cache_dir}") from None
     except HfHubHTTPError as e:
+        if status_of(e) in (401, 403, 404):   # no such repo or file, or no access: the name given is wrong
+            raise InvalidInput(f"download of {what} from {hub_endpoint()} failed: {short(e)} (no such repo or file, "
+                               "or a private one: check the name, or set HF_TOKEN)") from None
         raise EnvironmentFailure(f"download of {what} from {hub_endpoint()} failed: {short(e)}") from None
     except OSError as e:  # the disk: full, read-only
         raise EnvironmentFailure(f"download of {what} into {cache_dir} failed: {e}") from None
+
+
+OFFLINE_HINT = "is this machine offline? HF_HUB_OFFLINE=1 uses only what the cache holds"
+_reached = False   # this process got an answer from the hub: a DNS failure now is a blip, worth the retries
+
+
+def _reached_hub() -> None:
+    global _reached
+    _reached = True
+
+
+def unresolvable_hub() -> str | None:
+    """Why the hub's host name does not resolve, or None. Until this process has reached the hub once,
+    such a name fails the call at once: on a machine without internet every attempt would fail alike
+    (retried, with huggingface_hub's own retries inside zb's: 2.5 minutes and 75 log lines)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if _reached:
+        return None
+    host = urlsplit(hub_endpoint()).hostname
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror as e:
+        return f"the hub's name {host} does not resolve ({e.strerror})"
+    except UnicodeError as e:   # a host name the resolver cannot even encode
+        return f"the hub's name {host!r} is not valid ({e})"
+    return None
 
 
 def hub_endpoint() -> str:
@@ -153,8 +190,12 @@ def _probe(repo_id: str, endpoint: str, key: str, retries: int) -> str:
     from huggingface_hub.utils import HfHubHTTPError
 
     what = f"looking up dataset {repo_id} on {endpoint}"
+    unreachable = unresolvable_hub()
+    if unreachable:
+        raise EnvironmentFailure(f"{what}: {unreachable} ({OFFLINE_HINT}, after `zb subset-data` fetched the files)")
     try:
         info = with_retries(lambda: HfApi(endpoint=endpoint).dataset_info(repo_id), retries, what)
+        _reached_hub()
     except HfHubHTTPError as e:
         if status_of(e) in (401, 403, 404):
             local = "" if "/" in repo_id else ", nor a local path"

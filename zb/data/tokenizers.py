@@ -104,13 +104,17 @@ def _from_file(name: str, path: Path, raw_cls) -> HFTokenizer:
 def _from_hub(name: str, raw_cls, retries: int) -> HFTokenizer:
     """tokenizer.json (and tokenizer_config.json if any) of a hub model repo, through the hub cache."""
     from zb.data.hub import REPO_ID, cache_root, hub_download, hub_endpoint
-    from zb.errors import ZbError
+    from zb.errors import EnvironmentFailure, ZbError
 
     if not REPO_ID.match(name):
         raise InvalidInput(f"data.tokenizer = {name!r}: no such file or directory, and not a hub name (owner/name)")
     fetch = dict(repo_type="model", revision=None, cache_dir=cache_root(), retries=retries)
     try:
         path = hub_download(name, "tokenizer.json", **fetch)
+    except EnvironmentFailure as e:   # the hub or the cache, not the name: exit 1
+        raise EnvironmentFailure(f"data.tokenizer = {name!r}: not a local path and it could not be fetched from "
+                                 f"{hub_endpoint()} ({e}); give a path to a tokenizer.json or use data.tokenizer = "
+                                 "bytes") from None
     except ZbError as e:
         raise InvalidInput(f"data.tokenizer = {name!r}: not a local path and it could not be fetched from "
                            f"{hub_endpoint()} ({e}); give a path to a tokenizer.json or use data.tokenizer = bytes"
