@@ -141,6 +141,12 @@ def test_joiner_with_another_model_is_refused(make_run):
     assert bad.wait(120) == 2
     log = (run.tmp / "odd.log").read_text()
     assert "model.n_layers" in log and "Traceback" not in log
+    # zb status shows it refused, with the reason, not "left" (issue 30, defect 4)
+    from zb.status.reader import RunReader, open_store
+
+    doc = RunReader(open_store("127.0.0.1", run.port, 10.0), "test").read()
+    odd = next(n for n in doc["nodes"] if n["uid"] == "odd")
+    assert odd["state"] == "refused", odd
     assert run.finish("n0") == 0, run.log("n0")
     assert all(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step"))
 

@@ -531,3 +531,53 @@ def test_zb_store_serves_the_dashboard_on_its_own_address():
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0 and "dashboard (read-only): http://127.0.0.1:" in err, err
+
+
+def _plain_world(nodes, **kw):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(nodes=nodes, tokens={}, died=kw.get("died", []), joined=kw.get("joined", []),
+                           leader=nodes[0] if nodes else None, version=kw.get("version", 3))
+
+
+def test_a_node_out_of_the_world_that_does_not_beat_is_dead_not_joining():
+    """Issue 30, defect 4: a SIGKILLed node of an earlier world showed as `joining` for ever."""
+    from zb.status.reader import _state
+
+    world = _plain_world(["a", "b"])
+    rec = {"state": "training", "heartbeat_interval": 1.0, "heartbeat_timeout": 10.0}
+    assert _state("c", rec, world, set(), [], None, 2.5) == "dead"              # no beat in 2.5 s of watching
+    assert _state("c", dict(rec, state="joining"), world, set(), [], 0.3, 2.5) == "joining"   # starting: it beats
+    assert _state("c", dict(rec, state="joining"), world, set(), ["c"], None, 2.5) == "joining"  # queued to join
+    assert _state("c", rec, world, set(), [], None, 1.0) == "joining"           # watched too briefly to tell
+
+
+def test_a_finished_run_takes_its_step_from_its_members_and_has_no_eta():
+    """The run's step and ETA came from the dead node ("step 20/140 ... ETA 1m 06s" for a finished run)."""
+    from zb.status.reader import _run
+
+    def node(uid, state, step):
+        return {"uid": uid, "state": state, "step": step, "outer_step": step // 10, "total_steps": 140,
+                "steps_per_s": 2.0, "tokens_per_s": 100.0}
+
+    nodes = [node("a", "left", 140), node("b", "left", 140), node("c", "dead", 20)]
+    run = _run(_plain_world([]), nodes, {})
+    assert run["step"] == 140 and run["eta_s"] is None
+    live = [node("a", "training", 100), node("c", "dead", 20)]
+    run = _run(_plain_world(["a"]), live, {})
+    assert run["step"] == 100 and run["eta_s"] == 20.0
+
+
+def test_a_refused_node_publishes_refused_with_its_reason_not_left():
+    from zb.status.reader import _state
+    from zb.status.record import NodeStatus
+
+    status = NodeStatus("odd", state="joining", total_steps=10, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    status.observe({"event": "refused", "reason": "model.n_layers differs from the run's"})
+    status.end()
+    record, _, _ = status.snapshot()
+    assert record["state"] == "refused" and "model.n_layers" in record["reason"]
+    assert _state("odd", record, _plain_world(["a"]), set(), [], None, 30.0) == "refused"
+    plain = NodeStatus("n", state="training", total_steps=10, heartbeat_interval=1.0, heartbeat_timeout=5.0)
+    plain.end()
+    assert plain.snapshot()[0]["state"] == "left"

@@ -13,8 +13,9 @@ EPILOG = """Examples: zb status --store 10.0.0.1:29600 (one table); zb status --
 from GLOBAL_ADDR/GLOBAL_PORT); zb status --serve --http-port 8600 (a dashboard at http://127.0.0.1:8600/);
 zb status --from logs/sim/run1 --out run1.html (a report). States: training, joining (admitted or
 waiting to be, receiving the run's state), recovering (fetching a live-recovery snapshot), leaving (said
-goodbye), left, silent (no heartbeat for two intervals), dead (none for the heartbeat timeout, or
-dropped by the run). Heartbeat ages are measured on this machine's clock: a one-shot status watches
+goodbye), left, refused (the run turned it away: its settings differ from the run's), silent (no
+heartbeat for two intervals), dead (none for the heartbeat timeout, or dropped by the run, or out of
+the run and not beating). Heartbeat ages are measured on this machine's clock: a one-shot status watches
 the counters for up to two heartbeat intervals first. Exit codes: 0 shown; 1 the store is unreachable,
 holds no run or is not a zb store, or the port is in use; 2 invalid options or unreadable --from files."""
 
@@ -64,7 +65,7 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
     if watch:
         return _watch(reader, host, port, where, interval, timeout, as_json)
     doc = reader.read()
-    live = [n["uid"] for n in doc["nodes"] if n["state"] not in ("left", "dead")]
+    live = [n["uid"] for n in doc["nodes"] if n["state"] not in ("left", "dead", "refused")]
     if live:
         reader.sample(live, sample_window(doc))
         doc = reader.read()
@@ -249,7 +250,7 @@ def _duration(seconds) -> str:
 
 
 STATE_STYLE = {"training": "green", "joining": "cyan", "recovering": "cyan", "leaving": "yellow", "silent": "yellow",
-               "dead": "red", "left": "dim", "ended": "dim"}
+               "dead": "red", "refused": "red", "left": "dim", "ended": "dim"}
 
 
 def _heartbeat(node: dict) -> str:

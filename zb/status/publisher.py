@@ -100,7 +100,7 @@ class StatusPublisher(threading.Thread):
         """Publish the record once more as "left" and stop (bounded: a dead store cannot hold the exit)."""
         if self._closing.is_set():
             return
-        self.status.set_state("left")
+        self.status.end()
         self._closing.set()
         self._wake.set()
         if self.is_alive():

@@ -184,14 +184,16 @@ def _state(uid: str, rec: dict, world, gone: set, pending: list[str], age: float
     timeout = rec.get("heartbeat_timeout") or DEFAULT_HB_TIMEOUT
     silence = age if age is not None else watched     # what this reader can vouch for
     in_world = world is not None and uid in world.nodes
-    if published == "left":
-        return "left"
+    if published in ("left", "refused"):
+        return published
     if in_world and (uid, world.tokens.get(uid, "")) in gone:
         return "leaving"            # its deathrattle is out; the next resolution drops it
     if silence > timeout:
         return "left" if any(u == uid for u, _ in gone) and not in_world else "dead"
     if not in_world:
-        if world is not None and uid in world.died and uid not in pending:
+        if uid not in pending and ((world is not None and uid in world.died) or silence > 2 * interval):
+            # Neither a member nor queued to join, and no beat for two intervals: not a node starting up
+            # but one that died after the run dropped it (a SIGKILLed node of an earlier world, say).
             return "dead"
         return "recovering" if published == "recovering" else "joining"
     if silence > 2 * interval:
@@ -199,7 +201,7 @@ def _state(uid: str, rec: dict, world, gone: set, pending: list[str], age: float
     return "joining" if published == "joining" and uid in world.joined else "training"
 
 
-_RANKLESS = {"joining": 0, "recovering": 0, "leaving": 1, "silent": 1, "dead": 2, "left": 3}
+_RANKLESS = {"joining": 0, "recovering": 0, "leaving": 1, "silent": 1, "dead": 2, "refused": 3, "left": 3}
 
 
 def _order(node: dict) -> tuple:
@@ -217,7 +219,8 @@ def _run(world, nodes: list[dict], records: dict[str, dict | None]) -> dict[str,
     step = max((n["step"] or 0 for n in counted), default=None)
     total = lead.get("total_steps") if lead else None
     rate = lead.get("steps_per_s") if lead else None
-    eta = (total - step) / rate if total and step is not None and rate and rate > 0 and total >= step else None
+    running = bool(training) and step is not None and total and total > step   # a finished run has no ETA
+    eta = (total - step) / rate if running and rate and rate > 0 else None
     tps = [n["tokens_per_s"] for n in training if isinstance(n["tokens_per_s"], (int, float))]
     return {"mesh_version": world.version if world else None, "world_size": len(world.nodes) if world else 0,
             "leader": leader, "step": step, "outer_step": max((n["outer_step"] or 0 for n in counted), default=None),

@@ -26,7 +26,7 @@ OUTER_POINTS = 32
 MEMBERSHIP_POINTS = 16
 MAX_BYTES = 64 * 1024   # a value larger than this is not a zb status record: refused when read
 
-STATES = ("recovering", "joining", "training", "leaving", "left")
+STATES = ("recovering", "joining", "training", "leaving", "left", "refused")
 
 # The record's fields and their types, for decoding what a peer wrote.
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -36,7 +36,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "tokens": (int,), "tokens_per_s": (float, int), "run_tokens": (int,), "allreduce_s": (float, int),
     "wire_mbps": (float, int), "wire_bytes": (int,), "num_peers": (int,), "started": (float, int),
     "time": (float, int), "heartbeat_interval": (float, int), "heartbeat_timeout": (float, int),
-    "steps_per_s": (float, int), "history_version": (int,),
+    "steps_per_s": (float, int), "history_version": (int,), "reason": (str,),
 }
 
 
@@ -68,9 +68,11 @@ class NodeStatus:
         with self._lock:
             return bool(handler(record))
 
-    def set_state(self, state: str) -> None:
+    def end(self) -> None:
+        """The node's process ends: `left`, unless the run refused it (that state stays, with its reason)."""
         with self._lock:
-            self._record["state"] = state
+            if self._record.get("state") != "refused":
+                self._record["state"] = "left"
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any], int]:
         """(record, history, history_version): JSON-able dicts stamped with the current time."""
@@ -125,6 +127,11 @@ class NodeStatus:
                                  "joined": list(r.get("joined") or []), "left": list(r.get("left") or []),
                                  "died": list(r.get("died") or [])})
         self.history_version += 1
+        return True
+
+    def _on_refused(self, r: dict) -> bool:
+        """The run refused this node (its settings differ from the run's, say): it ends, not `left`."""
+        self._record.update(state="refused", reason=str(r.get("reason") or "")[:300])
         return True
 
     def _on_recovery(self, r: dict) -> bool:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from zb import __version__
 from zb.config import non_default_settings, to_dict
 from zb.config_schema import Config
-from zb.errors import LeavingRun
+from zb.errors import InvalidInput, LeavingRun
 from zb.fingerprint import fingerprint
 from zb.local_world import LocalWorld, local_world
 from zb.position import RunPosition
@@ -163,6 +163,9 @@ class TrainingRun:
             except LeavingRun:  # a signal arrived while this node was joining
                 self._stopped()
                 return self.counters
+            except InvalidInput as e:   # the run refused this node (settings that differ from the run's)
+                self.sink.log("refused", reason=str(e))
+                raise
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
                                                                 data_world)
             self._restore_data_position()
