@@ -190,7 +190,8 @@ def test_cli_clear_errors(tmp_path):
         env = subprocess_env(ZB_CKPT_TOKEN=TOKEN)
         for args, code, message in [
             (["--dir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)], 1, "in use"),
-            (["--dir", str(tmp_path / "missing")], 2, "does not exist"),
+            (["--dir", str(tmp_path / "missing")], 2, "does not exist or is not a directory: a training node with "
+                                                       "ckpt.live_recovery writes its snapshots to"),
             (["--dir", str(tmp_path), "--host", "no-such-host.invalid"], 2, "--host 'no-such-host.invalid' is not"),
             (["--dir", str(tmp_path), "--publish", "no-such-host.invalid:5000", "--node-id", "n",
               "--connect-timeout", "30"], 2, "'no-such-host.invalid' is not"),
@@ -210,6 +211,29 @@ def test_cli_clear_errors(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", "--help"], env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
     assert "--max-connections" in proc.stdout and "503" in proc.stdout
+
+
+def test_cli_listens_on_loopback_by_default_and_warns_when_publishing_it_afar(tmp_path, caplog, monkeypatch):
+    """Like `zb store` and the dashboard, the sidecar listens on loopback unless told (issue 30, defect 7:
+    it listened on 0.0.0.0); a loopback address published to a store elsewhere is warned about."""
+    import logging
+
+    from zb.ckpt.sidecar.process import open_sidecar
+
+    proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", "--help"], env=subprocess_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert "[default: 127.0.0.1]" in proc.stdout
+    monkeypatch.setenv("ZB_CKPT_TOKEN", TOKEN)
+    import zb.ckpt.sidecar.process as process
+
+    monkeypatch.setattr(process, "_connect_store", lambda addr, timeout: object())   # a store elsewhere, reached
+    monkeypatch.setattr(process, "publish_address", lambda store, node, address: f"ckpt_serve/{node}")
+    for host, warned in (("127.0.0.1", True), ("0.0.0.0", False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="zb.ckpt.serve"):
+            sidecar = open_sidecar(str(tmp_path), host, 0, None, "10.255.255.1:5000", "n1", None, 5.0)
+        sidecar.server.server_close()
+        assert ("joiners there cannot reach this sidecar; pass --host 0.0.0.0" in caplog.text) == warned, host
 
 
 def test_pruning_during_a_transfer_does_not_cut_it(tmp_path):

@@ -165,6 +165,16 @@ def test_an_existing_out_is_never_overwritten(one_rank, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no temporary directory left
 
 
+def test_missing_parents_of_out_are_made_as_the_readme_writes_it(one_rank, tmp_path):
+    """`zb export CKPT out/my-model` was refused for its missing parent (issue 30, defect 7)."""
+    proc = zb_process("export", str(one_rank), str(tmp_path / "out" / "my-model"))
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "my-model" / "zb_export.json").is_file()
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InvalidInput, match="afile is not a directory"):
+        export_checkpoint(one_rank, tmp_path / "afile" / "sub" / "model")
+
+
 def _copy(step_dir: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "ckpt" / step_dir.name
     shutil.copytree(step_dir, copy)

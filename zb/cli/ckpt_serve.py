@@ -15,8 +15,12 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
 @click.command("ckpt-serve", context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
                epilog=EPILOG)
 @click.option("--dir", "root", required=True, type=click.Path(file_okay=False, path_type=str),
-              help="Snapshot root: the newest committed snapshot under it is served.")
-@click.option("--host", type=TEXT, default="0.0.0.0", show_default=True, help="Address to listen on.")
+              help="Snapshot root: the newest committed snapshot under it is served. A training node with "
+                   "ckpt.live_recovery writes its own to <ckpt.ram_dir>/live/<node id> (default /dev/shm/zb/live/<node "
+                   "id>) and serves them itself.")
+@click.option("--host", type=TEXT, default="127.0.0.1", show_default=True,
+              help="Address to listen on: loopback by default, as `zb store`; 0.0.0.0 or an address of this machine "
+                   "serves joiners on other machines.")
 @click.option("--port", type=click.IntRange(0, 65535), default=0, envvar="ZERO_BAND_LIVE_RECO_PORT",
               help="Port to listen on; 0 picks a free one. [env: ZERO_BAND_LIVE_RECO_PORT]")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=str), default=None,

@@ -44,8 +44,12 @@ def parse_size(text: str) -> int:
 def check_out(out: Path, force: bool) -> None:
     """Refuse an OUT that exists (unless --force and it is an earlier export, or it is an empty directory)."""
     if not out.exists() and not out.is_symlink():
-        if not out.parent.is_dir():
-            raise InvalidInput(f"output directory {out}: its parent {out.parent} does not exist")
+        # Missing parents are made (as mkdir -p would); one that exists as something else is an error.
+        ancestor = out.parent
+        while not ancestor.exists() and ancestor != ancestor.parent:
+            ancestor = ancestor.parent
+        if not ancestor.is_dir():
+            raise InvalidInput(f"output directory {out}: {ancestor} is not a directory")
         return
     if out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
         return
@@ -102,6 +106,7 @@ class Staging:
 
     def __enter__(self) -> Path:
         try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
             self.tmp.mkdir()
         except OSError as e:
             raise _os_failure(self.out, e) from None

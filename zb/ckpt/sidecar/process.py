@@ -45,7 +45,19 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
         except BaseException:
             server.server_close()
             raise
+        if _loopback(host) and not _loopback(store_host) and advertise is None:
+            log.warning("serving on %s only, but the store at %s is on another machine: joiners there cannot reach "
+                        "this sidecar; pass --host 0.0.0.0 (or this machine's address)", host, store_host)
     return sidecar
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _probe(host: str, port: int, deadline_s: float) -> None:

@@ -278,7 +278,9 @@ def make_server(root: Path, token: str, host: str, port: int, client_timeout: fl
     busy port EnvironmentFailure (one clear line)."""
     root = Path(root)
     if not root.is_dir():
-        raise InvalidInput(f"snapshot directory {root} does not exist or is not a directory: create it or fix --dir")
+        raise InvalidInput(f"snapshot directory {root} does not exist or is not a directory: a training node with "
+                           "ckpt.live_recovery writes its snapshots to <ckpt.ram_dir>/live/<node id> (default "
+                           "/dev/shm/zb/live/<node id>); point --dir at such a directory of committed snapshots")
     if not token:
         raise InvalidInput("the sidecar token is empty: set ZB_CKPT_TOKEN or pass --token-file with a secret")
     try:
