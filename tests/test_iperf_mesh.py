@@ -171,7 +171,7 @@ def test_port_in_use_exits_1() -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = _zb("--store", f"127.0.0.1:{free_port()}", "--rank", "0", "--world-size", "1",
+        proc = _zb("--store", f"127.0.0.1:{free_port()}", "--rank", "0", "--world-size", "2",
                    "--bind", "127.0.0.1", "--port", str(port), *FAST)
     assert proc.returncode == 1, proc.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr
@@ -191,7 +191,9 @@ def test_port_in_use_exits_1() -> None:
     (["--duration", "1e9"], "--duration"),
     (["--parallel", "100000"], "--parallel"),
     # A host name that does not resolve is a bad invocation wherever it is given, not a busy port.
-    (["--bind", "no-such-host.invalid", "--world-size", "1"], "--bind 'no-such-host.invalid' is not"),
+    (["--bind", "no-such-host.invalid", "--world-size", "2"], "--bind 'no-such-host.invalid' is not"),
+    # A mesh of one has no link to measure (it exited 0 with an empty matrix: issue 30).
+    (["--world-size", "1"], "1 is not in the range x>=2"),
     (["--store", "no-such-host.invalid:5000", "--rank", "1", "--timeout", "60"],
      "--store 'no-such-host.invalid' is not"),
 ])

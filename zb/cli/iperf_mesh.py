@@ -23,7 +23,8 @@ MAX_PARALLEL = 128
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
-@multi_host_options("Ranks: local processes to spawn, or the number of hosts in the multi-host run.")
+@multi_host_options("Ranks: local processes to spawn, or the number of hosts in the multi-host run (a mesh has "
+                    "links: at least 2).", min_world=2)
 @click.option("--duration", type=FiniteFloatRange(min=0, min_open=True, max=MAX_DURATION_S), default=3.0,
               show_default=True, help=f"Seconds each sender streams per measurement (at most {MAX_DURATION_S}).")
 @click.option("--parallel", "-P", type=click.IntRange(min=1, max=MAX_PARALLEL), default=1, show_default=True,
