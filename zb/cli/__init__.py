@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "ckpt-serve": "zb.cli.ckpt_serve:ckpt_serve",
     "subset-data": "zb.cli.subset_data:subset_data",
     "export": "zb.cli.export:export",
+    "generate": "zb.cli.generate:generate",
+    "ckpt": "zb.cli.ckpt:ckpt",
     "bench-allreduce": "zb.cli.bench_allreduce:bench_allreduce",
     "iperf-mesh": "zb.cli.iperf_mesh:iperf_mesh",
     "man": "zb.cli.man:man",

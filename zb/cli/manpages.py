@@ -49,7 +49,7 @@ def render(cmd: click.Command, name: str, parent: click.Context | None = None) -
         lines += [".SH COMMANDS"]
         for sub in cmd.list_commands(ctx):
             lines += [".TP", f"\\fB{sub}\\fR", _escape(cmd.get_command(ctx, sub).get_short_help_str(limit=200)),
-                      f"See \\fBzb\\-{sub}\\fR(1)."]
+                      f"See \\fB{_escape(name.replace(' ', '-'))}\\-{sub}\\fR(1)."]
     return "\n".join(lines) + "\n"
 
 
@@ -60,7 +60,12 @@ def all_pages() -> dict[str, str]:
     root_ctx = click.Context(cli, info_name="zb", **cli.context_settings)
     pages = {"zb.1": render(cli, "zb")}
     for sub in cli.list_commands(root_ctx):
-        pages[f"zb-{sub}.1"] = render(cli.get_command(root_ctx, sub), f"zb {sub}", parent=root_ctx)
+        cmd = cli.get_command(root_ctx, sub)
+        pages[f"zb-{sub}.1"] = render(cmd, f"zb {sub}", parent=root_ctx)
+        if isinstance(cmd, click.Group):  # a group's subcommands get pages too: zb-ckpt-ls.1 (zb man ckpt-ls)
+            ctx = click.Context(cmd, info_name=sub, parent=root_ctx, **cmd.context_settings)
+            for name in cmd.list_commands(ctx):
+                pages[f"zb-{sub}-{name}.1"] = render(cmd.get_command(ctx, name), f"zb {sub} {name}", parent=ctx)
     return pages
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from zb import __version__
+from zb.models.args import ModelArgs
 from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.export")
@@ -96,12 +97,22 @@ def _check_shapes(params: dict[str, torch.Tensor], args) -> None:
                                "runs")
 
 
+def read_params(ckpt, *, inner: bool) -> tuple["ModelArgs", dict[str, torch.Tensor]]:
+    """(the model's args, its full fp32 params by name) from an opened checkpoint (zb.export.source):
+    every part joined, shapes checked against the model the checkpoint's config describes."""
+    from zb.export.gather import gather
+
+    args = _model_args(ckpt, _vocab_rows(ckpt))
+    params = gather(ckpt, _parameter_order(args), inner=inner)
+    _check_shapes(params, args)
+    return args, params
+
+
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", inner: bool = False,
                       tokenizer: str | None = None, max_shard_size: str = DEFAULT_SHARD_SIZE,
                       force: bool = False) -> ExportReport:
     """Export a checkpoint as a Hugging Face LlamaForCausalLM directory; InvalidInput (exit 2) or
     EnvironmentFailure (exit 1) name what is wrong, and OUT is then untouched."""
-    from zb.export.gather import gather
     from zb.export.hf_llama import hf_config, hf_state_dict
     from zb.export.source import open_checkpoint
     from zb.export.tokenizer_files import export_tokenizer
@@ -120,10 +131,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     params_kind = "outer" if ckpt.has_outer and not inner else "inner"
     if not ckpt.has_outer and not inner:
         log.info("the checkpoint has no DiLoCo outer params (a run without DiLoCo): exporting its params")
-    args = _model_args(ckpt, _vocab_rows(ckpt))
     t1 = time.perf_counter()
-    params = gather(ckpt, _parameter_order(args), inner=inner)
-    _check_shapes(params, args)
+    args, params = read_params(ckpt, inner=inner)
     tensors = hf_state_dict(params, args, DTYPES[dtype])
     del params
     t2 = time.perf_counter()
