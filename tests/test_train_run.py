@@ -135,3 +135,34 @@ def test_the_launcher_gives_the_ranks_their_checkpoint_grace_before_killing_them
     args = seen[0]
     assert args.shutdown_timeout == 45 + STOP_MARGIN_S and str(args.nproc_per_node) == "2"
     assert args.training_script_args == ["train", "--optim.lr", "1e-3"]
+
+
+def test_a_signal_during_a_step_stops_the_node_after_that_step():
+    """The stop vote reads the request at the step's end: a signal landing mid-step ends the run after
+    that step (read at the start, one more step ran after "stopping after this step": issue 30)."""
+    import torch
+
+    from zb.train.device import Placement
+    from zb.train.step import Trainer
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    placement = Placement(torch.device("cpu"), "gloo", torch.float32, torch.float32)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+            self.signalled = False
+
+        def forward(self, inputs, cu_seqlens=None, labels=None, loss=None):
+            self.signalled = True            # the signal lands while the step computes
+            out = self.inner(inputs.float()).square().mean()
+            return out, out.detach() * 0
+
+    wrapped = Model()
+    trainer = Trainer(wrapped, opt, sched, placement, grad_clip=1.0, z_loss_weight=0.0)
+    batch = (torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.long))
+    assert trainer.train_step([batch], stop_requested=lambda: wrapped.signalled).stop
+    assert not trainer.train_step([batch]).stop

@@ -265,7 +265,7 @@ class TrainingRun:
             t0 = time.perf_counter()
             batches = take(self.train_loader, self.accum)
             t_data = time.perf_counter() - t0
-            result = self.trainer.train_step(batches, stop_requested=stop.requested)
+            result = self.trainer.train_step(batches, stop_requested=lambda: stop.requested)
             dt = time.perf_counter() - t0
             if debug:
                 # Where a step's time goes: waiting for data vs computing (forward, backward, optimizer).

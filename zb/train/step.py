@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,7 +65,9 @@ class Trainer:
         with autocast(self.model, self.placement):
             return self.model(inputs, cu_seqlens, labels=labels, loss=self.loss)
 
-    def train_step(self, micro_batches: list[Batch], stop_requested: bool = False) -> StepResult:
+    def train_step(self, micro_batches: list[Batch], stop_requested: Callable[[], bool] = lambda: False) -> StepResult:
+        """One optimizer step. `stop_requested` is asked at the step's end, when the local ranks vote: a
+        signal that lands during the step stops the node after it (asked at the start, it cost a step more)."""
         self.model.train()
         n = len(micro_batches)
         # Sums stay on the device (fp64): reading them once per step, not per micro batch, keeps
@@ -89,7 +91,7 @@ class Trainer:
         self.scheduler.step()
         # One local all-reduce and one host read per step carry the logged losses, the stop flag and
         # the grad norm (equal on every rank, so its mean is itself) together.
-        stop = torch.tensor([float(stop_requested)], dtype=acc).to(self.placement.device, non_blocking=True)
+        stop = torch.tensor([float(stop_requested())], dtype=acc).to(self.placement.device, non_blocking=True)
         values = torch.cat([sums / n, stop, grad_norm.detach().to(acc).reshape(1)])
         loss, z, stop_mean, norm = local_mean(values, self.placement.device)
         return StepResult(loss=loss, z_loss=z, grad_norm=norm, lr=lr, stop=stop_mean > 0)
