@@ -254,3 +254,12 @@ def test_bogus_log_level_stops_every_command_with_one_line():
     assert proc.stderr.strip().splitlines() == [
         "error: log.level = 'BOGUS' (from env ZERO_BAND_LOG_LEVEL): must be one of NOTSET, DEBUG, INFO, WARNING, "
         "ERROR, CRITICAL"]
+
+
+def test_messages_show_values_as_a_config_file_writes_them():
+    """true, not True; unset, not None (issue 30, minor)."""
+    from zb.config import toml_value
+
+    with pytest.raises(ConfigError, match=r"^data.fake = true \(from flag --data.fake\): conflicts"):
+        load_config([], {"data.fake": "true", "data.dataset_name_or_paths": "x.jsonl"}, environ={})
+    assert [toml_value(v) for v in (None, False, "it's", [1, "a"])] == ["unset", "false", '"it\'s"', "[1, 'a']"]

@@ -161,25 +161,25 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
             value = float(value)
             if not math.isfinite(value):
                 # NaN passes every `<= 0` check and inf every lower bound: refuse both here, for every key.
-                raise ConfigError(f"{spec.key} = {value!r}{where}: must be a finite number")
+                raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: must be a finite number")
         elif spec.items:
             value = _to_list(spec, value, where)
         elif spec.type is str:
             if not isinstance(value, str):
                 raise ValueError
     except (TypeError, ValueError):
-        raise ConfigError(f"{spec.key} = {value!r}{where}: expected {spec.type.__name__}") from None
+        raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: expected {spec.type.__name__}") from None
     if spec.type is str:
         if not is_text(value):
-            raise ConfigError(f"{spec.key} = {value!r}{where}: not UTF-8 text (undecodable bytes); "
+            raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: not UTF-8 text (undecodable bytes); "
                               "give it as UTF-8")
         value = spec.aliases.get(value, spec.aliases.get(value.strip().lower(), value))
         if spec.choices and value not in spec.choices:
-            raise ConfigError(f"{spec.key} = {value!r}{where}: must be one of {', '.join(spec.choices)}")
+            raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: must be one of {', '.join(spec.choices)}")
     if spec.check is not None and value is not None:
         test, rule = CHECKS[spec.check]
         if not test(value):
-            raise ConfigError(f"{spec.key} = {value!r}{where}: {rule}")
+            raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: {rule}")
     return value
 
 
@@ -217,12 +217,12 @@ def _to_list(spec: KeySpec, value: Any, where: str) -> str:
     out: list[str] = []
     for word in (w.strip().lower() for w in words if w.strip()):
         if word not in spec.items:
-            raise ConfigError(f"{spec.key} = {value!r}{where}: unknown entry {word!r}; each must be one of "
+            raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: unknown entry {word!r}; each must be one of "
                               f"{', '.join(spec.items)}")
         if word not in out:
             out.append(word)
     if not out:
-        raise ConfigError(f"{spec.key} = {value!r}{where}: give at least one of {', '.join(spec.items)}")
+        raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: give at least one of {', '.join(spec.items)}")
     return ",".join(out)
 
 
@@ -312,7 +312,7 @@ class _Reading:
         try:
             meaning = prime.translate(key, value)
         except prime.PrimeValueError as e:
-            raise ConfigError(f"{key} = {value!r}{_describe(source)}: {e}") from None
+            raise ConfigError(f"{key} = {toml_value(value)}{_describe(source)}: {e}") from None
         if meaning.zb_key is not None:
             self.values[meaning.zb_key] = (meaning.value, f"{source}, Prime's {key}")
             self.notes.append(f"{key} -> {meaning.zb_key} ({source})")
@@ -392,7 +392,7 @@ def build(values: Mapping[str, tuple[Any, str]], present: set[str] = frozenset()
     for key, message in problems(cfg):
         fail(cfg, key, message)
     for key, message in advisories(cfg):
-        _warn_once(f"{key} = {get(cfg, key)!r}{_describe(source_of(cfg, key))}: {message}")
+        _warn_once(f"{key} = {toml_value(get(cfg, key))}{_describe(source_of(cfg, key))}: {message}")
     return cfg
 
 
@@ -423,9 +423,29 @@ def source_of(cfg: Config, key: str) -> str:
     return getattr(cfg, "_sources", {}).get(key, DEFAULT)
 
 
+def toml_value(value: Any) -> str:
+    """A value as a config file writes it (true, not True; a string quoted as TOML reads it); None, which
+    TOML cannot write, is "unset" (messages say so; --print-config comments the key out instead)."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        if not value.isprintable():
+            return repr(value)      # escaped: undecodable bytes must not reach a terminal raw
+        if "'" not in value:
+            return f"'{value}'"     # a literal string: no escapes
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
 def fail(cfg: Config, key: str, message: str, error: type[ZbError] | None = None) -> typing.NoReturn:
     """Raise a ConfigError (or `error`) for `key` that names its value and where that value came from."""
-    raise (error or ConfigError)(f"{key} = {get(cfg, key)!r}{_describe(source_of(cfg, key))}: {message}")
+    raise (error or ConfigError)(f"{key} = {toml_value(get(cfg, key))}{_describe(source_of(cfg, key))}: {message}")
 
 
 def get(cfg: Config, key: str) -> Any:
@@ -465,7 +485,7 @@ def describe(cfg: Config) -> str:
             lines += ["", f"[{section}]"]
             current = section
         value = get(cfg, key)
-        text = f"# {name} = (unset)" if value is None else f"{name} = {_toml_value(value)}"
+        text = f"# {name} = (unset)" if value is None else f"{name} = {toml_value(value)}"
         lines.append(text.ljust(44) + f"  # {source_of(cfg, key)}  ({spec.env})")
     return "\n".join(lines).strip() + "\n"
 
@@ -481,9 +501,3 @@ def _table_order() -> list[str]:
     return sorted(KEYS, key=lambda k: (top[k.split(".")[0]], k.count("."), first[k.rsplit(".", 1)[0]]))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(value)
