@@ -34,6 +34,13 @@ def line(logdir: Path, n: int) -> str:
     return " | ".join(parts)
 
 
+def _number(value) -> str:
+    """A loss for the table: 4 decimals, "-" when none was logged, as written when not finite ("inf")."""
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
+
+
 def summary(logdir: Path, n: int) -> str:
     rows = ["node   steps  outer steps  last loss  held-out loss  tokens/s"]
     hashes: dict[int, dict[int, str]] = {}
@@ -41,8 +48,9 @@ def summary(logdir: Path, n: int) -> str:
         steps, outer, evals = (_events(logdir, i, k) for k in ("step", "outer_step", "eval"))
         hashes[i] = {e["outer_step"]: e["params_hash"] for e in outer if "params_hash" in e}
         last = steps[-1] if steps else {}
-        rows.append(f"node{i:<3} {last.get('step', 0):>5}  {len(outer):>11}  {last.get('loss', float('nan')):>9.4f}  "
-                    f"{evals[-1]['loss'] if evals else float('nan'):>13.4f}  {last.get('tokens_per_s', 0):>8,.0f}")
+        held_out = _number(evals[-1]["loss"]) if evals else "not run"   # a run without evals has no held-out loss
+        rows.append(f"node{i:<3} {last.get('step', 0):>5}  {len(outer):>11}  {_number(last.get('loss')):>9}  "
+                    f"{held_out:>13}  {last.get('tokens_per_s', 0):>8,.0f}")
     shared = set.intersection(*(set(h) for h in hashes.values())) if hashes else set()
     if not shared:
         rows.append("agreement: no outer step logged a params hash on every node")

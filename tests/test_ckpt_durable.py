@@ -125,6 +125,9 @@ def test_corrupted_latest_is_skipped_and_explicit_bad_path_refused(tmp_path, cap
     assert any("sha256" in r.getMessage() for r in caplog.records)
     with pytest.raises(InvalidInput, match="sha256"):
         manager(tmp_path, resume=str(bad.parent.parent)).resume(small_state(seed=1))
+    # A path that is not there says so (it said "not a committed snapshot": issue 30, minor).
+    with pytest.raises(InvalidInput, match="step-000000009'?: no such file or directory; give latest"):
+        manager(tmp_path, resume=str(tmp_path / "disk" / snapshot_name(9))).resume(small_state(seed=1))
 
 
 def test_config_mismatch_names_the_keys(tmp_path):

@@ -145,3 +145,11 @@ def test_twin_path_forced(monkeypatch) -> None:
 
     with pytest.raises(InvalidInput):
         build.use_cpp()
+
+
+def test_the_kernel_line_counts_threads_in_english():
+    """"1 threads" (issue 30, minor)."""
+    from zb.collectives.build import cpp_kernels_line
+
+    assert cpp_kernels_line(1, True) == "C++ (torch.ops.zb, 1 thread, OpenMP)"
+    assert cpp_kernels_line(2, False) == "C++ (torch.ops.zb, 2 threads, std::threads)"

@@ -89,3 +89,22 @@ def test_ctrl_c_stops_everything(tmp_path):
     _, alive = psutil.wait_procs(family, timeout=30)
     assert not alive, f"orphans: {[p.cmdline() for p in alive]}"
     assert proc.returncode != 0
+
+
+def test_the_summary_says_when_no_evaluation_ran(tmp_path):
+    """"held-out nan" for a run without evals, as Prime's configs are (issue 30, minor)."""
+    import json
+
+    from conftest import load_script
+
+    report = load_script("_sim_report")
+    for i, evals in enumerate(([], [{"event": "eval", "step": 4, "loss": 1.25}])):
+        node = tmp_path / f"node{i}"
+        node.mkdir()
+        events = [{"event": "step", "step": 4, "loss": 2.5, "tokens_per_s": 100.0},
+                  {"event": "outer_step", "outer_step": 1, "params_hash": "abc"}, *evals]
+        (node / "metrics.jsonl").write_text("".join(json.dumps({"time": 0, "node": f"n{i}", **e}) + "\n"
+                                                    for e in events))
+    rows = report.summary(tmp_path, 2).splitlines()
+    assert "not run" in rows[1] and "nan" not in rows[1] and "1.2500" in rows[2]
+    assert "all nodes hold the same params" in rows[-1]

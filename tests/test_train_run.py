@@ -166,3 +166,17 @@ def test_a_signal_during_a_step_stops_the_node_after_that_step():
     batch = (torch.ones(2, 4), torch.zeros(2, 4, dtype=torch.long))
     assert trainer.train_step([batch], stop_requested=lambda: wrapped.signalled).stop
     assert not trainer.train_step([batch]).stop
+
+
+def test_the_plain_step_line_has_step_time_and_eta_and_the_run_rate_only_with_other_nodes():
+    """On one node `tok/s` and `run tok/s` repeated each other, and plain logs had no step time or ETA
+    (issue 30, minor)."""
+    from zb.train.progress import StepClock, format_step_line
+
+    clock = StepClock()
+    for seconds in (5.0, 0.5, 0.5, 0.5):     # a slow first step does not swing the ETA
+        clock.add(seconds)
+    alone = format_step_line(10, 100, 2.0, 1e-3, 0.5, 1000.0, 1000.0, 10_000, step_s=0.5, eta_s=clock.eta(90))
+    assert "run tok/s" not in alone and "0.5 s/step" in alone and alone.endswith("ETA 0:00:45")
+    pooled = format_step_line(10, 100, 2.0, 1e-3, 0.5, 1000.0, 3000.0, 30_000, step_s=0.5, eta_s=None)
+    assert "run tok/s 3,000" in pooled and "ETA" not in pooled

@@ -171,8 +171,7 @@ def use_cpp() -> bool:
             log.warning("int8 kernels: PyTorch twins (C++ build failed: %s)", str(e).strip().splitlines()[-1:])
             return False
         _state["cpp"] = True
-        log.info("int8 kernels: C++ (torch.ops.zb, %d threads, %s)", _threads(),
-                 "OpenMP" if torch_ops_openmp() else "std::threads")
+        log.info("int8 kernels: %s", cpp_kernels_line(_threads(), torch_ops_openmp()))
         return True
 
 
@@ -181,6 +180,10 @@ def torch_ops_openmp() -> bool:
     import torch
 
     return bool(torch.ops.zb.openmp())
+
+
+def cpp_kernels_line(threads: int, openmp: bool) -> str:
+    return f"C++ (torch.ops.zb, {threads} thread{'s' * (threads != 1)}, {'OpenMP' if openmp else 'std::threads'})"
 
 
 def _threads() -> int:

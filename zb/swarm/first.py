@@ -40,6 +40,9 @@ class FirstStage(StageWorker):
         self.tokenizer, self.num_stages = tokenizer, len(bounds)
         self.accum = cfg.optim.batch_size // cfg.train.micro_bs
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
+        from zb.train.progress import StepClock
+
+        self.step_clock = StepClock()   # for the ETA of the step lines
         self.hops = None
         self.compute = threading.Lock()
         self.counted: set[int] = set()   # micro-batch ids whose loss was counted (each exactly once)
@@ -167,8 +170,10 @@ class FirstStage(StageWorker):
         self.position = type(p)(p.step, p.outer_step, p.tokens + self.tokens_per_step,
                                 p.run_tokens + self.tokens_per_step * max(1, self._owners()))
         p, tps = self.position, self.tokens_per_step / dt
+        self.step_clock.add(dt)
         if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
-            log.info(format_step_line(p.step, self.total, loss, lr, norm, tps, tps * self._owners(), p.run_tokens))
+            log.info(format_step_line(p.step, self.total, loss, lr, norm, tps, tps * self._owners(), p.run_tokens,
+                                      step_s=dt, eta_s=self.step_clock.eta(self.total - p.step)))
         self.sink.log("step", step=p.step, outer_step=p.outer_step, loss=loss, lr=lr, grad_norm=norm, z_loss=None,
                       tokens=p.tokens, tokens_per_s=round(tps, 1), run_tokens=p.run_tokens,
                       run_tokens_per_s=round(tps * self._owners(), 1),

@@ -7,7 +7,9 @@ logs stay greppable whichever display is on.
 from __future__ import annotations
 
 import logging
+import statistics
 import sys
+from collections import deque
 
 from rich.progress import TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -18,9 +20,33 @@ log = logging.getLogger("zb.train")
 
 
 def format_step_line(step: int, total: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float,
-                     run_tokens_per_s: float, run_tokens: int) -> str:
-    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | "
-            f"tok/s {tokens_per_s:,.0f} | run tok/s {run_tokens_per_s:,.0f} | run tokens {run_tokens:,}")
+                     run_tokens_per_s: float, run_tokens: int, *, step_s: float, eta_s: float | None) -> str:
+    """The plain log line of a step: what the rich bar shows (step time, ETA) too, and the run's rate
+    only when other nodes add to it (on one node it would repeat this node's)."""
+    run = f" | run tok/s {run_tokens_per_s:,.0f}" if round(run_tokens_per_s) != round(tokens_per_s) else ""
+    eta = f" | ETA {format_duration(eta_s)}" if eta_s is not None and step < total else ""
+    return (f"step {step}/{total} | loss {loss:.4f} | lr {lr:.2e} | grad {grad_norm:.3f} | {step_s:.3g} s/step | "
+            f"tok/s {tokens_per_s:,.0f}{run} | run tokens {run_tokens:,}{eta}")
+
+
+def format_duration(seconds: float) -> str:
+    """h:mm:ss, as the rich bar shows time."""
+    whole = max(0, int(round(seconds)))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
+
+
+class StepClock:
+    """Seconds per step for the ETA: the median of the last 20 steps, so a slow first step (warm-up,
+    compilation) or an outer step now and then does not swing it."""
+
+    def __init__(self, window: int = 20) -> None:
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def add(self, seconds: float) -> None:
+        self._recent.append(seconds)
+
+    def eta(self, steps_left: int) -> float | None:
+        return steps_left * statistics.median(self._recent) if self._recent else None
 
 
 class TrainingDisplay:

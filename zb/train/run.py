@@ -28,7 +28,7 @@ from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import (Placement, close_local_group, control_group, control_timeout_s, init_control_group,
                              init_local_group)
 from zb.train.lr_schedule import build_optimizer, build_scheduler, set_schedule_position
-from zb.train.progress import TrainingDisplay, format_step_line
+from zb.train.progress import StepClock, TrainingDisplay, format_step_line
 from zb.train.setup import build_loaders, build_model, check_batch, node_identity, open_metrics, preflight
 from zb.train.signals import StopRequest
 from zb.train.step import StepResult, Trainer, take
@@ -130,6 +130,7 @@ class TrainingRun:
                                           local_world_size=local.world_size, is_head=local.is_head, sink=self.sink,
                                           local_group=control_group(), state_of=self.checkpoint_state)
         self.stop = StopRequest()
+        self.step_clock = StepClock()
         self._loss_mean: float | None = None
         # diloco.round_seconds: rounds end by time, at other steps on every node; the run's position after each
         # comes from the check-in. Where the current round started (its run tokens and run step):
@@ -267,6 +268,7 @@ class TrainingRun:
             t_data = time.perf_counter() - t0
             result = self.trainer.train_step(batches, stop_requested=lambda: stop.requested)
             dt = time.perf_counter() - t0
+            self.step_clock.add(dt)
             if debug:
                 # Where a step's time goes: waiting for data vs computing (forward, backward, optimizer).
                 log.debug("step %d: data %.4f s, compute %.4f s, loss %.4f, grad %.3f, lr %.3e", c.step + 1, t_data,
@@ -394,7 +396,7 @@ class TrainingRun:
         c = self.counters
         tps, run_tps = self.tokens_per_step / dt, self.tokens_per_step * c.num_nodes / dt
         log.info(format_step_line(c.step, self.total, result.loss, result.lr, result.grad_norm, tps, run_tps,
-                                  c.run_tokens))
+                                  c.run_tokens, step_s=dt, eta_s=self.step_clock.eta(self.total - c.step)))
         self.sink.log("step", step=c.step, outer_step=c.outer_step, loss=result.loss, lr=result.lr,
                       grad_norm=result.grad_norm, z_loss=result.z_loss, tokens=c.tokens,
                       tokens_per_s=round(tps, 1), run_tokens=c.run_tokens, run_tokens_per_s=round(run_tps, 1),

@@ -259,6 +259,9 @@ class CheckpointManager:
         elif "://" in spec:
             fetch = self._download_named(spec)
             return self._apply(self._read_step(fetch, state), state)
+        if not Path(spec).exists():
+            raise InvalidInput(f"ckpt.resume = '{spec}': no such file or directory; give latest, a step directory "
+                               "(step-NNNNNNNNN, see `zb ckpt ls`) or a remote URL of one")
         step_dir = resolve_part(Path(spec), 0).parent
         check_complete(step_dir)  # an explicitly named checkpoint with a missing part is an error (exit 2)
 
@@ -430,7 +433,7 @@ class CheckpointManager:
         if state.outer is None and meta.get("shared_files"):
             log.warning("checkpoint %s holds a DiLoCo outer state that this run (no DiLoCo) ignores", part)
         if meta.get("threads") != torch.get_num_threads():
-            log.warning("checkpoint %s was written with %s threads, this process has %d: the resumed run is "
+            log.warning("checkpoint %s was written with %s CPU thread(s), this process has %d: the resumed run is "
                         "not bit-identical (float sums depend on the thread count)", part, meta.get("threads"),
                         torch.get_num_threads())
         if not meta.get("data_exact", True) or not state.data_exact:
