@@ -22,14 +22,23 @@ def _escape(text: str) -> str:
     return "\n".join("\\&" + line if line.startswith((".", "'")) else line for line in lines)
 
 
-def _option_entries(cmd: click.Command, ctx: click.Context) -> list[str]:
+def _entries(params: list[click.Parameter], ctx: click.Context) -> list[str]:
     out = []
-    for param in cmd.get_params(ctx):
+    for param in params:
         record = param.get_help_record(ctx)
         if record is None or isinstance(param, click.Argument):
             continue
         names, help_text = record
         out += [".TP", f"\\fB{_escape(names)}\\fR", _escape(help_text or "")]
+    return out
+
+
+def _option_entries(cmd: click.Command, ctx: click.Context) -> list[str]:
+    """Every option; a command that groups its options (zb train: by config section) gets a heading per group."""
+    groups = cmd.option_groups(ctx) if hasattr(cmd, "option_groups") else [(None, cmd.get_params(ctx))]
+    out = []
+    for heading, params in groups:
+        out += ([f".SS {_escape(heading)}"] if heading else []) + _entries(params, ctx)
     return out
 
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import click
 
 from zb.cli.config_options import config_options, pop_config_flags, split_config_files
+from zb.cli.help_sections import SectionedCommand
 
-EPILOG = """Config sources, later wins: defaults < @files (left to right) < env twins < flags.
+EPILOG = """One section in full (flag, type, default, env twin): zb train --help SECTION, e.g. --help diloco.
+Every option, by section: zb train --help all (or zb man train).
+
+Config sources, later wins: defaults < @files (left to right) < env twins < flags.
 Example: zb train @configs/debug/normal.toml --optim.lr 3e-4.
 Local ranks: torchrun --nproc_per_node 2 -m zb train ..., or zb train --nproc-per-node 2 ...
 Metrics: one JSON object per line in <log.dir>/metrics.jsonl."""
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
+@click.command(cls=SectionedCommand, epilog=EPILOG,
+               context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.argument("config_files", nargs=-1, metavar="[@CONFIG.toml]...")
 @click.option("--print-config", is_flag=True, help="Print the resolved config with the source of every value, then exit.")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
