@@ -314,3 +314,15 @@ def test_queued_checkpoint_keeps_its_staging_buffers(tmp_path, monkeypatch):
         fresh = small_state(seed=9)
         manager(tmp_path, resume=str(tmp_path / "disk" / snapshot_name(step))).resume(fresh)
         assert float(fresh.model[0].weight.detach()[0, 0]) == step
+
+
+def test_by_default_the_newest_three_are_kept_and_topk_0_keeps_every_one(tmp_path):
+    """ckpt.topk kept every checkpoint by default, filling the disk (issue 30, minor)."""
+    m, state = manager(tmp_path / "a"), small_state()
+    save_steps(m, state, [1, 2, 3, 4, 5])
+    assert m.committed_steps() == [3, 4, 5]
+    m.close()
+    m, state = manager(tmp_path / "b", topk=0), small_state()
+    save_steps(m, state, [1, 2, 3, 4, 5])
+    assert m.committed_steps() == [1, 2, 3, 4, 5]
+    m.close()

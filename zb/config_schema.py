@@ -235,7 +235,8 @@ class CkptConfig:
                                    check="positive")
     path: Optional[str] = knob(None, "Directory for durable checkpoints on this node's disk.")
     remote: RemoteConfig = section(RemoteConfig, "Remote copies of checkpoints.")
-    topk: Optional[int] = knob(None, "Keep only the newest K committed checkpoints.", check="positive")
+    topk: int = knob(3, "Keep only the newest K complete checkpoints (on ckpt.path and the remote copy; an older "
+                        "one goes only once a newer one is complete); 0 keeps every one.", check="non_negative")
     resume: Optional[str] = knob(None, "Resume from `latest` (newest complete step on disk or on the remote copy), "
                                        "a step directory, or a remote URL of one.")
     ram_dir: str = knob("/dev/shm/zb", "RAM-backed staging directory for snapshots.")

@@ -55,7 +55,7 @@ class Targets:
     disk_root: Path | None     # ckpt.path
     remote: str | None         # ckpt.remote.path/<node id> (fsspec URL)
     remote_interval: int | None
-    topk: int | None
+    topk: int                  # 0: keep every checkpoint
     local_rank: int
     attempts: int = 3
     retry_delay: float = 1.0
