@@ -73,6 +73,12 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
                                        "of diloco.inner_steps")
     if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
         yield from _streaming_problems(cfg.diloco)
+    if cfg.eval.only and not cfg.ckpt.resume:
+        yield "eval.only", "evaluates a checkpoint: name it with ckpt.resume (latest with ckpt.path, a step directory " \
+                           "or a remote URL of one)"
+    if cfg.eval.only and cfg.swarm is not None:
+        yield "eval.only", "a DiLoCo-SWARM stage holds part of the model and cannot evaluate alone; evaluate an " \
+                           "exported model instead (zb export)"
     if cfg.swarm is not None:
         yield from _swarm_problems(cfg)
 

@@ -152,6 +152,8 @@ class DataConfig:
 class EvalConfig:
     interval: int = knob(50, "Evaluate the held-out split every N steps (0: only at the end; -1: never).", check="interval")
     batches: int = knob(8, "Micro batches per evaluation.", check="positive")
+    only: bool = knob(False, "Evaluate the checkpoint ckpt.resume names on eval.batches held-out micro batches per "
+                             "rank, print the loss and exit: no training, nothing written, no other node contacted.")
 
 
 LOG_LEVELS = ("NOTSET", "DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")

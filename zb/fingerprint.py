@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from zb import __version__
-from zb.config import KEYS, get
+from zb.config import KEYS, get, toml_value
 from zb.config_schema import Config
 from zb.errors import InvalidInput
 
@@ -45,7 +45,7 @@ def differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
 
 def _short(value: Any, limit: int = 60) -> str:
     """A value for a one-line message: long ones (a stage's parameter list) cut, with their length."""
-    text = repr(value)
+    text = toml_value(value)
     return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} chars)"
 
 

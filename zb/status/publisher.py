@@ -32,7 +32,7 @@ OP_TIMEOUT_S = 5.0      # one store operation of the publisher
 def publish_status(sink, cfg, *, is_head: bool):
     """`sink`, publishing the node's status too when this is a DiLoCo node's head (local rank 0) and
     elastic.status_interval > 0; else `sink` itself."""
-    if cfg.diloco is None or not is_head or cfg.elastic.status_interval <= 0:
+    if cfg.diloco is None or not is_head or cfg.elastic.status_interval <= 0 or cfg.eval.only:
         return sink
     # The thread's store client needs torch.distributed: imported here, since a first import from the
     # thread while the interpreter shuts down (the atexit goodbye below) fails.

@@ -157,6 +157,8 @@ class TrainingRun:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def execute(self) -> Counters:
+        if self.cfg.eval.only:
+            return self._evaluate_only()
         self.stop.install()  # before the mesh: its deathrattle chains to this handler
         try:
             try:
@@ -189,6 +191,27 @@ class TrainingRun:
                 # Normal end, error or signal: the deathrattle lets peers drop this node at once.
                 self.diloco.shutdown(graceful=True)
             self.stop.restore()
+            self.sink.close()
+        return self.counters
+
+    def _evaluate_only(self) -> Counters:
+        """eval.only: the checkpoint ckpt.resume names, on this node's held-out shard; nothing else."""
+        cfg = self.cfg
+        try:
+            self.train_loader, self.eval_loader = build_loaders(cfg, self.tokenizer, self.local,
+                                                                cfg.data.data_rank or 0, cfg.data.data_world_size or 1)
+            loaded = self.checkpoints.resume(store=None, scope="", joining=False)
+            if loaded is None:
+                raise InvalidInput(f"eval.only: ckpt.resume = '{cfg.ckpt.resume}' found no complete checkpoint under "
+                                   f"{cfg.ckpt.path}; see `zb ckpt ls {cfg.ckpt.path}`")
+            self.move_to(loaded.position, own_tokens=True)
+            loss = self._evaluate()
+            log.info("eval.only: checkpoint %s (step %d): held-out loss %.4f, perplexity %.4g over %d micro batches "
+                     "per rank", loaded.path, self.counters.step, loss, perplexity(loss), cfg.eval.batches)
+        finally:
+            if hasattr(getattr(self, "train_loader", None), "close"):
+                self.train_loader.close()
+            self.checkpoints.close()
             self.sink.close()
         return self.counters
 
