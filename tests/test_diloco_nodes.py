@@ -246,7 +246,10 @@ def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run
     shared = sorted(set(a) & set(b))
     assert sum(k[0] > frozen_at for k in shared) >= 3, f"the thawed node did not train with the run: {a} {b}"
     assert [k for k in shared if a[k] != b[k]] == [], "params differ at all-reduces both nodes took"
-    assert "receives the run's state" in (run.tmp / "n1.log").read_text()
+    log = (run.tmp / "n1.log").read_text()
+    assert "receives the run's state" in log
+    # It says why the others dropped it (issue 30, defect 6: a live node evicted on a busy machine).
+    assert "this node's own heartbeats were up to" in log and "raise elastic.heartbeat_timeout" in log, log[-3000:]
 
 
 def test_a_node_can_host_the_store_itself(tmp_path):

@@ -445,3 +445,35 @@ def test_groups_are_not_built_with_a_member_this_node_cannot_reach(monkeypatch):
     view = WorldView(mesh_version=4, global_rank=0, global_world_size=3, nodes=["a", "b", "c"], leader="a", uid="a")
     mesh._rebuild(view)
     assert mesh.global_pg is None and mesh._failed
+
+
+def test_a_beat_that_comes_late_is_measured_and_explains_an_eviction():
+    """A node that cannot beat in time (a busy machine: issue 30, defect 6) measures its own worst gap and
+    says it when it finds itself dropped; a node that beat on time says nothing of the kind."""
+    import time
+
+    from zb.elastic.heartbeat import Heartbeat, stall_hint
+
+    class SlowOnce:
+        def __init__(self):
+            self.calls = 0
+
+        def add(self, key, n):
+            self.calls += 1
+            if self.calls == 3:
+                time.sleep(0.6)        # this beat is held up, as by a starved process
+
+        def check(self, keys):
+            return False
+
+    store = SlowOnce()
+    beat = Heartbeat("me", 0.05, Liveness(1.0), lambda: store, lambda: [])
+    beat.start()
+    deadline = time.monotonic() + 30
+    while store.calls < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    beat.stop(5)
+    gap = beat.take_worst_gap()
+    assert gap >= 0.6 and beat.take_worst_gap() == 0.0
+    assert "up to" in stall_hint(gap, 1.0) and "raise elastic.heartbeat_timeout" in stall_hint(gap, 1.0)
+    assert stall_hint(0.1, 1.0) == ""

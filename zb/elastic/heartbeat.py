@@ -83,6 +83,8 @@ class Heartbeat(threading.Thread):
         self._store = None
         self.beats = 0
         self.outage_since: float | None = None
+        self._last_beat: float | None = None
+        self.worst_gap_s = 0.0   # the longest time between two beats that reached the store, on this clock
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -90,11 +92,21 @@ class Heartbeat(threading.Thread):
             self._beat()
             self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
+    def take_worst_gap(self) -> float:
+        """The longest gap between this node's beats since the last call (then forgotten)."""
+        gap, self.worst_gap_s = self.worst_gap_s, 0.0
+        return gap
+
     def _beat(self) -> None:
         try:
             if self._store is None:
                 self._store = self._connect()
             self._store.add(keys.heartbeat(self.uid), 1)
+            now = time.monotonic()
+            if self._last_beat is not None:
+                # A machine too busy to run this thread (or a store too slow to take the beat) shows here.
+                self.worst_gap_s = max(self.worst_gap_s, now - self._last_beat)
+            self._last_beat = now
             observe_counters(self._store, self.liveness, self._watch())
             self.beats += 1
             if self.outage_since is not None:
@@ -112,3 +124,12 @@ class Heartbeat(threading.Thread):
         self._stop_event.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout)
+
+
+def stall_hint(worst_gap_s: float, timeout_s: float) -> str:
+    """Why the others may have taken this node for dead, when its own beats say so; else ""."""
+    if worst_gap_s < timeout_s / 2:
+        return ""
+    return (f"; this node's own heartbeats were up to {worst_gap_s:.1f} s apart (elastic.heartbeat_timeout is "
+            f"{timeout_s:g} s): a machine too busy to beat in time looks dead to the others; raise "
+            "elastic.heartbeat_timeout (ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS) or give the node more CPU")

@@ -23,7 +23,7 @@ from typing import Callable
 
 from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
-from zb.elastic.heartbeat import Liveness, observe_counters
+from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.ring import RingPlanner, apply_ring_order
 from zb.elastic.store_state import Snapshot, encode_line, read_snapshot
@@ -48,6 +48,7 @@ class Membership:
         self.failed, self.suspects = False, set()
         self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
+        self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self):
@@ -177,7 +178,9 @@ class Membership:
             raise self._drop_store(e) from None
 
     def _rejoin(self, why: str) -> World:
-        log.warning("rejoining (%s); last mesh version %d", why, self.world.version if self.world else 0)
+        hint = stall_hint(self.heartbeat.take_worst_gap(), self.cfg.heartbeat_timeout) \
+            if self.heartbeat is not None and "evicted" in why else ""
+        log.warning("rejoining (%s); last mesh version %d%s", why, self.world.version if self.world else 0, hint)
         quorum = len(self.world.nodes) if self.world else 1
         return self.join(quorum=quorum, quorum_timeout=self.cfg.sync_deadline)
 

@@ -161,6 +161,7 @@ class ElasticDeviceMesh:
         store.set(keys.probe(uid), self._probe.endpoint)
         members = lambda: list(self._membership.world.nodes) if self._membership.world else []  # noqa: E731
         self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members)
+        self._membership.heartbeat = self._heartbeat
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
         if self.cfg.measure_links:
