@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import psutil
-
 from elastic_cluster import TrainCluster
 
 

@@ -40,8 +40,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from _chaos_checks import (Failure, Tail, agreement_failures, false_evictions, one_world, orphans,  # noqa: E402
-                           resume_check, split_runs, tcp_sockets)
+from _chaos_checks import (  # noqa: E402
+    Failure,
+    Tail,
+    agreement_failures,
+    false_evictions,
+    one_world,
+    orphans,
+    resume_check,
+    split_runs,
+    tcp_sockets,
+)
 from elastic_cluster import PROFILE, TrainCluster  # noqa: E402
 
 KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "donor-leave"]

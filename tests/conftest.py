@@ -146,6 +146,7 @@ def peer(tmp_path):
     """A checkpoint sidecar in a thread over a snapshot root: peer(name) -> (root, handle); closed after
     the test (see ckpt_peers for the snapshot it serves)."""
     from ckpt_peers import TOKEN, write_sample
+
     from zb.ckpt.sidecar.server import serve_in_thread
 
     handles = []
@@ -162,3 +163,41 @@ def peer(tmp_path):
     yield start
     for h in handles:
         h.close()
+
+
+@pytest.fixture
+def make_run(tmp_path):
+    """make_run(world_size): whole `zb train` nodes around a real `zb store` (tests/elastic_cluster.py)."""
+    from elastic_cluster import TrainCluster
+
+    runs = []
+
+    def make(world_size: int):
+        runs.append(TrainCluster(tmp_path, world_size))
+        return runs[-1]
+
+    yield make
+    for r in runs:
+        r.close()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Membership driver nodes around a store hosted in this process (tests/elastic_cluster.py)."""
+    from elastic_cluster import Cluster
+
+    c = Cluster(tmp_path)
+    c.host_store()
+    yield c
+    c.close()
+
+
+def same_batch(x, y) -> bool:
+    """Equal inputs, labels and document boundaries (both None, or equal tensors)."""
+    import torch
+
+    return all(a is b is None or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(x, y))
+
+
+# A 2-stage DiLoCo-SWARM run with short waits (tests/test_swarm_run.py, test_swarm_checkpoints.py).
+SWARM = ["--swarm.stages", "2", "--swarm.hop_timeout", "5", "--swarm.stage_wait", "30"]

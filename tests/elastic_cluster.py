@@ -204,3 +204,59 @@ def _common_view(nodes: list[Node], size: int, after: float, store_ok: bool = Fa
         times = [s["time"] for s in firsts.values()]
         return {"version": version, "nodes": list(views.pop()[0]), "time": min(times), "all_time": max(times)}
     return None
+
+
+# -- what several DiLoCo test modules check the same way ------------------------------------
+def hashes_by_mesh(run: TrainCluster, uid: str, world_size: int = 2) -> dict[tuple[int, int], str]:
+    """params_hash of every all-reduce the node took in a world of `world_size` nodes, keyed by
+    (mesh version, index within that version): the key the nodes share for one all-reduce,
+    whatever their own counters say."""
+    out, seen = {}, {}
+    for e in run.metrics(uid, "outer_step"):
+        if e["global_world_size"] == world_size:
+            k = seen[e["mesh_version"]] = seen.get(e["mesh_version"], -1) + 1
+            out[(e["mesh_version"], k)] = e["params_hash"]
+    return out
+
+
+def join_late(run: TrainCluster, *args: str) -> None:
+    """Two nodes train indefinitely; a third joins after outer step 2 and does 3 outer steps with
+    them; then all stop (SIGTERM). Ending the run on our signal, not after a step count, makes sure
+    the joiner meets the others however fast or slow the machine is."""
+    for i in range(2):
+        run.start_train(f"n{i}", "--optim.total_steps", "100000", *args, rank=i)
+    run.wait_outer("n0", 2)
+    run.start_train("late", "--optim.total_steps", "100000", *args, rank=2)
+    run.wait_outer("late", 3)
+    for uid in ("n0", "n1", "late"):
+        run.procs[uid].send_signal(signal.SIGTERM)
+    for uid in ("n0", "n1", "late"):
+        assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
+
+
+def agree_with_joiner(run: TrainCluster) -> None:
+    """At every all-reduce the three nodes took together, the joining one included (a receiver
+    logs the hash of the state it received), they hold identical outer params."""
+    hashes = [hashes_by_mesh(run, uid, 3) for uid in ("n0", "n1", "late")]
+    shared = sorted(set.intersection(*(set(h) for h in hashes)))
+    assert len(shared) >= 2, f"the joiner did not train with the others: {hashes}"
+    for k in shared:
+        assert hashes[0][k] == hashes[1][k] == hashes[2][k], f"all-reduce {k} (mesh version, index)"
+
+
+REFERENCE = str(Path(__file__).parent / "drivers" / "diloco_reference.py")
+
+
+def reference_losses(nodes: int | str, rule: str, flags: list[str]) -> list[list[float]]:
+    out = subprocess.run([sys.executable, REFERENCE, str(nodes), rule, *flags], capture_output=True, text=True,
+                         timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+
+
+# The reference reads flag/value pairs; TrainCluster.ARGS adds the model, H = 5 and params hashes.
+RUN_FLAGS = ["--optim.total_steps", "22", "--diloco.outer_lr", "0.7", "--diloco.outer_momentum", "0.9"]
+
+
+def worst_relative(got: list[float], expected: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, expected))

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import PYTHON, free_port, subprocess_env
 from torch.distributed import ReduceOp
 
-from conftest import PYTHON, free_port, subprocess_env
 from zb.collectives import PeerFailure, all_reduce
 from zb.collectives.kernels import BLOCK
 from zb.errors import InvalidInput

@@ -7,7 +7,6 @@ import json
 from conftest import free_port, zb_process
 
 
-
 def test_bench_two_local_ranks_json() -> None:
     proc = zb_process("bench-allreduce", "--world-size", "2", "--size-mb", "0.4", "--iterations", "2", "--warmup", "0",
                "--streams", "2", "--json")

@@ -7,7 +7,6 @@ import json
 from conftest import load_script
 
 
-
 def test_bench_convergence_quick_diloco_row(capsys):
     doc = load_script("bench_convergence").main(["--quick", "--rows", "diloco-h5-int8", "--seeds", "1", "--json"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == doc

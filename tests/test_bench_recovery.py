@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from conftest import load_script
-
 
 
 def test_bench_recovery_loopback_smoke(capsys):

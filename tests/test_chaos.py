@@ -7,7 +7,6 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-
 from conftest import load_script
 
 

@@ -11,8 +11,14 @@ import torch
 from safetensors.torch import load_file
 
 from zb.ckpt.format import catalog
-from zb.ckpt.format.catalog import (CorruptSnapshot, latest_snapshot, list_snapshots, prune, read_manifest,
-                                    verify_snapshot)
+from zb.ckpt.format.catalog import (
+    CorruptSnapshot,
+    latest_snapshot,
+    list_snapshots,
+    prune,
+    read_manifest,
+    verify_snapshot,
+)
 from zb.ckpt.format.manifest import MANIFEST, MARKER, Manifest
 from zb.ckpt.format.snapshot import expect_of, load_snapshot, write_snapshot
 from zb.errors import InvalidInput

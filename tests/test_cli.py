@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, TINY, subprocess_env, zb_process
 
 

@@ -9,6 +9,7 @@ from itertools import islice
 
 import pytest
 import torch
+from conftest import same_batch
 
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer, entropy_floor
@@ -39,11 +40,6 @@ def _write_corpus(tmp_path, n_docs=60):
     return docs
 
 
-def same_batch(x, y) -> bool:
-    """Equal inputs, labels and document boundaries (both None, or equal tensors)."""
-    return all(a is b is None or (a is not None and b is not None and torch.equal(a, b)) for a, b in zip(x, y))
-
-
 def _stream_docs(loader, epochs=1):
     """Texts the loader's document stream yields in its first `epochs` epochs."""
     out = []
@@ -62,7 +58,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_hf_tokenizer_from_file_round_trip(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

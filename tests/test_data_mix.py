@@ -11,9 +11,8 @@ from dataclasses import replace
 from itertools import islice
 
 import pytest
+from conftest import same_batch, zb_train
 
-from conftest import zb_train
-from test_data import same_batch
 from zb.config import ConfigError, load_config
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer

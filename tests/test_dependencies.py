@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from packaging.requirements import Requirement
-
 from conftest import PYTHON, REPO, TINY, subprocess_env
+from packaging.requirements import Requirement
 
 if sys.version_info >= (3, 11):
     import tomllib

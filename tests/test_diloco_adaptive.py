@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from conftest import TINY, free_port, zb_process
 from elastic_cluster import TrainCluster
+from torch import nn
+
 from zb.config import load_config
 from zb.config_schema import DilocoConfig
 from zb.diloco.outer import OuterState

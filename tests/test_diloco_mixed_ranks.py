@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, free_port, subprocess_env, zb_process
+from elastic_cluster import RUN_FLAGS, agree_with_joiner, reference_losses, worst_relative
 
-from test_diloco_nodes import _agree_with_joiner, make_run  # noqa: F401 - make_run is a fixture
-from test_diloco_overlap import RUN_FLAGS, _reference, _worst
 from zb.shard_rows import rows
 
 MOVES = str(Path(__file__).parent / "drivers" / "stripe_moves.py")
@@ -46,7 +45,7 @@ def test_row_moves_match_whole_tensors_under_fsdp(local_ranks, stripes):
 
 def test_nodes_of_one_and_two_local_ranks_equal_the_single_process_simulation(make_run):
     flags = [*TINY[:-4], "--model.name", "debug", "--diloco.inner_steps", "5", *RUN_FLAGS, "--train.device", "cpu"]
-    expected = _reference("1,2", "none", flags)     # node 1 reads as 2 local ranks do
+    expected = reference_losses("1,2", "none", flags)     # node 1 reads as 2 local ranks do
     run = make_run(2)
     run.start_train("n0", *RUN_FLAGS, "--diloco.stripes", "1", rank=0)
     run.start_train("n1", *RUN_FLAGS, local_ranks=2, rank=1)       # takes the run's stripes: 1
@@ -54,7 +53,7 @@ def test_nodes_of_one_and_two_local_ranks_equal_the_single_process_simulation(ma
         assert run.finish(uid) == 0, run.log(uid)
     for i in range(2):
         got = [e["loss"] for e in run.metrics(f"n{i}", "step")]
-        assert len(got) == 22 and _worst(got, expected[i]) < 1e-5, (i, got, expected[i])
+        assert len(got) == 22 and worst_relative(got, expected[i]) < 1e-5, (i, got, expected[i])
     hashes = [run.hashes(f"n{i}") for i in range(2)]
     assert hashes[0] == hashes[1] and len(hashes[0]) >= 4
     assert all(e["num_peers"] == 2 for e in run.metrics("n0", "outer_step"))
@@ -87,7 +86,7 @@ def test_a_two_rank_node_joins_a_run_of_one_rank_nodes(make_run, live):
         assert run.metrics("late", "recovery")[0]["bytes"] > 0
     else:
         assert "received the run's state from rank" in late
-    _agree_with_joiner(run)
+    agree_with_joiner(run)
 
 
 def test_a_node_with_fewer_local_ranks_than_stripes_is_refused(make_run):

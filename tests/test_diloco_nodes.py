@@ -16,24 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, subprocess_env
-from elastic_cluster import PROFILE, TrainCluster
+from elastic_cluster import PROFILE, TrainCluster, agree_with_joiner, hashes_by_mesh, join_late
 
 from zb.metrics import read_metrics
-
-
-@pytest.fixture
-def make_run(tmp_path):
-    runs = []
-
-    def make(world_size: int) -> TrainCluster:
-        runs.append(TrainCluster(tmp_path, world_size))
-        return runs[-1]
-
-    yield make
-    for r in runs:
-        r.close()
 
 
 # fp32 over one stream under soak: int8 over two streams covers more of the path (suite time)
@@ -55,47 +41,10 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
         assert e["h2d_s"] >= 0, e
 
 
-def _hashes_by_mesh(run: TrainCluster, uid: str, world_size: int = 2) -> dict[tuple[int, int], str]:
-    """params_hash of every all-reduce the node took in a world of `world_size` nodes, keyed by
-    (mesh version, index within that version): the key the nodes share for one all-reduce,
-    whatever their own counters say."""
-    out, seen = {}, {}
-    for e in run.metrics(uid, "outer_step"):
-        if e["global_world_size"] == world_size:
-            k = seen[e["mesh_version"]] = seen.get(e["mesh_version"], -1) + 1
-            out[(e["mesh_version"], k)] = e["params_hash"]
-    return out
-
-
-def _join_late(run: TrainCluster, *args: str) -> None:
-    """Two nodes train indefinitely; a third joins after outer step 2 and does 3 outer steps with
-    them; then all stop (SIGTERM). Ending the run on our signal, not after a step count, makes sure
-    the joiner meets the others however fast or slow the machine is."""
-    for i in range(2):
-        run.start_train(f"n{i}", "--optim.total_steps", "100000", *args, rank=i)
-    run.wait_outer("n0", 2)
-    run.start_train("late", "--optim.total_steps", "100000", *args, rank=2)
-    run.wait_outer("late", 3)
-    for uid in ("n0", "n1", "late"):
-        run.procs[uid].send_signal(signal.SIGTERM)
-    for uid in ("n0", "n1", "late"):
-        assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
-
-
-def _agree_with_joiner(run: TrainCluster) -> None:
-    """At every all-reduce the three nodes took together, the joining one included (a receiver
-    logs the hash of the state it received), they hold identical outer params."""
-    hashes = [_hashes_by_mesh(run, uid, 3) for uid in ("n0", "n1", "late")]
-    shared = sorted(set.intersection(*(set(h) for h in hashes)))
-    assert len(shared) >= 2, f"the joiner did not train with the others: {hashes}"
-    for k in shared:
-        assert hashes[0][k] == hashes[1][k] == hashes[2][k], f"all-reduce {k} (mesh version, index)"
-
-
 def test_joiner_mid_run_ends_identical(make_run):
     run = make_run(2)
-    _join_late(run)
-    _agree_with_joiner(run)
+    join_late(run)
+    agree_with_joiner(run)
     joined = [e for e in run.metrics("n0", "membership") if "late" in e["joined"]]
     assert joined, "the leader never logged the join"
     late_steps = run.metrics("late", "step")
@@ -105,13 +54,13 @@ def test_joiner_mid_run_ends_identical(make_run):
 def test_live_recovery_joiner_downloads_the_outer_state(make_run):
     run = make_run(2)
     run.env["ZB_CKPT_TOKEN"] = "test-token-0123456789abcdef"
-    _join_late(run, "--ckpt.live_recovery", "--diloco.blocking_join", "false", "--ckpt.ram_dir",
+    join_late(run, "--ckpt.live_recovery", "--diloco.blocking_join", "false", "--ckpt.ram_dir",
                str(run.tmp / "shm"), "--diloco.inner_steps", "60")  # slower outer steps: the joiner lands in time
     recovery = run.metrics("late", "recovery")
     assert recovery and recovery[0]["bytes"] > 0 and recovery[0]["peers"]
     left = [str(p) for p in (run.tmp / "shm").rglob("*") if p.is_file()]
     assert not left, f"RAM copies outlived their runs: {left}"  # served snapshots, the joiner's download
-    _agree_with_joiner(run)
+    agree_with_joiner(run)
     # Normally the joiner applies the run's update in its first outer step; if the run moved on
     # between its download and its admission, it falls back to the blocking transfer (also correct).
     first = run.metrics("late", "outer_step")[0]
@@ -236,13 +185,13 @@ def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run
     finally:
         os.killpg(run.procs["n1"].pid, signal.SIGCONT)
     frozen_at = max(e["mesh_version"] for e in run.metrics("n0", "outer_step") if e["global_world_size"] == 1)
-    back = lambda: sum(k[0] > frozen_at for k in _hashes_by_mesh(run, "n1")) >= 3  # noqa: E731
+    back = lambda: sum(k[0] > frozen_at for k in hashes_by_mesh(run, "n1")) >= 3  # noqa: E731
     run.wait_for("n1", back, "three all-reduces with the run after the thaw")
     for uid in ("n0", "n1"):
         run.procs[uid].send_signal(signal.SIGTERM)
     for uid in ("n0", "n1"):
         assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
-    a, b = _hashes_by_mesh(run, "n0"), _hashes_by_mesh(run, "n1")
+    a, b = hashes_by_mesh(run, "n0"), hashes_by_mesh(run, "n1")
     shared = sorted(set(a) & set(b))
     assert sum(k[0] > frozen_at for k in shared) >= 3, f"the thawed node did not train with the run: {a} {b}"
     assert [k for k in shared if a[k] != b[k]] == [], "params differ at all-reduces both nodes took"

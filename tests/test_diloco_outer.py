@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, free_port, subprocess_env
 
 DRIVER = str(Path(__file__).parent / "drivers" / "diloco_formula.py")

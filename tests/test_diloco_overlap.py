@@ -7,31 +7,12 @@ Nodes are real `zb train` processes around a real `zb store` (tests/elastic_clus
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-from conftest import REPO, TINY, subprocess_env
-from test_diloco_nodes import _agree_with_joiner, _join_late, make_run  # noqa: F401 - make_run is a fixture
-
-REFERENCE = str(Path(__file__).parent / "drivers" / "diloco_reference.py")
-
-
-def _reference(nodes: int | str, rule: str, flags: list[str]) -> list[list[float]]:
-    out = subprocess.run([sys.executable, REFERENCE, str(nodes), rule, *flags], capture_output=True, text=True,
-                         timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
-
-
-# The reference reads flag/value pairs; TrainCluster.ARGS adds the model, H = 5 and params hashes.
-RUN_FLAGS = ["--optim.total_steps", "22", "--diloco.outer_lr", "0.7", "--diloco.outer_momentum", "0.9"]
-
+from conftest import TINY
+from elastic_cluster import RUN_FLAGS, agree_with_joiner, join_late, reference_losses, worst_relative
 
 # Streaming: 2 fragments (one block each, plus embeddings and output spread), each all-reduce behind
 # 1 inner step, merge 0.5; H = 6 so that the fragments divide it.
@@ -46,12 +27,8 @@ def _rule_flags(rule: str) -> list[str]:
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[list[float]]]:
     flags = [*TINY[:-4], "--model.name", "debug", "--diloco.inner_steps", "5", *RUN_FLAGS, "--train.device", "cpu"]
-    return {rule: _reference(2, rule, flags + (STREAMING if rule == "streaming" else []))
+    return {rule: reference_losses(2, rule, flags + (STREAMING if rule == "streaming" else []))
             for rule in ("eager", "none", "streaming")}
-
-
-def _worst(got: list[float], expected: list[float]) -> float:
-    return max(abs(a - b) / abs(b) for a, b in zip(got, expected))
 
 
 @pytest.mark.parametrize("rule", ["eager", "none", "streaming"])
@@ -65,10 +42,10 @@ def test_whole_run_equals_the_single_process_simulation_of_its_rule(make_run, re
     for i in range(2):
         got = [e["loss"] for e in run.metrics(f"n{i}", "step")]
         assert len(got) == len(expected[i]) == 22
-        assert _worst(got, expected[i]) < 1e-5, (i, got, expected[i])
+        assert worst_relative(got, expected[i]) < 1e-5, (i, got, expected[i])
     # The rules' runs differ by far more: the comparison can tell them apart.
     others = [r for r in references if r != rule]
-    assert min(_worst(references[r][0], expected[0]) for r in others) > 1e-3
+    assert min(worst_relative(references[r][0], expected[0]) for r in others) > 1e-3
     hashes = [run.hashes(f"n{i}") for i in range(2)]
     assert hashes[0] == hashes[1] and len(hashes[0]) >= 4
 
@@ -119,8 +96,8 @@ def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mod
 @pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])
 def test_joiner_mid_run_ends_identical(make_run, mode):
     run = make_run(2)
-    _join_late(run, "--diloco.overlap", mode)
-    _agree_with_joiner(run)
+    join_late(run, "--diloco.overlap", mode)
+    agree_with_joiner(run)
     assert "received the run's state from rank" in (run.tmp / "late.log").read_text()
 
 
@@ -130,10 +107,10 @@ def test_live_recovery_joiner_takes_the_average_in_flight(make_run, mode):
     average at its first outer step, and from then on it holds the run's shared params."""
     run = make_run(2)
     run.env["ZB_CKPT_TOKEN"] = "test-token-0123456789abcdef"
-    _join_late(run, "--diloco.overlap", mode, "--ckpt.live_recovery", "--diloco.blocking_join", "false",
+    join_late(run, "--diloco.overlap", mode, "--ckpt.live_recovery", "--diloco.blocking_join", "false",
                "--ckpt.ram_dir", str(run.tmp / "shm"), "--diloco.inner_steps", "60")
     assert run.metrics("late", "recovery")
-    _agree_with_joiner(run)
+    agree_with_joiner(run)
     log = (run.tmp / "late.log").read_text()
     # Normally the average in flight comes from the donor; if the run moved on between the download
     # and the admission, the joiner falls back to the blocking transfer (also correct).

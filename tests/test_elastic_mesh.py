@@ -11,17 +11,8 @@ import signal
 import time
 
 import pytest
-
 from conftest import wait_until
 from elastic_cluster import Cluster
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = Cluster(tmp_path)
-    c.host_store()
-    yield c
-    c.close()
 
 
 def membership(node, **match) -> list[dict]:

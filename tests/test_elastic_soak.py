@@ -10,7 +10,6 @@ import os
 from functools import partial
 
 import pytest
-
 import test_elastic_mesh as t
 from elastic_cluster import Cluster
 

@@ -429,13 +429,13 @@ def test_groups_are_not_built_with_a_member_this_node_cannot_reach(monkeypatch):
     """A partition between two members that are not neighbours on the ring breaks nothing until the
     next rebuild; gloo's full-mesh connect then waited 25 s for the silent one, past the sync deadline,
     so both were evicted as late. The build fails at once instead, and the next check-in reports it."""
+    import types
+
     import torch.distributed as dist
 
     from zb.config_schema import ElasticConfig
     from zb.elastic.mesh import ElasticDeviceMesh
     from zb.elastic.view import WorldView
-
-    import types
 
     mesh = ElasticDeviceMesh(ElasticConfig(addr="127.0.0.1"))
     mesh._membership = types.SimpleNamespace(store=None, uid="a")

@@ -4,6 +4,7 @@ training run logged at that step, nothing is written, and a DiLoCo config contac
 from __future__ import annotations
 
 from conftest import TINY, free_port, zb_process
+
 from zb.metrics import read_metrics
 
 

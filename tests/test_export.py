@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY, free_port, zb_process
+
 from zb.errors import InvalidInput
 from zb.export import export_checkpoint
 

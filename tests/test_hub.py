@@ -9,9 +9,9 @@ from collections import Counter
 from itertools import islice
 
 import pytest
-
 from conftest import free_port, wait_until, zb_process
 from hub_server import SHA, FakeHub
+
 from zb.config import ConfigError
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer

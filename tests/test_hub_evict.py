@@ -8,9 +8,9 @@ import json
 import re
 
 import pytest
-
 from conftest import TINY, zb_process
 from hub_server import SHA, FakeHub
+
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer
 

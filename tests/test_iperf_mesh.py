@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import PYTHON, REPO, free_port, subprocess_env, zb_process
+
 from zb.net.netns import netns_unavailable
 from zb.net.schedule import mesh_phases, round_robin
 

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, subprocess_env
+
 from zb.config import load_config
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.local_world import LocalWorld

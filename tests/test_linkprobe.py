@@ -92,7 +92,6 @@ def test_an_unreachable_member_is_given_up_on_with_one_warning(store, caplog, mo
         a.stop()
 
 
-from test_elastic_mesh import cluster  # noqa: E402,F401 - the fixture: a Cluster around a store in this process
 
 
 def test_a_mesh_measures_its_links_while_it_runs(cluster):

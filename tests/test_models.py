@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from zb.config import ConfigError
-from zb.errors import ZbError
 from zb.config_schema import ModelConfig
+from zb.errors import ZbError
 from zb.models import Transformer, count_params, model_args, model_names
 from zb.models.loss import cross_entropy
 
@@ -172,7 +172,6 @@ def _sharded_init_worker(rank: int, port: int, out: str) -> None:
 
 def test_init_is_independent_of_fsdp_sharding(tmp_path):
     import torch.multiprocessing as mp
-
     from conftest import free_port
 
     out = str(tmp_path / "full.pt")

@@ -10,8 +10,8 @@ import math
 import subprocess
 
 import pytest
-
 from conftest import PYTHON, REPO, TINY, free_port, subprocess_env, zb_process
+
 from zb.config import ConfigError, load_config
 from zb.metrics import MetricsSink, read_metrics
 from zb.monitor.scalars import scalars
@@ -119,7 +119,6 @@ def test_wandb_offline_and_tensorboard_get_what_metrics_jsonl_gets(tmp_path):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     from wandb_records import history, run_info
 
     proc = _diloco_run(tmp_path, "--log.backends", "jsonl,wandb,tensorboard", "--log.wandb_project", "proj",

@@ -220,7 +220,6 @@ def test_apply_bumps_the_version_only_when_the_order_changes():
 
 # -- real processes ------------------------------------------------------------------------------------
 
-from test_elastic_mesh import cluster  # noqa: E402,F401 - the fixture: a Cluster around a store in this process
 
 
 def test_three_nodes_ring_follows_the_link_matrix(cluster, tmp_path):

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import psutil
-
 from conftest import REPO, subprocess_env, wait_until
 from elastic_cluster import PROFILE
+
 from zb.metrics import read_metrics
 
 SCRIPT = str(REPO / "scripts" / "simulate_multi_node_diloco.sh")

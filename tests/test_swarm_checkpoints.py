@@ -11,8 +11,8 @@ import time
 from datetime import timedelta
 
 import pytest
+from conftest import SWARM
 from elastic_cluster import TrainCluster
-from test_swarm_run import SWARM
 
 from zb.ckpt.durable.layout import complete_steps
 

@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import zb_process
+from conftest import SWARM, zb_process
 from elastic_cluster import TrainCluster
-
-SWARM = ["--swarm.stages", "2", "--swarm.hop_timeout", "5", "--swarm.stage_wait", "30"]
 
 
 def _losses(cluster: TrainCluster, uid: str) -> dict[int, float]:
@@ -105,7 +103,7 @@ def test_two_stages_two_workers_replicas_agree_at_every_outer_step(tmp_path):
 def test_killed_worker_the_run_goes_on_and_no_micro_batch_is_lost(tmp_path):
     cluster = TrainCluster(tmp_path, world_size=2)
     try:
-        uids = _start_grid(cluster, 2, "--optim.total_steps", "40")
+        _start_grid(cluster, 2, "--optim.total_steps", "40")
         cluster.wait_for("s0a", lambda: len(cluster.metrics("s0a", "step")) >= 8, "step 8", 150)
         cluster.procs["s1b"].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()

@@ -305,8 +305,8 @@ def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespac
 
 def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
     import torch.distributed as dist
-
     from conftest import free_port
+
     from zb.elastic.tcpstore import connect
 
     port = free_port()
@@ -315,5 +315,5 @@ def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
     assert link.run(lambda s: s.add("n", 1)) == 1
     del host                                                   # the store goes away
     assert link.run(lambda s: s.add("n", 1), fallback="known") == "known"
-    host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)   # restarted
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)  # noqa: F841 - restarted, held open
     assert link.run(lambda s: s.add("n", 1)) == 1              # a new, empty store: reconnected

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, subprocess_env
 
 DRIVER = str(Path(__file__).parent / "drivers" / "loss_match.py")

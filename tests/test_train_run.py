@@ -10,8 +10,8 @@ import sys
 
 import psutil
 import pytest
-
 from conftest import REPO, subprocess_env, wait_until, zb_process
+
 from zb.metrics import read_metrics
 
 FAST = ["--train.device", "cpu", "--log.progress", "plain", "--optim.warmup_steps", "5"]

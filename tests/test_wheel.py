@@ -16,7 +16,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.timeout(600)

@@ -76,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _dispatch(argv: list[str] | None) -> None:
-    from zb.errors import ZbError
     from zb.cli.terminal import abort
+    from zb.errors import ZbError
 
     try:
         cli.main(args=argv, prog_name="zb", standalone_mode=False)

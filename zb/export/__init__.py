@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from zb import __version__
-from zb.models.args import ModelArgs
 from zb.errors import InvalidInput
+from zb.models.args import ModelArgs
 
 log = logging.getLogger("zb.export")
 

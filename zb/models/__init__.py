@@ -5,9 +5,9 @@
     loss, z = model(inputs, labels=labels, loss=zb.models.loss.LossSpec(z_loss_weight))  # or model(inputs): logits
 """
 
+from zb.models import loss
 from zb.models.args import MODEL_SIZES, ModelArgs, flash_available, model_args, model_names
 from zb.models.llama import Transformer, TransformerBlock, count_params
-from zb.models import loss
 
 __all__ = ["MODEL_SIZES", "ModelArgs", "Transformer", "TransformerBlock", "count_params", "flash_available",
            "loss", "model_args", "model_names"]

@@ -14,10 +14,9 @@ zb.elastic.tcpstore.connect), so the elastic machinery needs no change; these ke
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
-
-import logging
 
 from zb.elastic import keys as elastic_keys
 from zb.elastic.tcpstore import read_lines, read_many, store_errors

@@ -54,9 +54,9 @@ def _strip_nproc(argv: list[str]) -> list[str]:
 def launch_local_ranks(nproc: int, argv: list[str] | None = None, grace_period_s: float = 30.0) -> None:
     """`grace_period_s`: ckpt.grace_period, what each rank may spend on its final checkpoint after a
     signal; the launcher waits that plus STOP_MARGIN_S before it SIGKILLs a rank."""
-    from torch.distributed.run import get_args_parser, run
-
     import os
+
+    from torch.distributed.run import get_args_parser, run
 
     from zb.log import level_for_children
 

@@ -25,8 +25,14 @@ from zb.local_world import LocalWorld, local_world
 from zb.position import RunPosition
 from zb.status.publisher import publish_status
 from zb.train.checkpointing import RunCheckpoints
-from zb.train.device import (Placement, close_local_group, control_group, control_timeout_s, init_control_group,
-                             init_local_group)
+from zb.train.device import (
+    Placement,
+    close_local_group,
+    control_group,
+    control_timeout_s,
+    init_control_group,
+    init_local_group,
+)
 from zb.train.lr_schedule import build_optimizer, build_scheduler, set_schedule_position
 from zb.train.progress import StepClock, TrainingDisplay, format_step_line
 from zb.train.setup import build_loaders, build_model, check_batch, node_identity, open_metrics, preflight

@@ -135,9 +135,9 @@ def build_model(cfg: Config, vocab_size: int, placement: Placement) -> torch.nn.
     log.info("model %s/%s: %s params, dim %d, %d layers, %d heads (%d kv), vocab %d", cfg.model.type,
              cfg.model.name, f"{count_params(model):,}", args.dim, args.n_layers, args.n_heads, args.kv_heads,
              args.vocab_size)
-    from zb.train.memory import check_memory, machine_totals
-
     import torch.distributed as dist
+
+    from zb.train.memory import check_memory, machine_totals
 
     local_ranks = dist.get_world_size() if dist.is_initialized() else 1   # FSDP2 shards over the node's ranks
     check_memory(cfg, count_params(model), local_ranks, placement.device.type, *machine_totals(placement.device))

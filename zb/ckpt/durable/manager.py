@@ -36,14 +36,36 @@ import torch
 import torch.distributed as dist
 
 from zb.ckpt.durable.copies import check_writable_dir, copy_part, retry
-from zb.ckpt.durable.layout import (check_complete, clean_own_leftovers, complete_steps, part_count, part_name,
-                                    resolve_part, scan_steps, step_from_name)
+from zb.ckpt.durable.layout import (
+    check_complete,
+    clean_own_leftovers,
+    complete_steps,
+    part_count,
+    part_name,
+    resolve_part,
+    scan_steps,
+    step_from_name,
+)
 from zb.ckpt.durable.ramdir import ram_only_steps, release, sweep_stale
-from zb.ckpt.durable.reshard import join_and_split, stripe_of
 from zb.ckpt.durable.remote import check_remote, download_part, remote_scan, remote_steps
-from zb.ckpt.durable.state import (MODEL, OPTIM, OUTER, RNG, Staging, TrainState, check_meta, check_optimizer,
-                                   check_rng, json_meta, live_tensors, load_model, load_optimizer, load_rng,
-                                   load_scheduler)
+from zb.ckpt.durable.reshard import join_and_split, stripe_of
+from zb.ckpt.durable.state import (
+    MODEL,
+    OPTIM,
+    OUTER,
+    RNG,
+    Staging,
+    TrainState,
+    check_meta,
+    check_optimizer,
+    check_rng,
+    json_meta,
+    live_tensors,
+    load_model,
+    load_optimizer,
+    load_rng,
+    load_scheduler,
+)
 from zb.ckpt.durable.worker import Job, Targets, Worker
 from zb.ckpt.format.catalog import CorruptSnapshot, check_quick, read_manifest, verify_snapshot
 from zb.ckpt.format.manifest import snapshot_name
