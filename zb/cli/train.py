@@ -49,7 +49,7 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
     uses_gloo()  # set before training: a failing run must skip interpreter finalization too
     if cfg.swarm is not None:
         # The one place that knows DiLoCo-SWARM exists: a [swarm] table makes this process a stage worker.
-        from zb.swarm.worker import run as run_stage_worker
+        from zb.swarm.entry import run as run_stage_worker
 
         counters = run_stage_worker(cfg)
     else:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from zb.errors import InvalidInput
 from zb.swarm import registry
@@ -31,7 +31,6 @@ from zb.train.checkpointing import RunCheckpoints
 if TYPE_CHECKING:
     from zb.ckpt.durable.manager import Resumed, TrainState
     from zb.config_schema import Config
-    from zb.swarm.worker import StageWorker
 
 log = logging.getLogger("zb.swarm")
 
@@ -61,45 +60,38 @@ def checkpointed_stage(cfg: "Config") -> int | None:
 
 
 class StageCheckpoints:
-    """The checkpoints of one stage worker; does nothing without a ckpt setting."""
+    """The checkpoints of one stage worker; does nothing without a ckpt setting. `state_of` gives the
+    worker's state to save and to resume into, as RunCheckpoints takes it."""
 
-    def __init__(self, worker: "StageWorker"):
-        self.worker = worker
-        self.run = RunCheckpoints(worker.cfg, node_id=worker.uid, local_rank=0, local_world_size=1, is_head=True,
-                                  sink=worker.sink, local_group=None, state_of=self.state)
+    def __init__(self, cfg: "Config", *, stage_index: int, uid: str, sink, state_of: "Callable[[], TrainState]"):
+        self.cfg, self.index = cfg, stage_index
+        self.run = RunCheckpoints(cfg, node_id=uid, local_rank=0, local_world_size=1, is_head=True, sink=sink,
+                                  local_group=None, state_of=state_of)
 
-    def state(self) -> "TrainState":
-        from zb.ckpt.durable.state import TrainState
-        from zb.config import to_dict
-
-        w = self.worker
-        data_state, exact = w.data_state()
-        return TrainState(w.stage, w.optimizer, w.scheduler, w.position, data_state, w.diloco.checkpoint_tensors(),
-                          to_dict(w.cfg), w.fingerprint, data_exact=exact)
-
-    def resume(self, link: registry.StoreLink) -> "Resumed | None":
-        """Load this worker's checkpoint per the module's rules, in place; the rest for the worker to apply."""
-        w = self.worker
-        if self.run.manager is None or not w.cfg.ckpt.resume:
+    def resume(self, link: registry.StoreLink, *, joining: bool) -> "Resumed | None":
+        """Load this worker's checkpoint per the module's rules, in place; the rest for the worker to apply.
+        `joining`: the stage has live workers, whose state this one takes instead."""
+        cfg = self.cfg
+        if self.run.manager is None or not cfg.ckpt.resume:
             return None
-        if w.diloco.joining:
+        if joining:
             return self.run.resume(joining=True)
-        stage = checkpointed_stage(w.cfg)
-        if stage is not None and stage != w.index:
-            where = w.cfg.ckpt.path if w.cfg.ckpt.resume == "latest" else w.cfg.ckpt.resume
-            raise InvalidInput(f"the checkpoint under {where} holds stage {stage}, but this worker runs stage {w.index} "
-                               "(swarm.stage): leave swarm.stage unset to take the checkpoint's stage, or give this "
-                               "worker its own ckpt.path")
+        stage = checkpointed_stage(cfg)
+        if stage is not None and stage != self.index:
+            where = cfg.ckpt.path if cfg.ckpt.resume == "latest" else cfg.ckpt.resume
+            raise InvalidInput(f"the checkpoint under {where} holds stage {stage}, but this worker runs stage "
+                               f"{self.index} (swarm.stage): leave swarm.stage unset to take the checkpoint's stage, "
+                               "or give this worker its own ckpt.path")
         # A step can take up to a hop timeout per micro-batch: watch for one beyond the heartbeat timeout.
-        window = w.cfg.elastic.heartbeat_timeout + w.sw.hop_timeout
-        if w.index > 0 and registry.first_stage_training(link, window):
+        window = cfg.elastic.heartbeat_timeout + cfg.swarm.hop_timeout
+        if self.index > 0 and registry.first_stage_training(link, window):
             log.info("the run is training without stage %d: resuming this worker's own newest checkpoint",
-                     w.index)
+                     self.index)
             return self.run.resume()
-        if w.cfg.ckpt.resume != "latest":
+        if cfg.ckpt.resume != "latest":
             return self.run.resume()
         return self.run.resume(store=link.client, scope=f"swarm/{_epoch(link.client)}",
-                               quorum=w.cfg.elastic.world_size * w.sw.stages)
+                               quorum=cfg.elastic.world_size * cfg.swarm.stages)
 
     def maybe_save(self, step: int) -> bool:
         return self.run.maybe_save(step)

@@ -16,22 +16,14 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
 from zb.swarm import registry, wire
 from zb.swarm.client import Hops, to_wire
-from zb.swarm.worker import StageWorker
+from zb.swarm.worker import Ended, StageWorker
 
 log = logging.getLogger("zb.swarm")
-
-
-@dataclass
-class Ended:
-    """What `zb train` reads back: the signal that stopped the run early, if any."""
-    stop_signal: int | None = None
-    step: int = 0
 
 
 class FirstStage(StageWorker):

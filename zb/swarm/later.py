@@ -16,9 +16,8 @@ import time
 
 from zb.errors import EnvironmentFailure
 from zb.swarm import registry
-from zb.swarm.first import Ended
 from zb.swarm.server import StageServer
-from zb.swarm.worker import StageWorker
+from zb.swarm.worker import Ended, StageWorker
 
 log = logging.getLogger("zb.swarm")
 

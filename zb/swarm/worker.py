@@ -1,13 +1,8 @@
-"""`zb train` with a [swarm] table: one stage worker of a DiLoCo-SWARM run.
-
-Run: `scripts/simulate_swarm.sh 2 2` (a store and a 2-stage x 2-worker grid on this machine), or per
-machine `zb train @cfg.toml --swarm.stages 2 [--swarm.stage J]` against one `zb store`.
-
-What every worker shares (this module): its stage of the model, the inner AdamW and LR schedule on
-the stage's parameters, and the stage's DiLoCo run (zb.diloco.node.DilocoNode unchanged: the elastic
-mesh, check-ins, joiners' state transfer and outer Nesterov step), put in a namespace of the store
-of its own so the stages' runs never meet. The first stage's worker drives micro-batches
-(zb.swarm.first); the others serve them (zb.swarm.later).
+"""What every DiLoCo-SWARM stage worker shares: its stage of the model, the inner AdamW and LR schedule
+on the stage's parameters, its checkpoints, and the stage's DiLoCo run (zb.diloco.node.DilocoNode
+unchanged: the elastic mesh, check-ins, joiners' state transfer and outer Nesterov step), put in a
+namespace of the store of its own so the stages' runs never meet. The first stage's worker drives
+micro-batches (zb.swarm.first); the others serve them (zb.swarm.later); zb.swarm.entry starts one.
 """
 
 from __future__ import annotations
@@ -16,13 +11,10 @@ import copy
 import logging
 import math
 import os
-import socket
-import time
+from dataclasses import dataclass
 
 import torch
 
-from zb import __version__
-from zb.config import fail, non_default_settings, source_of
 from zb.config_schema import Config
 from zb.diloco.rounds import RoundWork
 from zb.errors import LeavingRun
@@ -31,8 +23,8 @@ from zb.local_world import local_world
 from zb.models.loss import LossSpec
 from zb.position import RunPosition
 from zb.swarm import registry
-from zb.swarm.checkpoints import StageCheckpoints, checkpointed_stage
-from zb.swarm.stages import Stage, build_stage, split_blocks, stage_signature
+from zb.swarm.checkpoints import StageCheckpoints
+from zb.swarm.stages import Stage, build_stage, stage_signature
 
 log = logging.getLogger("zb.swarm")
 
@@ -43,6 +35,13 @@ UNSUPPORTED = {"train.torch_compile": "stages run eagerly", "train.ac_ckpt": "a 
                "ckpt.live_recovery": "a joiner of a stage takes its state from a live worker of the stage at its next "
                "outer step (blocking join); turned off", "data.prefetch": "data is read between steps",
                "diloco.blocking_join": "a joiner of a stage always takes its state by blocking join"}
+
+
+@dataclass
+class Ended:
+    """What a worker's role returns to `zb train`: the signal that stopped the run early, if any."""
+    stop_signal: int | None = None
+    step: int = 0
 
 
 class StageWorker:
@@ -69,7 +68,9 @@ class StageWorker:
         self.token = os.urandom(6).hex()
         self.round_steps = self.round_micro_batches = 0   # since the last outer step: the weight in the average
         self.fingerprint: dict = {}
-        self.checkpoints = StageCheckpoints(self)   # a ckpt.path that can never work fails here, before any work
+        # A ckpt.path that can never work fails here, before any work.
+        self.checkpoints = StageCheckpoints(cfg, stage_index=stage_index, uid=uid, sink=sink,
+                                            state_of=self.checkpoint_state)
         log.info("stage %d of %d: blocks %d-%d%s%s, %s params", stage_index, len(bounds), bounds[stage_index][0],
                  bounds[stage_index][1] - 1, " + embeddings" if stage_index == 0 else "",
                  " + norm and head" if stage_index == len(bounds) - 1 else "",
@@ -94,6 +95,15 @@ class StageWorker:
         return slot
 
     # -- checkpoints ----------------------------------------------------------------------------
+    def checkpoint_state(self):
+        """This worker's state as a checkpoint holds it (saved, and resumed into in place)."""
+        from zb.ckpt.durable.state import TrainState
+        from zb.config import to_dict
+
+        data_state, exact = self.data_state()
+        return TrainState(self.stage, self.optimizer, self.scheduler, self.position, data_state,
+                          self.diloco.checkpoint_tensors(), to_dict(self.cfg), self.fingerprint, data_exact=exact)
+
     def data_state(self) -> tuple[dict, bool]:
         """What a checkpoint keeps of the data: (loader state, whether it resumes exactly); first stage only."""
         return {}, True
@@ -102,7 +112,7 @@ class StageWorker:
         """Resume from this worker's checkpoint per ckpt.resume (zb.swarm.checkpoints); True when it did."""
         from zb.train.lr_schedule import set_schedule_position
 
-        loaded = self.checkpoints.resume(self.link)
+        loaded = self.checkpoints.resume(self.link, joining=self.diloco.joining)
         if loaded is None:
             return False
         self.position = loaded.position
@@ -190,78 +200,3 @@ class StageWorker:
         self.checkpoints.close()
         if self.diloco is not None:
             self.diloco.shutdown(graceful=True)
-
-
-def plan_stages(cfg: Config, vocab_size: int):
-    """(model args, block ranges per stage), or exit 2 naming the key when the split cannot be."""
-    from zb.models import model_args
-
-    args = model_args(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.data.seq_length)
-    try:
-        return args, split_blocks(args, cfg.swarm.stages, cfg.swarm.split)
-    except ValueError as e:
-        fail(cfg, "swarm.split" if cfg.swarm.split and cfg.swarm.stages <= args.n_layers else "swarm.stages", str(e))
-
-
-def pick_stage(cfg: Config) -> int:
-    """swarm.stage, or the store's choice (the stage with the least measured throughput)."""
-    if cfg.swarm.stage is not None:
-        return cfg.swarm.stage
-    stage = checkpointed_stage(cfg)
-    if stage is not None and stage < cfg.swarm.stages:
-        log.info("stage %d: the stage of the checkpoint this worker resumes", stage)
-        return stage
-    from zb.elastic.tcpstore import connect
-
-    e = cfg.elastic
-    store = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
-    stage = registry.choose_stage(store, cfg.swarm.stages)
-    log.info("the store chose stage %d for this worker (least measured throughput)", stage)
-    return stage
-
-
-def warn_unsupported(cfg: Config) -> None:
-    given = [k for k in UNSUPPORTED if source_of(cfg, k) != "default"]
-    for key in given:
-        why = UNSUPPORTED[key] or "not used by DiLoCo-SWARM"
-        log.warning("%s has no effect under [swarm]: %s", key, why)
-
-
-def run(cfg: Config):
-    """The dispatch from `zb train`: build this worker's stage and run its role to the end."""
-    from zb.data import build_tokenizer
-    from zb.log import apply_log_config, set_node_id
-    from zb.train.setup import node_identity, open_metrics
-
-    local = local_world()
-    apply_log_config(cfg.log.level, cfg.log.all_ranks, local.rank)
-    if local.world_size > 1:
-        fail(cfg, "swarm.stages", "a stage worker is one process: launch it without --nproc-per-node/torchrun")
-    warn_unsupported(cfg)
-    torch.manual_seed(cfg.train.seed)
-    cfg.elastic.unique_id = node_identity(cfg, local)
-    set_node_id(cfg.elastic.unique_id)
-    tokenizer = build_tokenizer(cfg.data.tokenizer, retries=cfg.data.retries)
-    args, bounds = plan_stages(cfg, tokenizer.vocab_size)
-    sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=True)
-    sink.log("run_start", version=__version__, host=socket.gethostname(), pid=os.getpid(), local_world_size=1,
-             device=cfg.train.device, settings={k: v for k, v, _ in non_default_settings(cfg)})
-    started = time.perf_counter()
-    try:
-        stage = pick_stage(cfg)
-        if stage == 0:
-            from zb.swarm.first import FirstStage
-
-            role = FirstStage(cfg, bounds, args, sink, cfg.elastic.unique_id, tokenizer)
-        else:
-            from zb.swarm.later import LaterStage
-
-            role = LaterStage(cfg, stage, bounds, args, sink, cfg.elastic.unique_id)
-        return role.execute(tokenizer.vocab_size)
-    except LeavingRun:
-        log.warning("stopped on request")
-        raise
-    finally:
-        log.info("swarm worker done in %.1f s", time.perf_counter() - started)
-        sink.close()
-
