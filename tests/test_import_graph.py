@@ -79,3 +79,38 @@ def test_no_module_of_zb_imports_itself_back():
 
 def test_the_check_finds_a_circle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# docs/architecture.md, "Packages and the rules between them": a package imports only lower layers;
+# the base modules import only base modules.
+LAYERS = {
+    "cli": 6, "swarm": 5, "generate": 5, "train": 4, "export": 4, "diloco": 3, "status": 3, "elastic": 2,
+    "models": 1, "data": 1, "collectives": 1, "net": 1, "ckpt": 1, "monitor": 1,
+}
+BASE = {"errors", "config_schema", "config", "config_checks", "config_prime", "model_sizes", "position", "fingerprint",
+        "local_world", "shard_rows", "metrics", "log", "progress", "dial", "stop_signals", "process_exit", "__main__"}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return "zb" if len(parts) == 1 else parts[1]
+
+
+def test_packages_import_only_lower_layers():
+    modules = _modules()
+    known = set(LAYERS) | BASE | {"zb"}
+    assert {_package(m) for m in modules} <= known, "a new package: give it a layer here and in docs/architecture.md"
+    wrong = []
+    for module, targets in _edges(modules).items():
+        src = _package(module)
+        for target in targets:
+            dst = _package(target)
+            if dst in (src, "zb") or src == "__main__":
+                continue
+            if src in BASE:
+                ok = dst in BASE
+            else:
+                ok = dst in BASE or LAYERS[dst] < LAYERS[src]
+            if not ok:
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
