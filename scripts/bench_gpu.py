@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,17 +34,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _two_nodes import REPO, repo_env, run_two_nodes
+
 sys.path.insert(0, str(REPO))
 
 VOCAB = 32000
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra)
-    return env
 
 
 def _config_file(model: str) -> str:
@@ -205,7 +197,7 @@ def throughput(args) -> list[dict]:
             cmd = [sys.executable, __file__, "_pair", "--model", model, "--compile", comp, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--repeats", str(args.repeats)] + (["--cpu"] if args.cpu else [])
             t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=REPO, timeout=args.timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=repo_env(), cwd=REPO, timeout=args.timeout)
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode != 0 or not lines:
                 failed = True
@@ -252,56 +244,26 @@ def _throughput_table(rows: list[dict]) -> None:
 
 
 # -- diloco: two nodes sharing one GPU --------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def diloco(args) -> dict:
     from zb.metrics import read_metrics
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="zb-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.cpu else "cuda"
-    port = _free_port()
-    store_log = (work / "store.log").open("w")
-    store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(port)], stdout=store_log,
-                             stderr=subprocess.STDOUT, cwd=REPO, env=_env())
     micro_bs, seq = args.micro_bs, args.seq
-    nodes, failed = [], None
+
+    def args_of(i: int) -> list[str]:
+        # debug/diloco.toml: DiLoCo on the built-in data; the model, shape and data are set here.
+        return ["@configs/debug/diloco.toml", "--model.name", args.model[0], "--model.vocab_size", str(VOCAB),
+                "--data.fake", "--data.tokenizer", "bytes", "--train.device", device, "--train.micro_bs", str(micro_bs),
+                "--optim.batch_size", str(micro_bs), "--data.seq_length", str(seq), "--optim.warmup_steps", "2",
+                "--diloco.inner_steps", str(args.inner_steps), "--diloco.compression", args.compression,
+                "--optim.total_steps", str(args.inner_steps * args.outer_steps), "--eval.interval", "-1",
+                "--train.log_model_hash", "--log.progress", "plain", "--log.dir", str(work / f"node{i}")] + \
+            (["--train.param_dtype", "fp32"] if args.cpu else [])
+
     t0 = time.perf_counter()
-    try:
-        for i in range(2):
-            env = _env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(port), GLOBAL_WORLD_SIZE="2", GLOBAL_RANK=str(i),
-                       GLOBAL_UNIQUE_ID=f"bench{i}")
-            # debug/diloco.toml: DiLoCo on the built-in data; the model, shape and data are set below.
-            cmd = [sys.executable, "-m", "zb", "train", "@configs/debug/diloco.toml", "--model.name", args.model[0], "--model.vocab_size", str(VOCAB), "--data.fake",
-                   "--data.tokenizer", "bytes", "--train.device", device, "--train.micro_bs", str(micro_bs),
-                   "--optim.batch_size", str(micro_bs), "--data.seq_length", str(seq), "--optim.warmup_steps", "2",
-                   "--diloco.inner_steps", str(args.inner_steps), "--diloco.compression", args.compression,
-                   "--optim.total_steps", str(args.inner_steps * args.outer_steps), "--eval.interval", "-1",
-                   "--train.log_model_hash", "--log.progress", "plain", "--log.dir", str(work / f"node{i}")]
-            if args.cpu:
-                cmd += ["--train.param_dtype", "fp32"]
-            log = (work / f"node{i}.log").open("w")
-            nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log))
-        for i, (proc, _) in enumerate(nodes):
-            try:
-                code = proc.wait(timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-            if code != 0 and failed is None:
-                failed = f"node {i}: exit {code} (log: {work / f'node{i}.log'})"
-    finally:
-        for proc, log in nodes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-        store.terminate()
-        store.wait(timeout=30)
-        store_log.close()
+    failed = run_two_nodes(work, "node", args_of, args.timeout)
     events = [read_metrics(work / f"node{i}" / "metrics.jsonl", "outer_step")
               if (work / f"node{i}" / "metrics.jsonl").exists() else [] for i in range(2)]
     hashes = [[e.get("params_hash") for e in ev] for ev in events]

@@ -25,16 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _two_nodes import REPO, repo_env, run_two_nodes
+
 STAGES = ("single", "ac-compile", "torchrun", "diloco")
 DEVICE = ["--train.device", "cuda"]  # --cpu: ["--train.device", "cpu"]
 BASE = ["@configs/debug/normal.toml", "--train.param_dtype", "bf16", "--log.progress", "plain",
@@ -57,19 +56,6 @@ def _gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(extra)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metrics(log_dir: Path, kind: str) -> list[dict]:
     path = log_dir / "metrics.jsonl"
     if not path.exists():
@@ -84,7 +70,7 @@ def _zb_train(work: Path, name: str, args: list[str], nproc: int = 1, timeout: f
         cmd += ["--nproc-per-node", str(nproc)]
     log = work / f"{name}.log"
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env or _env())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env or repo_env())
     except subprocess.TimeoutExpired as e:
         log.write_text((e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""))
         raise StageFailed(f"{name}: no exit within {timeout:.0f} s (log: {log})") from None
@@ -141,41 +127,20 @@ def stage_torchrun(work: Path, gpus: int) -> str:
 
 def stage_diloco(work: Path, gpus: int) -> str:
     per_node = max(1, gpus // 2)
-    port = _free_port()
-    store_log = (work / "store.log").open("w")
-    store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(port)], stdout=store_log,
-                             stderr=subprocess.STDOUT, cwd=REPO, env=_env())
-    nodes = []
-    try:
-        time.sleep(2)
-        for i in range(2):
-            devices = ",".join(str(d) for d in range(i * per_node, (i + 1) * per_node)) if gpus >= 2 else "0"
-            env = _env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(port), GLOBAL_WORLD_SIZE="2", GLOBAL_RANK=str(i),
-                       GLOBAL_UNIQUE_ID=f"smoke{i}", CUDA_VISIBLE_DEVICES=devices)
-            args = ["@configs/debug/diloco.toml", *DEVICE, "--log.progress", "plain",
-                    "--optim.total_steps", "20", "--optim.warmup_steps", "2", "--diloco.inner_steps", "5",
-                    "--train.log_model_hash", "--optim.batch_size", str(8 * per_node), "--log.dir",
-                    str(work / f"diloco{i}")]
-            cmd = [sys.executable, "-m", "zb", "train", *args] + (["--nproc-per-node", str(per_node)]
-                                                                  if per_node > 1 else [])
-            log = (work / f"diloco{i}.log").open("w")
-            nodes.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env), log))
-        for i, (proc, _) in enumerate(nodes):
-            try:
-                code = proc.wait(timeout=300)
-            except subprocess.TimeoutExpired:
-                raise StageFailed(f"diloco node {i}: no exit within 300 s (log: {work / f'diloco{i}.log'})") from None
-            if code != 0:
-                raise StageFailed(f"diloco node {i}: exit {code} (log: {work / f'diloco{i}.log'})")
-    finally:
-        for proc, log in nodes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-        store.terminate()
-        store.wait(timeout=30)
-        store_log.close()
+
+    def args_of(i: int) -> list[str]:
+        return ["@configs/debug/diloco.toml", *DEVICE, "--log.progress", "plain", "--optim.total_steps", "20",
+                "--optim.warmup_steps", "2", "--diloco.inner_steps", "5", "--train.log_model_hash",
+                "--optim.batch_size", str(8 * per_node), "--log.dir", str(work / f"diloco{i}")] + \
+            (["--nproc-per-node", str(per_node)] if per_node > 1 else [])
+
+    def env_of(i: int) -> dict[str, str]:
+        devices = ",".join(str(d) for d in range(i * per_node, (i + 1) * per_node)) if gpus >= 2 else "0"
+        return {"CUDA_VISIBLE_DEVICES": devices}
+
+    failed = run_two_nodes(work, "diloco", args_of, 300, env_of)
+    if failed:
+        raise StageFailed(failed)
     hashes = [[e.get("params_hash") for e in _metrics(work / f"diloco{i}", "outer_step")] for i in range(2)]
     if not hashes[0] or None in hashes[0] or hashes[0] != hashes[1]:
         raise StageFailed(f"diloco: params hashes differ between the nodes or are missing: {hashes}")

@@ -201,10 +201,7 @@ def test_tokenizer_from_hub_model_repo(tmp_path, monkeypatch):
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     with FakeHub({}, models={"acme/tok": {"tokenizer.json": path.read_bytes()}}) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        _online_at(server.url, tmp_path, monkeypatch)
         server.fail("tokenizer.json", 1, 503)
         loaded = build_tokenizer("acme/tok")
         assert loaded.eos_id == tok.token_to_id("</s>")
@@ -316,14 +313,19 @@ def test_malformed_hf_endpoint_exits_2_from_the_cli(tmp_path):
         "set it to the hub or mirror's URL (e.g. https://huggingface.co) or unset it"]
 
 
+def _online_at(endpoint: str, tmp_path, monkeypatch) -> None:
+    """The hub at `endpoint`, a cache of this test's own, offline mode off."""
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+
+
 @pytest.fixture
 def unresolvable_hub(monkeypatch, tmp_path):
     """A hub whose host name does not resolve, as on a machine without internet; nothing reached yet."""
     monkeypatch.setattr("zb.data.hub._reached", False)
-    monkeypatch.setenv("HF_ENDPOINT", "http://no-such-hub.invalid")
-    monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    _online_at("http://no-such-hub.invalid", tmp_path, monkeypatch)
 
 
 def test_a_hub_that_does_not_resolve_fails_at_once(unresolvable_hub, tmp_path, caplog):
@@ -346,10 +348,7 @@ def test_a_cached_tokenizer_serves_when_the_hub_does_not_resolve(tmp_path, monke
     tok.add_special_tokens(["</s>"])
     tok.save(str(path))
     with FakeHub({}, models={"acme/tok": {"tokenizer.json": path.read_bytes()}}) as server:
-        monkeypatch.setenv("HF_ENDPOINT", server.url)
-        monkeypatch.setenv("ZB_DATA_CACHE", str(tmp_path / "cache"))
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+        _online_at(server.url, tmp_path, monkeypatch)
         build_tokenizer("acme/tok")
     monkeypatch.setattr("zb.data.hub._reached", False)
     monkeypatch.setenv("HF_ENDPOINT", "http://no-such-hub.invalid")
