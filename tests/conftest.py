@@ -26,6 +26,15 @@ def _quiet_env(monkeypatch):
             monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _no_stop_signal_yet(monkeypatch):
+    """zb.stop_signals records a stop signal for the whole process; a test that sent one to this process
+    (a `zb store` stopped in-process) must not leave it for the next test's waits."""
+    from zb import stop_signals
+
+    monkeypatch.setattr(stop_signals, "_received", None)
+
+
 @pytest.fixture
 def cli_runner():
     return CliRunner()

@@ -54,7 +54,6 @@ def test_a_peer_that_never_answers_is_one_error_within_the_bound(silent):
 
 
 def test_a_stop_signal_ends_the_wait_on_the_main_thread(silent, monkeypatch):
-    monkeypatch.setattr(stop_signals, "_received", None)
     threading.Timer(0.5, stop_signals.note, args=("SIGINT",)).start()
     with pytest.raises(LeavingRun, match="SIGINT received while connecting"):
         store_client("127.0.0.1", silent.port, 30.0, 60.0, "check the address", use_libuv=True)
