@@ -22,7 +22,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 from zb import config_prime as prime
 from zb.config_checks import advisories, problems
@@ -320,7 +320,7 @@ class _Reading:
             self.no_effect.append(f"{key} ({source}) has no effect in zb: {meaning.no_effect}")
 
 
-def load_config(files: list[str] = (), flags: Mapping[str, Any] | None = None,
+def load_config(files: Sequence[str] = (), flags: Mapping[str, Any] | None = None,
                 environ: Mapping[str, str] | None = None) -> Config:
     """Resolve the config from files, env twins and flags; validate it; record each value's source."""
     environ = os.environ if environ is None else environ
@@ -377,7 +377,7 @@ def _warn_once(line: str) -> None:
     log.warning("%s", line)
 
 
-def build(values: Mapping[str, tuple[Any, str]], present: set[str] = frozenset()) -> Config:
+def build(values: Mapping[str, tuple[Any, str]], present: AbstractSet[str] = frozenset()) -> Config:
     cfg = Config()
     sources = {key: DEFAULT for key in KEYS}
     for section in present:

@@ -67,7 +67,7 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and not adaptive and cfg.ckpt.interval is not None and \
             cfg.ckpt.interval % cfg.diloco.inner_steps:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
-    if adaptive and cfg.diloco.overlap != "none":
+    if adaptive and cfg.diloco is not None and cfg.diloco.overlap != "none":   # adaptive: diloco is set
         yield "diloco.round_seconds", (f"cannot be combined with diloco.overlap = {cfg.diloco.overlap} (its all-reduce "
                                        "schedule is counted in inner steps); use diloco.overlap = none, or fixed rounds "
                                        "of diloco.inner_steps")
@@ -86,6 +86,7 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
 def _swarm_problems(cfg: Config) -> Iterator[tuple[str, str]]:
     """DiLoCo-SWARM: the stage's workers sync by blocking DiLoCo; a worker is one process."""
     sw = cfg.swarm
+    assert sw is not None  # called only with a [swarm] table
     if sw.stages < 2:
         yield "swarm.stages", "must be at least 2 (one stage is plain DiLoCo: drop the [swarm] table)"
     if sw.stage is not None and sw.stage >= sw.stages:
@@ -136,6 +137,7 @@ def _ratio_problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.data.fake:
         return  # an advisory: the ratio has nothing to mix
     try:
+        assert cfg.data.dataset_ratio is not None  # called only when it is set
         weights = ratio_weights(cfg.data.dataset_ratio)
     except ValueError as e:
         yield "data.dataset_ratio", f"{e}; write one positive weight per source, colon separated (\"55:10:35\")"

@@ -20,10 +20,14 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from zb.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from zb.models import Transformer
 
 log = logging.getLogger("zb.generate")
 
@@ -37,7 +41,7 @@ class Sampling:
 
 @dataclass
 class Loaded:
-    model: torch.nn.Module
+    model: Transformer
     checkpoint: str
     step: int
     params: str                  # "inner" or "outer"
@@ -102,13 +106,14 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
 
 
 @torch.no_grad()
-def generate_ids(model: torch.nn.Module, context: list[int], *, max_new_tokens: int, sampling: Sampling,
+def generate_ids(model: Transformer, context: list[int], *, max_new_tokens: int, sampling: Sampling,
                  eos_id: int | None, vocab: int) -> tuple[list[int], str]:
     """(new token ids, why it stopped): each step runs the last max_seq_len tokens of the context."""
     device = next(model.parameters()).device
     window = model.args.max_seq_len
     generator = torch.Generator().manual_seed(sampling.seed)
-    ids, out = list(context), []
+    ids = list(context)
+    out: list[int] = []
     for _ in range(max_new_tokens):
         tokens = torch.tensor([ids[-window:]], dtype=torch.long, device=device)
         logits = model(tokens)[0, -1, :vocab].float().cpu()

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 log = logging.getLogger("zb.metrics")
 
@@ -32,7 +32,7 @@ class MetricsSink:
     """Appends events to metrics.jsonl. Safe to call from several threads (heartbeat, uploader)."""
 
     def __init__(self, log_dir: str | Path | None, node: str, enabled: bool = True, *, jsonl: bool = True,
-                 backends: list[Any] = ()):
+                 backends: Sequence[Any] = ()):
         self.node = node
         self._lock = threading.Lock()
         self._file = None
@@ -46,6 +46,7 @@ class MetricsSink:
 
     def _warn_if_shared(self) -> None:
         """Hold an advisory lock on the file while writing: a second writer cannot take it."""
+        assert self._file is not None  # called right after opening it
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import signal
 import time
+from types import FrameType
+from typing import Any, Callable, Optional, Union
 
 POLL_S = 0.1
+
+# What signal.signal takes and returns: a function, SIG_DFL / SIG_IGN, or None (installed outside Python).
+SignalHandler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
 
 _received: str | None = None   # the first stop signal this process got, whichever handler caught it
 
@@ -33,7 +38,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: str | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, SignalHandler] = {}
 
     def __enter__(self) -> "StopSignals":
         for sig in (signal.SIGINT, signal.SIGTERM):

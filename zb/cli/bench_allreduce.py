@@ -57,10 +57,10 @@ def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_m
     cfg = BenchConfig(size_mb=size_mb, compressions=comps, streams=streams, iterations=iterations,
                       warmup=warmup, threads=threads, data=data, min_bandwidth_mbps=min_bandwidth_mbps,
                       rendezvous_timeout_s=timeout)
-    report = _run(world_size, store, rank, cfg)
-    if report is None:
+    results = _run(world_size, store, rank, cfg)
+    if results is None:
         return
-    print_json(report) if as_json else stderr.print(results_table(report))
+    print_json(results) if as_json else stderr.print(results_table(results))
 
 
 def _kernels(threads: int, numel: int) -> dict:

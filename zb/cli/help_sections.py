@@ -96,7 +96,8 @@ class SectionedCommand(click.Command):
 
     def grouped(self, ctx: click.Context) -> tuple[list[click.Parameter], dict[str, list[click.Parameter]]]:
         """(the command's own options, {section: its options in schema order}), hidden ones left out."""
-        shown = [p for p in self.get_params(ctx) if isinstance(p, click.Option) and p.get_help_record(ctx) is not None]
+        shown: list[click.Parameter] = [p for p in self.get_params(ctx)
+                                        if isinstance(p, click.Option) and p.get_help_record(ctx) is not None]
         by_key = {(p.name or "").replace(DEST_SEP, "."): p for p in shown}
         own = [p for p in shown if (p.name or "").replace(DEST_SEP, ".") not in KEYS]
         sections = {name: [by_key[k] for k in keys if k in by_key] for name, keys in section_keys().items()}
@@ -116,7 +117,7 @@ class SectionedCommand(click.Command):
             return
         self.format_help_text(ctx, formatter)
         with formatter.section("Options"):
-            formatter.write_dl([p.get_help_record(ctx) for p in own])
+            formatter.write_dl(_help_records(ctx, own))
         if view == ALL:
             for name, params in sections.items():
                 _write_section(ctx, formatter, name, params)
@@ -143,4 +144,9 @@ def _write_section(ctx: click.Context, formatter: click.HelpFormatter, name: str
     formatter.write_paragraph()
     formatter.write_text(_heading(name, params))
     with formatter.indentation():
-        formatter.write_dl([p.get_help_record(ctx) for p in params])
+        formatter.write_dl(_help_records(ctx, params))
+
+
+def _help_records(ctx: click.Context, params: list[click.Parameter]) -> list[tuple[str, str]]:
+    """The help rows of `params` (grouped keeps only the options that have one)."""
+    return [record for p in params if (record := p.get_help_record(ctx)) is not None]

@@ -57,7 +57,9 @@ def render(cmd: click.Command, name: str, parent: click.Context | None = None) -
     if isinstance(cmd, click.Group):
         lines += [".SH COMMANDS"]
         for sub in cmd.list_commands(ctx):
-            lines += [".TP", f"\\fB{sub}\\fR", _escape(cmd.get_command(ctx, sub).get_short_help_str(limit=200)),
+            sub_cmd = cmd.get_command(ctx, sub)
+            assert sub_cmd is not None  # list_commands named it
+            lines += [".TP", f"\\fB{sub}\\fR", _escape(sub_cmd.get_short_help_str(limit=200)),
                       f"See \\fB{_escape(name.replace(' ', '-'))}\\-{sub}\\fR(1)."]
     return "\n".join(lines) + "\n"
 
@@ -70,11 +72,14 @@ def all_pages() -> dict[str, str]:
     pages = {"zb.1": render(cli, "zb")}
     for sub in cli.list_commands(root_ctx):
         cmd = cli.get_command(root_ctx, sub)
+        assert cmd is not None  # list_commands named it
         pages[f"zb-{sub}.1"] = render(cmd, f"zb {sub}", parent=root_ctx)
         if isinstance(cmd, click.Group):  # a group's subcommands get pages too: zb-ckpt-ls.1 (zb man ckpt-ls)
             ctx = click.Context(cmd, info_name=sub, parent=root_ctx, **cmd.context_settings)
             for name in cmd.list_commands(ctx):
-                pages[f"zb-{sub}-{name}.1"] = render(cmd.get_command(ctx, name), f"zb {sub} {name}", parent=ctx)
+                leaf = cmd.get_command(ctx, name)
+                assert leaf is not None  # list_commands named it
+                pages[f"zb-{sub}-{name}.1"] = render(leaf, f"zb {sub} {name}", parent=ctx)
     return pages
 
 

@@ -170,7 +170,7 @@ def _watch(reader, host: str, port: int, where: str, interval: float, timeout: f
                     live.update(status_table(doc), refresh=True)
                 else:
                     _print_table(doc)
-            except (*store_errors(), EnvironmentFailure) as e:
+            except store_errors() + (EnvironmentFailure,) as e:
                 reader = None
                 stderr.print(f"store {where}: {str(e).splitlines()[0][:200]}; retrying in {interval:g} s", markup=False)
             time.sleep(interval)

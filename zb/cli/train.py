@@ -51,11 +51,11 @@ def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int
         # The one place that knows DiLoCo-SWARM exists: a [swarm] table makes this process a stage worker.
         from zb.swarm.entry import run as run_stage_worker
 
-        counters = run_stage_worker(cfg)
+        stop_signal = run_stage_worker(cfg).stop_signal
     else:
         from zb.train.run import run
 
-        counters = run(cfg)
-    if counters.stop_signal is not None:
+        stop_signal = run(cfg).stop_signal
+    if stop_signal is not None:
         # Stopped cleanly by a signal: the conventional 128 + signal number, so scripts can tell.
-        raise SystemExit(128 + int(counters.stop_signal))
+        raise SystemExit(128 + int(stop_signal))

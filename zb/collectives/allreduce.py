@@ -31,7 +31,8 @@ class AllReduceStats:
     seconds: float
 
 
-def _check(tensor: torch.Tensor, op: ReduceOp, compression: str, groups: Sequence[dist.ProcessGroup]) -> None:
+def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
+           groups: Sequence[dist.ProcessGroup]) -> None:
     if compression not in COMPRESSIONS:
         raise InvalidInput(f"compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
@@ -55,7 +56,9 @@ def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, de
     for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))):
         if b > a:
             opts = dist.AllreduceOptions()
-            opts.reduceOp = ReduceOp.SUM  # gloo has no AVG: divide afterwards, identically everywhere
+            # gloo has no AVG: divide afterwards, identically everywhere. torch's stub types the field
+            # ReduceOp; pybind11 converts the RedOpType member (what torch itself passes) implicitly.
+            opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]
             works.append((g, b - a, g.allreduce([flat[a:b]], opts)))
     for g, n, work in works:
         seconds = deadlines.for_bytes(8 * n * (world - 1) // world, first=True)
@@ -69,7 +72,7 @@ def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, de
     return 8 * flat.numel() * (world - 1) // world
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp = ReduceOp.SUM,
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.RedOpType = ReduceOp.SUM,
                compression: str = "none", streams: Sequence[dist.ProcessGroup] = (),
                min_bandwidth_mbps: float = 10.0, timeout_floor_s: float = 10.0,
                start_timeout_s: float = 300.0, piece_values: int = 1 << 20,

@@ -16,6 +16,7 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout_s: float) -> N
     keys = [f"bench/arrived/{r}" for r in range(world)]
     deadline = time.monotonic() + timeout_s
     try:
-        store.set(keys[rank], b"1")
+        store.set(keys[rank], b"1")  # type: ignore[arg-type]  # the binding takes bytes too; the stub says str
         while not store.check(keys):
             if time.monotonic() > deadline:
                 missing = [str(r) for r, key in enumerate(keys) if not store.check([key])]
@@ -66,13 +67,14 @@ def _rendezvous(store: dist.Store, rank: int, world: int, timeout_s: float) -> N
         raise EnvironmentFailure(f"lost the store ({str(e).splitlines()[0]}); rank 0 hosts it: did it exit?") from None
 
 
-def make_group(store: dist.Store, prefix: str, rank: int, world: int, timeout: timedelta) -> dist.ProcessGroup:
-    """A bare ProcessGroupGloo, bound to GLOO_SOCKET_IFNAME when set (needed across namespaces)."""
+def make_group(store: dist.Store, prefix: str, rank: int, world: int, timeout: timedelta) -> Any:
+    """A bare ProcessGroupGloo, bound to GLOO_SOCKET_IFNAME when set (needed across namespaces). Typed
+    Any: torch types it as a Backend, and it serves as a process group here."""
     uses_gloo()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if not ifname:
         return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timeout)
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub calls it Options
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])]
     return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, opts)
@@ -133,7 +135,7 @@ def run_rank(store: dist.Store, rank: int, world: int, cfg: BenchConfig) -> dict
     for comp in cfg.compressions:
         _, _ = _timed(pg, streams, x, work, comp, cfg)  # one more run: check its result
         err = float((work.double() - exact.double()).norm() / exact.double().norm().clamp(min=1e-30))
-        crc = zlib.crc32(work.numpy().view("uint8"))
+        crc = zlib.crc32(work.numpy().view("uint8").data)
         crcs = _gather_floats(pg, [float(crc)])[:, 0]
         rows[comp] = _row(times[comp], x, world, wire[comp], err, bool((crcs == crcs[0]).all()))
     pg.barrier().wait()

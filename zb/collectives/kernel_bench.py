@@ -9,14 +9,14 @@ from __future__ import annotations
 import ctypes
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from zb.collectives import kernels
 
 
-def _time(fn: Callable[[], None], repeats: int) -> list[float]:
+def _time(fn: Callable[[], object], repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -63,8 +63,8 @@ def run_kernel_bench(numel: int = 1 << 24, repeats: int = 7, twin_numel: int = 1
             times["twin_" + name] += _time(twin_cases[name][0], 1)
     # the baseline is the faster of libc memmove (one thread) and torch's parallel copy
     memcpy = 8 * numel / min(statistics.median(times["memcpy"]), statistics.median(times["memmove"])) / 1e9
-    result = {"numel": numel, "threads": torch.get_num_threads(), "memcpy_gbps": memcpy,
-              "cpp": bool(cpp_cases), "kernels": {}}
+    result: dict[str, Any] = {"numel": numel, "threads": torch.get_num_threads(), "memcpy_gbps": memcpy,
+                              "cpp": bool(cpp_cases), "kernels": {}}
     for name, (_, nbytes) in twin_cases.items():
         twin = nbytes / statistics.median(times["twin_" + name]) / 1e9
         row = {"twin_gbps": twin}

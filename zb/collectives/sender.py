@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from contextlib import AbstractContextManager
 from typing import Callable
 
 import torch
@@ -27,7 +28,8 @@ class Sender:
     """send(k, buf) enqueues message k for the right neighbour; close() waits for all of them."""
 
     def __init__(self, pg: dist.ProcessGroup, peer: int, window: int, pool: BufferPool,
-                 deadline: Callable[[int, int], float], wrap: Callable[..., object]) -> None:
+                 deadline: Callable[[int, int], float],
+                 wrap: Callable[[int, str], AbstractContextManager[object]]) -> None:
         self.pg, self.peer, self.window, self.pool = pg, peer, window, pool
         self._deadline, self._wrap = deadline, wrap  # (k, nbytes) -> seconds; gloo errors -> PeerFailure
         self._queue: queue.Queue = queue.Queue()

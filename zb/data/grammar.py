@@ -20,6 +20,7 @@ import bisect
 import math
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from zb.data.hashing import mix64
 
@@ -50,15 +51,15 @@ def _third_person(verb: str) -> str:
 class Choice:
     """A Zipf-weighted list: sample in O(log n), with the log-probability of each option."""
 
-    words: tuple[str, ...]
+    words: tuple[Any, ...]   # words, or other values to pick (sentence counts, coin sides)
     cum: tuple[float, ...]
     logp: tuple[float, ...]
 
     @classmethod
     def zipf(cls, words: list[str] | str, exponent: float = 1.0) -> "Choice":
-        words = tuple(words.split() if isinstance(words, str) else words)
-        weights = [1.0 / (rank + 1) ** exponent for rank in range(len(words))]
-        return cls.weighted(words, weights)
+        options = tuple(words.split() if isinstance(words, str) else words)
+        weights = [1.0 / (rank + 1) ** exponent for rank in range(len(options))]
+        return cls.weighted(options, weights)
 
     @classmethod
     def weighted(cls, words, weights) -> "Choice":

@@ -17,6 +17,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from zb.config import ConfigError
 from zb.data.retry import short, status_of, with_retries
@@ -65,7 +66,7 @@ def hub_download(repo_id: str, filename: str, *, repo_type: str, revision: str |
 
     disable_progress_bars()  # its tqdm bars would garble zb's own display and logs (process-wide)
     what = f"{filename} of {repo_id}"
-    kwargs = dict(repo_type=repo_type, revision=revision, cache_dir=cache_dir, endpoint=hub_endpoint())
+    kwargs: dict[str, Any] = dict(repo_type=repo_type, revision=revision, cache_dir=cache_dir, endpoint=hub_endpoint())
     try:
         unreachable = None if offline() else unresolvable_hub()
         if offline() or unreachable:

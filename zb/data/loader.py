@@ -34,7 +34,7 @@ KINDS = {"documents": "one source", "mixture": "a mixture of sources (data.datas
 def check_kind(state: dict[str, Any], kind: str) -> None:
     """A saved position resumes only a loader of its own kind of source."""
     if state.get("kind") != kind:
-        saved = KINDS.get(state.get("kind"), f"unknown kind {state.get('kind')!r}")
+        saved = KINDS.get(state.get("kind", ""), f"unknown kind {state.get('kind')!r}")
         raise InvalidInput(f"the saved data position is for {saved} but this run reads {KINDS[kind]}: the data "
                            "settings changed since it was saved; use the settings it was saved with to resume")
 
@@ -77,7 +77,8 @@ class DataLoader:
         self.resume_note = resume_note or ("" if self.exact_resume else
                                            f"data.shuffle_buffer = {shuffle_buffer}: resuming skips the documents "
                                            "still in the shuffle buffer")
-        self._pos, self._tokens, self._off = stream.start(), [], 0
+        self._pos, self._off = stream.start(), 0
+        self._tokens: list[int] = []
         self._docs: Iterator | None = None
         self._resume_offset: int | None = 0  # not None: (re)open the stream at self._pos first
 
@@ -97,6 +98,7 @@ class DataLoader:
             self._off = offset
 
     def _next_doc(self) -> None:
+        assert self._docs is not None  # _open comes first
         pos, text = next(self._docs)
         self._pos = pos
         self._tokens = self.tokenizer.encode(text)

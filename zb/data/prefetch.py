@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from zb.data.loader import Batch
 
 _END = object()
+_MaybeTensor = TypeVar("_MaybeTensor", torch.Tensor, None)   # a batch's field: cu_seqlens may be None
 
 
 class Prefetcher:
@@ -67,7 +68,7 @@ class Prefetcher:
             except queue.Full:
                 continue
 
-    def _ready(self, t: torch.Tensor | None) -> torch.Tensor | None:
+    def _ready(self, t: _MaybeTensor) -> _MaybeTensor:
         if t is None:  # a batch without document boundaries
             return None
         t = t.contiguous()
@@ -76,6 +77,7 @@ class Prefetcher:
     def __next__(self) -> Batch:
         if self._thread is None:
             self._start()
+        assert self._queue is not None  # _start made it
         batch, state = self._queue.get()
         if batch is _END:
             self._thread = None

@@ -110,6 +110,7 @@ def open_stream(data_cfg: DataConfig, ranks: Ranks, *, held_out: bool, seed: int
         versions.append(p.version)
     if len(streams) == 1:
         return streams[0], versions[0]
+    assert data_cfg.dataset_ratio is not None  # several sources come only from data.dataset_ratio (sources())
     weights = ratio_weights(data_cfg.dataset_ratio)
     # What the position is a position in: a change in sources, weights or snapshots is reported at resume.
     version = "; ".join(f"{s.entry} x{w:g}" + (f" ({v})" if v else "") for s, w, v in zip(found, weights, versions))
@@ -160,9 +161,9 @@ def _hub_plan(entry: str, data_cfg: DataConfig, ranks: Ranks, held_out: bool, bu
     log.info("dataset %s@%s: %d data files, this rank reads %d (documents 1 of every %d)",
              entry, ds.revision[:12], len(files), len(mine), rr_count)
     fetchers, release = _fetchers(ds, mine, data_cfg, budget, held_out)
-    parts = [FilePart(Path(name, f.path), f.path, data_cfg.text_column,
-                      ensure=_with_prefetch(fetchers[i], fetchers[i + 1] if i + 1 < len(mine) else None))
-             for i, f in enumerate(mine)]
+    parts: list[Part] = [FilePart(Path(name, f.path), f.path, data_cfg.text_column,
+                                  ensure=_with_prefetch(fetchers[i], fetchers[i + 1] if i + 1 < len(mine) else None))
+                         for i, f in enumerate(mine)]
     if not data_cfg.streaming:
         for fetch in fetchers:
             fetch()  # download everything up front

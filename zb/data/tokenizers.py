@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from zb.errors import InvalidInput
 
@@ -48,13 +48,13 @@ class HFTokenizer:
     def __init__(self, name: str, tok, config: dict | None = None):
         self.name, self._tok = name, tok
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.bos_id = self._special(config, "bos_token", _BOS_NAMES)
-        self.eos_id = self._special(config, "eos_token", _EOS_NAMES)
-        if self.eos_id is None:
+        bos_id = self._special(config, "bos_token", _BOS_NAMES)
+        eos_id = self._special(config, "eos_token", _EOS_NAMES)
+        if eos_id is None:
             raise InvalidInput(f"data.tokenizer = {name!r}: no end-of-text token found (looked for "
                                f"{', '.join(_EOS_NAMES)}); documents cannot be separated")
-        if self.bos_id is None:
-            self.bos_id = self.eos_id
+        self.eos_id: int = eos_id
+        self.bos_id: int = bos_id if bos_id is not None else eos_id
 
     def _special(self, config: dict | None, key: str, names: tuple[str, ...]) -> int | None:
         value = (config or {}).get(key)
@@ -108,7 +108,7 @@ def _from_hub(name: str, raw_cls, retries: int) -> HFTokenizer:
 
     if not REPO_ID.match(name):
         raise InvalidInput(f"data.tokenizer = {name!r}: no such file or directory, and not a hub name (owner/name)")
-    fetch = dict(repo_type="model", revision=None, cache_dir=cache_root(), retries=retries)
+    fetch: dict[str, Any] = dict(repo_type="model", revision=None, cache_dir=cache_root(), retries=retries)
     try:
         path = hub_download(name, "tokenizer.json", **fetch)
     except EnvironmentFailure as e:   # the hub or the cache, not the name: exit 1

@@ -114,5 +114,5 @@ def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, outer_step:
         pg.allreduce([table]).wait(timedelta(seconds=deadline_s))
     except Exception as e:  # noqa: BLE001 - gloo names an address; the retry resolves the world anyway
         raise PeerFailure(f"outer-step check-in failed: {str(e).splitlines()[0]}", rank=None) from None
-    roles, outer_steps, steps, digests, arrived, round_steps, round_tokens = table.tolist()
-    return make_plan(roles, outer_steps, steps, digests, arrived, round_steps, round_tokens)
+    roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens = table.tolist()
+    return make_plan(roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens)

@@ -16,7 +16,7 @@ import torch
 
 def digest(flat: torch.Tensor) -> bytes:
     """sha256 of the buffer's bytes, read in place (a copy through tobytes() took twice as long)."""
-    return hashlib.sha256(memoryview(flat.detach().contiguous().numpy()).cast("B")).digest()
+    return hashlib.sha256(flat.detach().contiguous().numpy().data.cast("B")).digest()
 
 
 class BackgroundDigest:
@@ -38,4 +38,5 @@ class BackgroundDigest:
         self._thread.join()
         if self._error is not None:
             raise self._error
+        assert self._value is not None  # the thread ended without an error: it set the digest
         return self._value

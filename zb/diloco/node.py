@@ -20,11 +20,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
 from zb.collectives import PeerFailure
-from zb.config_schema import Config
+from zb.config_schema import Config, DilocoConfig
 from zb.diloco import checkin, drift, rounds, slots
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.overlap import EagerOverlap
@@ -38,6 +39,9 @@ from zb.elastic.tcpstore import connect, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.fingerprint import check_against, encode
 from zb.position import RunPosition
+
+if TYPE_CHECKING:
+    from zb.diloco.live import LiveSnapshots
 
 log = logging.getLogger("zb.diloco")
 
@@ -84,7 +88,9 @@ class DilocoNode:
 
     def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local, sink,
                  fingerprint: dict, local_group=None):
-        self.cfg, self.dcfg, self.optimizer, self.local, self.sink = cfg, cfg.diloco, optimizer, local, sink
+        assert cfg.diloco is not None, "a DiLoCo node needs the [diloco] section"
+        self.dcfg: DilocoConfig = cfg.diloco
+        self.cfg, self.optimizer, self.local, self.sink = cfg, optimizer, local, sink
         self.model = model
         # The run's fingerprint; its "stripes" becomes the run's at start (the same dict is in checkpoints).
         self.fingerprint = fingerprint
@@ -96,19 +102,19 @@ class DilocoNode:
                                       stripes=fingerprint["stripes"], sink=sink if local.is_head else None,
                                       ring_backward=cfg.diloco.compression == "none")   # gloo's ring runs r -> r - 1
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
-        self.overlap = None
-        self.rounds = None
+        self.overlap: EagerOverlap | StreamingOverlap | None = None
+        self.rounds: rounds.RoundClock | None = None
         # Set by a user that counts its own work (DiLoCo-SWARM: micro-batches a stage worker processed since the
         # last outer step): the average then weighs contributors by it, as diloco.round_seconds weighs by tokens.
-        self.work_source = None
+        self.work_source: Callable[[], rounds.RoundWork] | None = None
         if cfg.diloco.round_seconds is not None:
             self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
                                             cfg.optim.batch_size * cfg.data.seq_length, local_group)
-        self.store = None
+        self.store: Any = None  # a torch Store client (tcpstore.connect); None until start(), and after a failure
         self.slot = self.num_slots = 0
         self.role = checkin.CONTRIBUTOR
         self.recovered_position: RunPosition | None = None
-        self.live = None
+        self.live: LiveSnapshots | None = None
         self._fresh_view = False
         self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
         if cfg.diloco.compression == "int8":
@@ -119,6 +125,17 @@ class DilocoNode:
             from zb.ckpt.sidecar.token import read_token
 
             read_token()  # fail before joining the run, not after: the sidecar needs a token
+
+    @property
+    def _outer(self) -> OuterState:
+        """The outer state; start() lays it out (in the run's stripes) before anything uses it."""
+        assert self.outer is not None, "DilocoNode.start() lays the outer state out"
+        return self.outer
+
+    @property
+    def _layout(self) -> StripeLayout:
+        assert self.layout is not None, "DilocoNode.start() lays the outer state out"
+        return self.layout
 
     # -- start -------------------------------------------------------------------------------
     def start(self) -> int:
@@ -132,7 +149,7 @@ class DilocoNode:
             self.role = checkin.RECOVERED if recovered else checkin.NEEDS_STATE
         self._fresh_view = True
         self.slot, self.num_slots = self._claim_slot(view)
-        if self.cfg.ckpt.live_recovery and self.layout.owner:
+        if self.cfg.ckpt.live_recovery and self._layout.owner:
             self._serve_live(view.uid)
         log.info("node %s: global rank %d of %d (mesh v%d), data slot %d%s", view.uid, view.global_rank,
                  view.global_world_size, view.mesh_version, self.slot, _joining_note(self.role))
@@ -187,7 +204,7 @@ class DilocoNode:
         self.layout = StripeLayout(stripes, self.local.rank, n, self.local_group)
         self.mesh.use_stripes(stripes)
         self.outer = OuterState(self.model, self.dcfg, self.layout)
-        if not self.layout.identity and self.local.is_head:
+        if not self._layout.identity and self.local.is_head:
             log.info("this node has %d local ranks and the run %d stripes: rows move inside the node at every outer "
                      "step (local ranks %d..%d hold no outer state)", n, stripes, stripes, n - 1)
         if self.dcfg.overlap != "none":
@@ -221,17 +238,20 @@ class DilocoNode:
         from zb.diloco.live import recover
 
         started = time.perf_counter()
-        owner = self.layout.owner    # a rank with no stripe has nothing to fetch
-        found = recover(self.store, self.cfg, self.cfg.elastic.unique_id, self.local.rank, self.outer,
+        owner = self._layout.owner    # a rank with no stripe has nothing to fetch
+        uid = self.cfg.elastic.unique_id
+        assert uid is not None, "the entry point names the node (node_identity) before it builds the DilocoNode"
+        found = recover(self.store, self.cfg, uid, self.local.rank, self._outer,
                         encode(self.fingerprint)) if owner else None
         ok = localsync.all_ok(self.local_group, found is not None or not owner)
         if ok:
-            self.outer.push_to_model()
+            self._outer.push_to_model()
             mine = found[0].to_json() if found is not None else None
             position = RunPosition.from_json(localsync.broadcast_json(self.local_group, self.local.rank,
                                                                       {"position": mine})["position"])
             self.recovered_position = position
             if self.local.is_head:
+                assert found is not None  # local rank 0 always holds a stripe: all_ok above says it found one
                 self.sink.log("recovery", **found[1].metrics())
                 log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
                          position.outer_step, ", ".join(found[1].peers), time.perf_counter() - started)
@@ -248,13 +268,15 @@ class DilocoNode:
         from zb.diloco.live import publish_progress
 
         after = replace(before, outer_step=before.outer_step + 1, tokens=0)
-        self.live.publish(self.outer, after)
+        assert self.live is not None  # _after_step publishes only with a live sidecar
+        # start() laid the outer state out before any outer step
+        self.live.publish(cast(OuterState, self.outer), after)
         if view.global_rank == 0 and self.local.is_head:
             try:
                 # An earlier outer step may have dropped the client (the store restarted): reconnect.
                 self.store = self.store or self._connect()
                 publish_progress(self.store, after.outer_step, after.step)
-            except (*store_errors(), EnvironmentFailure) as e:
+            except store_errors() + (EnvironmentFailure,) as e:
                 log.warning("could not publish the run's progress (retried next outer step): %s",
                             str(e).splitlines()[0])
                 self.store = None
@@ -310,7 +332,7 @@ class DilocoNode:
         """What follows every outer step, blocking or not; `position` is where this node stood before it."""
         # The outer params stay as they are now until the next outer step: hash them while the inner
         # steps run, for that step's check-in (and, after the hand-over, a receiver's params_hash).
-        self._digest = drift.BackgroundDigest(self.outer.flat) if self.dcfg.drift_guard else None
+        self._digest = drift.BackgroundDigest(self._outer.flat) if self.dcfg.drift_guard else None
         if self.cfg.train.log_model_hash:
             report.params_hash = self.params_hash()
         if self.live is not None:
@@ -329,13 +351,14 @@ class DilocoNode:
         says who holds the average launched at the last boundary: it is applied only when every
         contributor does, so a transfer that failed anywhere is skipped everywhere, never half applied."""
         ov = self.overlap
+        assert isinstance(ov, EagerOverlap)  # outer_step and close_run come here only under diloco.overlap = eager
         arrival = ov.wait()
         report, view, plan, attempts = self._agree_on_arrival(position, arrival)
         if plan is None and closing:
             log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
                       "shared params without it", attempts)
             ov.reset_own()
-            self.outer.push_to_model()
+            self._outer.push_to_model()
             return report, None
         if plan is None:
             # Nobody could be reached: keep training; the next check-in finds where this node stands.
@@ -381,6 +404,7 @@ class DilocoNode:
         """Start the fragment's all-reduce over the current world. No check-in: roles change only at
         an outer step (joiners are admitted there), so every node of the world sends; a node whose
         world is stale (it was frozen) fails its transfer and is sorted out at the outer step."""
+        assert isinstance(self.overlap, StreamingOverlap)  # sync_points names a fragment to launch only then
         self.overlap.launch(fragment, self.mesh.view, self.mesh.global_pg, self.role == checkin.CONTRIBUTOR)
         log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.overlap.numel(fragment))
 
@@ -389,12 +413,13 @@ class DilocoNode:
         """A fragment's outer step: the average launched tau steps ago, applied on every node or on
         none, then the merge; joiners are admitted and handed the state here (nothing is in flight)."""
         ov = self.overlap
+        assert isinstance(ov, StreamingOverlap)  # outer_step and close_run come here only under streaming
         arrival = ov.wait()
         report, view, plan, attempts = self._agree_on_arrival(position, arrival)
         if plan is None:
             log.error("outer step skipped after %d failed check-ins; training goes on", attempts)
             if closing:
-                self.outer.push_to_model()
+                self._outer.push_to_model()
             return report, None
         me = view.global_rank
         was_recovered = self.role == checkin.RECOVERED
@@ -405,12 +430,12 @@ class DilocoNode:
             log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, "
                         "its inner optimizer state is cleared, and every node skips the average it poisons")
             self.optimizer.state.clear()
-            self.outer.push_to_model()
+            self._outer.push_to_model()
         elif report.applied and me in plan.contributors and not closing:
             ov.merge(self.dcfg.fragment_alpha)
         received = self._hand_over_state(view, plan, position)
         if was_recovered and me in plan.appliers:
-            self.outer.push_to_model()  # a recovered joiner holds no progress of its own yet
+            self._outer.push_to_model()  # a recovered joiner holds no progress of its own yet
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
             self.role = checkin.CONTRIBUTOR
         if closing:
@@ -438,7 +463,7 @@ class DilocoNode:
 
     def _close_on_shared(self, report: OuterReport) -> OuterReport:
         """The run ends on the shared params: the consensus model, the same on every node."""
-        self.outer.push_to_model()
+        self._outer.push_to_model()
         self._digest = None  # the shared params may just have changed: hash them anew
         if self.cfg.train.log_model_hash:
             report.params_hash = self.params_hash()
@@ -456,15 +481,16 @@ class DilocoNode:
         attempts = 0
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
             view = self.mesh.view if self._fresh_view else self._resolve()
+            assert view is not None  # a fresh view is the one start() just took
             self._fresh_view = False
             filled_s = 0.0
-            if sync is not None and not self.layout.identity:
+            if sync is not None and not self._layout.identity:
                 t0 = time.perf_counter()
-                self.outer.fill_pseudo_gradients()   # rows move inside the node: every local rank, every attempt
+                self._outer.fill_pseudo_gradients()   # rows move inside the node: every local rank, every attempt
                 filled_s = time.perf_counter() - t0
             try:
                 plan = stats = None
-                if self.layout.owner:
+                if self._layout.owner:
                     plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
                                             position.outer_step, position.step, _deadline(self.cfg), digest, arrived,
                                             round_steps=work.steps, round_tokens=work.tokens)
@@ -479,7 +505,7 @@ class DilocoNode:
                 log.warning("outer step attempt %d failed: %s", attempts, e)
                 self.mesh.report_failure(e.rank)
                 ok = False
-            if not self.layout.identity:
+            if not self._layout.identity:
                 plan = self._plan_of_head(plan)
             if localsync.all_ok(self.local_group, ok):
                 return view, plan, stats, attempts, True
@@ -514,17 +540,20 @@ class DilocoNode:
             average = self._share_average(view, donor, late, average)
             if average is None:
                 return False
+        assert average is not None  # an applier that did not contribute is one of `late`: it received the average
         finite = localsync.all_ok(self.local_group, bool(torch.isfinite(average).all()))
         if not finite:
             # The same bits on every node: every node decides alike (the offender reset at launch).
             log.warning("non-finite average pseudo-gradient: skipped on every node")
             return False
+        assert self.overlap is not None  # only the overlapped outer steps come here
         self.overlap.apply_average(average)
         return True
 
     def _share_average(self, view, donor: int, late: list[int], average):
         """Donor -> recovered joiners: the average they did not take part in."""
-        transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
+        assert self.overlap is not None  # only the overlapped outer steps come here
+        transfer = StateTransfer(self.mesh.global_pg, self._outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
         if view.global_rank == donor:
             part = self.overlap.part_in_flight()
             self._send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
@@ -548,7 +577,7 @@ class DilocoNode:
         if self.overlap is None:
             return None
         if self.overlap.job is None:
-            self.outer.push_to_model()
+            self._outer.push_to_model()
             return None
         if isinstance(self.overlap, StreamingOverlap):
             return self._streaming_apply(position, None, closing=True)[0]
@@ -560,13 +589,15 @@ class DilocoNode:
         weight = None
         if self.rounds is not None or self.work_source is not None:   # weighted: weights sum to 1, the SUM is the update
             weight = rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank)
-        return sync_pseudo_gradient(self.outer, self.mesh.global_pg, self.dcfg, streams, zeros=not contributing,
+        return sync_pseudo_gradient(self._outer, self.mesh.global_pg, self.dcfg, streams, zeros=not contributing,
                                     scale=len(plan.contributors), weight=weight)
 
     def _apply(self, view, plan: checkin.Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
         applied = False
         weighted = self.rounds is not None or self.work_source is not None
-        if stats is not None and weighted and not any(plan.round_tokens[r] for r in plan.contributors):
+        assert stats is None or plan is not None  # _check_in returns stats only with the plan it synced under
+        if stats is not None and plan is not None and weighted and \
+                not any(plan.round_tokens[r] for r in plan.contributors):
             # Nobody trained in this round (only joiners, say): there is no update, not even momentum's.
             if view.global_rank in plan.appliers:
                 self.role = checkin.CONTRIBUTOR
@@ -574,12 +605,14 @@ class DilocoNode:
                                round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), False, attempts,
                                note=" | no node trained in this round: nothing to apply")
         h2d_s = 0.0
-        if stats is not None and view.global_rank in plan.appliers:
-            finite = bool(torch.isfinite(self.outer.flat.grad).all())
+        if stats is not None and plan is not None and view.global_rank in plan.appliers:
+            grad = self._outer.flat.grad
+            assert grad is not None  # the pseudo-gradient buffer: set by OuterState, never cleared
+            finite = bool(torch.isfinite(grad).all())
             if localsync.all_ok(self.local_group, finite):
-                self.outer.step()
+                self._outer.step()
                 t0 = time.perf_counter()
-                self.outer.push_to_model()
+                self._outer.push_to_model()
                 h2d_s = time.perf_counter() - t0
                 applied = True
                 self.role = checkin.CONTRIBUTOR
@@ -597,22 +630,23 @@ class DilocoNode:
     def _skip_non_finite(self) -> None:
         """Some node sent NaN/Inf: every node skips the step; a node whose own params are non-finite
         (the offender) resets them to the outer params, and its inner optimizer state with them."""
-        mine = all(bool(torch.isfinite(local_shard(p.detach())).all()) for p in self.outer.params)
+        mine = all(bool(torch.isfinite(local_shard(p.detach())).all()) for p in self._outer.params)
         mine = localsync.all_ok(self.local_group, mine)
         log.warning("non-finite pseudo-gradient in this outer step: skipped on every node%s",
                     "" if mine else "; this node's params were non-finite: reset to the outer params")
         if not mine:
-            self.outer.push_to_model()
+            self._outer.push_to_model()
             self.optimizer.state.clear()
 
     def _hand_over_state(self, view, plan: checkin.Plan, position: RunPosition) -> RunPosition | None:
         """Donor -> receivers, after the outer step; returns the position a receiver got."""
         if not plan.receivers:
             return None
-        transfer = StateTransfer(self.mesh.global_pg, self.outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
+        assert plan.donor is not None  # make_plan names a donor whenever there are receivers
+        transfer = StateTransfer(self.mesh.global_pg, self._outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
         if view.global_rank == plan.donor:
             transfer.stage(read=True)
-            if self.layout.owner:
+            if self._layout.owner:
                 self._send_each(plan.receivers, lambda r: transfer.send(r, position), "state")
             return None
         if view.global_rank not in plan.receivers:
@@ -620,7 +654,7 @@ class DilocoNode:
         started = time.perf_counter()
         transfer.stage(read=False)
         received, error = None, None
-        if self.layout.owner:
+        if self._layout.owner:
             try:
                 received = transfer.receive(plan.donor)
             except (PeerFailure, InvalidInput) as e:
@@ -631,7 +665,7 @@ class DilocoNode:
             raise EnvironmentFailure(f"joining failed: the state transfer from rank {plan.donor} broke "
                                      f"({error or 'on another local rank'}); restart this node to join again")
         transfer.finish()
-        if not self.layout.identity:
+        if not self._layout.identity:
             data = localsync.broadcast_json(self.local_group, self.local.rank,
                                             {"position": received.to_json() if received is not None else None})
             received = RunPosition.from_json(data["position"])
@@ -672,7 +706,7 @@ class DilocoNode:
             self.store = self.store or self._connect()
             self.store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
             self.store.compare_set(slots.slot_key(self.slot), "", view.uid)
-        except (*store_errors(), EnvironmentFailure) as e:
+        except store_errors() + (EnvironmentFailure,) as e:
             log.warning("store unreachable at outer step (retried next outer step): %s", str(e).splitlines()[0])
             self.store = None
 
@@ -682,7 +716,7 @@ class DilocoNode:
         try:
             self.store = self.store or self._connect()
             slots.save_position(self.store, self.slot, self.local.rank, data_state, self.local.world_size)
-        except (*store_errors(), EnvironmentFailure) as e:
+        except store_errors() + (EnvironmentFailure,) as e:
             log.warning("could not record the data position in the store (retried next outer step): %s",
                         str(e).splitlines()[0])
             self.store = None
@@ -690,13 +724,13 @@ class DilocoNode:
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The outer state in this node's checkpoint: the shared part, plus its eager term under overlap."""
-        out = dict(self.outer.state_tensors())
+        out = dict(self._outer.state_tensors())
         if self.overlap is not None:
             out.update(self.overlap.state_tensors())
         return out
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.outer.load_state_tensors(tensors)
+        self._outer.load_state_tensors(tensors)
         if self.overlap is not None:
             self.overlap.load_state_tensors(tensors)
         elif any(k.startswith("own/") for k in tensors):
@@ -707,8 +741,8 @@ class DilocoNode:
     def _node_digest(self) -> bytes:
         """sha256 over every stripe's outer-param digest: the same bytes on every local rank. Uses
         the digest started after the last outer step (nothing has changed the outer params since)."""
-        mine = self._digest.result() if self._digest is not None else drift.digest(self.outer.flat)
-        parts = localsync.all_gather_bytes(self.local_group, mine)[:self.layout.stripes]  # the stripes' owners
+        mine = self._digest.result() if self._digest is not None else drift.digest(self._outer.flat)
+        parts = localsync.all_gather_bytes(self.local_group, mine)[:self._layout.stripes]  # the stripes' owners
         return hashlib.sha256(b"".join(parts)).digest()
 
     def params_hash(self) -> str:

@@ -86,7 +86,9 @@ class OuterState:
         """flat.grad := outer - current for every parameter at once: how a node whose FSDP shards are
         not its stripes makes them (a collective over its local ranks; see zb.diloco.stripes)."""
         self.layout.read(self.full_shapes, self.params, self.grad_views)
-        torch.sub(self.flat.data, self.flat.grad, out=self.flat.grad)
+        grad = self.flat.grad
+        assert grad is not None  # the pseudo-gradient buffer: set in __init__, never cleared
+        torch.sub(self.flat.data, grad, out=grad)
 
     @torch.no_grad()
     def pseudo_gradient_of(self, index: int) -> torch.Tensor:

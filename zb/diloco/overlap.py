@@ -22,7 +22,7 @@ shared params: the consensus model, with every eager term dropped.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -39,7 +39,7 @@ class EagerOverlap:
     background all-reduce."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], object]):
+                 connect: Callable[[], Any]):
         self.outer, self.cfg, self._connect = outer, cfg, connect
         self._store = None  # used by the background thread only
         self.opt = OuterSGD.of(outer.optimizer)

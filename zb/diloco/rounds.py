@@ -84,6 +84,7 @@ class RoundClock:
         """Called after each inner step (`step`: this node's step counter): True when the round ends here."""
         if self.started is None:
             self.start()  # a loop that did not announce its start: time from the first step's end
+        assert self.started is not None  # start() set it
         now = self.clock()
         took = now - self.last
         self.last = now
@@ -107,6 +108,7 @@ class RoundClock:
         self.overruns = self.overruns + 1 if short else 0
         if self.overruns < 2:
             return
+        assert self.step_s is not None  # over() estimated it before it asked
         if self.rounds <= EARLY_ROUNDS:
             raise InvalidInput(f"diloco.round_seconds = {self.budget_s:g} is shorter than one inner step on this node "
                                f"({self.step_s:.2f} s): give a budget of several steps (at least "

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -60,7 +60,7 @@ class StreamingOverlap:
     flight and its background all-reduce."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], object]):
+                 connect: Callable[[], Any]):
         self.outer, self.cfg, self._connect = outer, cfg, connect
         self.opt = OuterSGD.of(outer.optimizer)
         self.momentum = self._momentum_buffer()
@@ -70,7 +70,7 @@ class StreamingOverlap:
         self.ranges = [[ranges[i] for i in ps] for ps in self.params_of]
         self.per = cfg.inner_steps // cfg.fragments
         self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
-        self._store = None
+        self._store: Any = None           # a torch Store client, made on the first launch over several nodes
         self.job: BackgroundAllReduce | None = None
         self.fragment: int | None = None   # the fragment in flight (or last launched)
         self.non_finite = False            # this node's launched pseudo-gradient was non-finite
@@ -150,6 +150,7 @@ class StreamingOverlap:
     @torch.no_grad()
     def apply_average(self, average: torch.Tensor) -> None:
         """Step the fragment's shared outer params and momentum with its average (in place, per param)."""
+        assert self.fragment is not None  # launch (or adopt_part) named the fragment whose average this is
         offset = 0
         for i in self.params_of[self.fragment]:
             (a, b), n = self.outer.param_ranges()[i], self.outer.numels[i]
@@ -160,6 +161,7 @@ class StreamingOverlap:
     @torch.no_grad()
     def merge(self, alpha: float) -> None:
         """model_p <- alpha * model_p + (1 - alpha) * shared_p for the fragment just applied."""
+        assert self.fragment is not None  # the fragment just applied
         for i in self.params_of[self.fragment]:
             shared = self.outer.views[i]
             p = local_shard(self.outer.params[i])
@@ -172,6 +174,7 @@ class StreamingOverlap:
         return self.numel(part) if 0 <= part < self.cfg.fragments else 0
 
     def part_in_flight(self) -> int:
+        assert self.fragment is not None  # asked of the donor of an average: it launched that fragment
         return self.fragment
 
     def adopt_part(self, part: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,9 +31,10 @@ class StreamGroups:
         self.extra = max(0, streams - first)
         self.local_rank, self.timeout = local_rank, timedelta(seconds=pg_timeout_s)
         self.version: int | None = None
-        self.groups: list[dist.ProcessGroup] = []
+        # ProcessGroupGloo objects: torch types them as a Backend, they serve as groups here
+        self.groups: list[Any] = []
 
-    def for_view(self, view, store) -> list[dist.ProcessGroup]:
+    def for_view(self, view, store) -> list[Any]:
         """The groups for this world (built once per mesh version; every node builds them together)."""
         if self.extra == 0 or (view.global_world_size == 1 and self.first > 0):
             return []

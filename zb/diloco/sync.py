@@ -62,7 +62,9 @@ class _Reducer(threading.Thread):
             a, b = item
             try:
                 t0 = time.perf_counter()
-                bucket = self.outer.flat.grad[a:b]
+                grad = self.outer.flat.grad
+                assert grad is not None  # OuterState's pseudo-gradient buffer, never cleared
+                bucket = grad[a:b]
                 stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, compression=self.cfg.compression,
                                    streams=self.streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
                 if self.scale != 1:
@@ -87,6 +89,7 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
     reducer = _Reducer(outer, group, streams, cfg)
     reducer.scale = 1 if weight is not None else group.size() if scale is None else scale
     if zeros:
+        assert outer.flat.grad is not None  # OuterState's pseudo-gradient buffer, never cleared
         outer.flat.grad.zero_()
     reducer.start()
     next_bucket = 0

@@ -14,10 +14,13 @@ import logging
 import os
 import signal
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import store_errors
+
+if TYPE_CHECKING:
+    from zb.stop_signals import SignalHandler
 
 log = logging.getLogger("zb.elastic")
 
@@ -27,12 +30,12 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Deathrattle:
     """Writes "<uid> <token>" to keys.GONE once; `connect` gives it a client of its own."""
 
-    def __init__(self, uid: str, token: str, connect: Callable[[], object]) -> None:
+    def __init__(self, uid: str, token: str, connect: Callable[[], Any]) -> None:
         self.uid, self.token = uid, token
         self._connect = connect
         self._sent = False
         self._lock = threading.Lock()
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, SignalHandler] = {}
 
     def install(self) -> None:
         atexit.register(self.rattle, "exit")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many, store_errors
@@ -74,13 +74,13 @@ def observe_counters(store, liveness: Liveness, uids: Iterable[str]) -> None:
 class Heartbeat(threading.Thread):
     """Bumps this node's counter and observes the watched nodes, every interval, until stopped."""
 
-    def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], object],
+    def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], Any],
                  watch: Callable[[], list[str]]) -> None:
         super().__init__(name="zb-heartbeat", daemon=True)
         self.uid, self.interval, self.liveness = uid, interval, liveness
         self._connect, self._watch = connect, watch
         self._stop_event = threading.Event()
-        self._store = None
+        self._store: Any = None        # a torch Store client of its own; None until connected, and after a failure
         self.beats = 0
         self.outage_since: float | None = None
         self._last_beat: float | None = None

@@ -28,7 +28,7 @@ import logging
 import random
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many, store_errors
@@ -46,7 +46,7 @@ IDLE_S = 1.0                  # how often the sender looks for members not measu
 class LinkProber:
     """The two background threads of one node (see the module docstring)."""
 
-    def __init__(self, uid: str, address: str, connect: Callable[[], object], members: Callable[[], list[str]],
+    def __init__(self, uid: str, address: str, connect: Callable[[], Any], members: Callable[[], list[str]],
                  seconds: float) -> None:
         self.uid, self.seconds = uid, seconds
         self._connect, self._members = connect, members
@@ -96,7 +96,7 @@ class LinkProber:
             store = store or self._connect()
             store.set(keys.links_into(self.uid), json.dumps(self.rows, sort_keys=True))
             return store
-        except (*store_errors(), EnvironmentFailure) as e:
+        except store_errors() + (EnvironmentFailure,) as e:
             log.debug("could not publish the measured links (next measurement retries): %s", e)
             return None
 
@@ -108,7 +108,7 @@ class LinkProber:
             try:
                 store = store or self._connect()
                 endpoints = read_many(store, [keys.link_server(u) for u in members])
-            except (*store_errors(), EnvironmentFailure):
+            except store_errors() + (EnvironmentFailure,):
                 store = None
                 continue
             for dst, endpoint in zip(members, endpoints):

@@ -24,6 +24,7 @@ def _device(group):
 def broadcast_json(group, local_rank: int, payload: dict[str, Any] | None) -> dict[str, Any]:
     """Local rank 0's `payload`, on every local rank (payload ignored elsewhere)."""
     if group is None:
+        assert payload is not None  # alone, this rank is local rank 0: it always shares a payload
         return payload
     import torch
     import torch.distributed as dist
@@ -35,7 +36,10 @@ def broadcast_json(group, local_rank: int, payload: dict[str, Any] | None) -> di
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if local_rank == 0
            else torch.empty(int(size.item()), dtype=torch.uint8, device=device))
     dist.broadcast(buf, group_src=0, group=group)
-    return json.loads(buf.cpu().numpy().tobytes().decode()) if local_rank != 0 else payload
+    if local_rank != 0:
+        return json.loads(buf.cpu().numpy().tobytes().decode())
+    assert payload is not None  # local rank 0 always shares a payload
+    return payload
 
 
 def merge_failures(group, world_size: int, failed: bool, suspects: set[int]) -> tuple[bool, set[int]]:
@@ -51,8 +55,8 @@ def merge_failures(group, world_size: int, failed: bool, suspects: set[int]) -> 
         if 0 <= rank < world_size:
             flags[rank + 1] = 1
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-    flags = flags.cpu().tolist()
-    return bool(flags[0]), {i for i in range(world_size) if flags[i + 1]}
+    merged = flags.cpu().tolist()
+    return bool(merged[0]), {i for i in range(world_size) if merged[i + 1]}
 
 
 def all_ok(group, ok: bool) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
@@ -36,16 +36,17 @@ log = logging.getLogger("zb.elastic")
 
 class Membership:
     def __init__(self, cfg, uid: str, token: str, stripes: int, liveness: Liveness,
-                 connect: Callable[[], object], before_join: Callable[[Snapshot], None] | None = None,
+                 connect: Callable[[], Any], before_join: Callable[[Snapshot], None] | None = None,
                  ring_backward: bool = False) -> None:
         self.cfg, self.uid, self.token, self.stripes = cfg, uid, token, stripes
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = RoundDeadlines.from_config(cfg)
         self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
-        self.store = None
+        self.store: Any = None         # the torch Store client; None until ensure_store, and after a failure
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
         self.world: World | None = None
-        self.failed, self.suspects = False, set()
+        self.failed = False
+        self.suspects: set[str] = set()
         self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
         self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
@@ -86,13 +87,15 @@ class Membership:
         """A first join fails at once on an unreachable member (a misconfigured network). A rejoin (this
         node was a member: a partition or a link down evicted it) waits for the path to come back,
         up to elastic.store_timeout: admitted now, it would break the next outer step again."""
+        before_join = self._before_join
+        assert before_join is not None  # join calls this only with a before_join check
         if self.world is None:
-            self._before_join(snap)
+            before_join(snap)
             return
         give_up, warned = time.monotonic() + self.cfg.store_timeout, False
         while True:
             try:
-                self._before_join(snap)
+                before_join(snap)
                 return
             except EnvironmentFailure as e:
                 if time.monotonic() >= give_up:
@@ -171,6 +174,7 @@ class Membership:
             self._check_not_leaving(snap)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
+            assert self.world is not None  # resolve follows a join, which set it (or raised)
             if snap.world.encode() != self.world.encode():
                 return self._rejoin("the world moved on without this node")
             return self._round(self.world)

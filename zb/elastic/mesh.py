@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from zb.elastic import keys, localsync
 from zb.elastic.deathrattle import Deathrattle
@@ -27,6 +27,9 @@ from zb.elastic.store_state import Snapshot
 from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
+
+if TYPE_CHECKING:
+    from zb.elastic.linkprobe import LinkProber
 
 log = logging.getLogger("zb.elastic")
 
@@ -52,17 +55,18 @@ class ElasticDeviceMesh:
         self.replica = local_rank if local_rank < stripes else None
         self._built = False            # this rank's part of the current groups is up (a passenger's: nothing)
         self.view: WorldView | None = None
-        self.global_pg = None
-        self._failed, self._suspects = False, set()
-        self._store = None
+        self.global_pg: Any = None     # this replica's ProcessGroupGloo once built; None before, and after a failure
+        self._failed = False
+        self._suspects: set[int] = set()
+        self._store: Any = None        # a follower's torch Store client (local rank 0's is its membership's)
         self._store_epoch = 0
         self._deathrattle: Deathrattle | None = None
         self._heartbeat: Heartbeat | None = None
         self._probe: ProbeListener | None = None
-        self._links = None             # zb.elastic.linkprobe.LinkProber with elastic.measure_links
+        self._links: LinkProber | None = None  # with elastic.measure_links
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
-        self._hosted = None            # the store object when this node hosts it (elastic.host_store)
+        self._hosted: Any = None         # the store object when this node hosts it (elastic.host_store)
         self.rebuild_s = 0.0           # seconds the last global group rebuild took
 
     def use_stripes(self, stripes: int) -> None:
@@ -73,6 +77,12 @@ class ElasticDeviceMesh:
     @property
     def is_joiner(self) -> bool:
         return bool(self.view and self.view.is_joiner)
+
+    @property
+    def _head(self) -> Membership:
+        """Local rank 0's membership protocol (started by _start_head, before anything else uses it)."""
+        assert self._membership is not None, "local rank 0 starts the membership protocol first"
+        return self._membership
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> WorldView:
@@ -159,9 +169,9 @@ class ElasticDeviceMesh:
         self._probe = ProbeListener()
         self._probe.start()
         store.set(keys.probe(uid), self._probe.endpoint)
-        members = lambda: list(self._membership.world.nodes) if self._membership.world else []  # noqa: E731
+        members = lambda: list(self._head.world.nodes) if self._head.world else []  # noqa: E731
         self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members)
-        self._membership.heartbeat = self._heartbeat
+        self._head.heartbeat = self._heartbeat
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
         if self.cfg.measure_links:
@@ -171,8 +181,9 @@ class ElasticDeviceMesh:
             self._links.start(store)
 
     def _resolve_head(self) -> dict[str, Any]:
-        m = self._membership
+        m = self._head
         before = m.world
+        assert before is not None  # the head joined at start (join sets the world or raises)
         if self._failed:
             m.failed = True
             m.suspects |= {before.nodes[r] for r in self._suspects if r < len(before.nodes)}
@@ -184,7 +195,7 @@ class ElasticDeviceMesh:
         return self._payload(world, store_ok=True)
 
     def _payload(self, world, store_ok: bool) -> dict[str, Any]:
-        m = self._membership
+        m = self._head
         changed = self.view is None or world.version != self.view.mesh_version or not self._built
         view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch)
         return view.to_dict()
@@ -208,9 +219,10 @@ class ElasticDeviceMesh:
 
     def _check_reachable(self, snap: Snapshot) -> None:
         # A renewed member's old endpoint is closed while its new incarnation beats: not a peer to reach.
+        assert snap.world is not None  # Membership checks reachability only against an existing world
         renewed = renewed_members(snap.world, snap)
-        peers = [u for u in snap.world.nodes if u != self._membership.uid and u not in renewed]
-        endpoints = {u: e.decode() for u, e in zip(peers, read_many(self._membership.store, [keys.probe(u) for u in peers])) if e}
+        peers = [u for u in snap.world.nodes if u != self._head.uid and u not in renewed]
+        endpoints = {u: e.decode() for u, e in zip(peers, read_many(self._head.store, [keys.probe(u) for u in peers])) if e}
         timeout = min(5.0, self.cfg.connect_timeout)
 
         def live_and_unreachable(uid: str) -> bool:
@@ -218,13 +230,13 @@ class ElasticDeviceMesh:
             that answers) took over from the one whose closed endpoint was read."""
             if not self._still_beating(uid):
                 return False
-            now = read_many(self._membership.store, [keys.probe(uid)])[0].decode()
+            now = read_many(self._head.store, [keys.probe(uid)])[0].decode()
             return now == endpoints[uid] or not reachable(now, timeout)
 
         check_peers(endpoints, timeout=timeout, still_alive=live_and_unreachable)
 
     def _still_beating(self, uid: str) -> bool:
-        store = self._membership.store
+        store = self._head.store
         first = read_many(store, [keys.heartbeat(uid)])[0]
         time.sleep(2 * self.cfg.heartbeat_interval)
         return read_many(store, [keys.heartbeat(uid)])[0] != first
@@ -277,14 +289,14 @@ class ElasticDeviceMesh:
             self.global_pg, self._built, self._failed = None, False, True
             self.rebuild_s = time.monotonic() - started
             return
-        store = self._membership.store if self.local_rank == 0 else self._store
+        store = self._head.store if self.local_rank == 0 else self._store
         pg, ok = None, True
         if self.replica is not None:
             try:
                 prefix = dist.PrefixStore(keys.mesh_prefix(view.mesh_version, self.replica), store)
                 pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
                                            timedelta(seconds=self.cfg.pg_timeout))
-            except (RuntimeError, *store_errors()) as e:
+            except (RuntimeError,) + store_errors() as e:
                 log.warning("building global group v%d failed: %s", view.mesh_version, str(e).splitlines()[0][:160])
                 ok = False
         self._built = localsync.all_ok(self.local_group, ok)

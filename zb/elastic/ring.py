@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many
@@ -85,8 +86,8 @@ def link_table(nodes: list[str], measured: dict, matrix: LinkMatrix | None,
                 continue
             if (src, dst) in measured:
                 table[a][b] = measured[(src, dst)]
-            elif rows.get(src) is not None and rows.get(dst) is not None:
-                table[a][b] = matrix.mbps[rows[src]][rows[dst]]
+            elif matrix is not None and (i := rows.get(src)) is not None and (j := rows.get(dst)) is not None:
+                table[a][b] = matrix.mbps[i][j]   # rows is empty without a matrix
             else:
                 unknown.append((src, dst))
     return table, unknown
@@ -116,10 +117,10 @@ class RingPlanner:
         solved = self._cache[1]
         order = [members[i] for i in rotate_to(solved.order, members.index(nodes[0]))]
         old = [members.index(u) for u in nodes]
-        old = bottleneck(table, old[::-1] if self.backward else old)
-        if old >= KEEP_WITHIN * solved.bottleneck_mbps:
+        old_mbps = bottleneck(table, old[::-1] if self.backward else old)
+        if old_mbps >= KEEP_WITHIN * solved.bottleneck_mbps:
             order = list(nodes)   # good enough: no rebuild for noise
-        return RingPlan(order, solved.bottleneck_mbps, old, solved.exact)
+        return RingPlan(order, solved.bottleneck_mbps, old_mbps, solved.exact)
 
     def _warn_unknown(self, members: list[str], unknown: list[tuple[str, str]], have_data: bool) -> None:
         if not have_data or self._warned == tuple(members):
@@ -136,7 +137,7 @@ def apply_ring_order(old: World, new: World, plan: RingPlan | None) -> World:
     """`new` with its members in ring order; the mesh version bumps if only the order changed."""
     if plan is None:
         return new
-    fields = {"nodes": plan.nodes, "ring_mbps": round(plan.mbps, 3)}
+    fields: dict[str, Any] = {"nodes": plan.nodes, "ring_mbps": round(plan.mbps, 3)}
     if plan.nodes != new.nodes:
         if new.version == old.version:
             fields["version"] = new.version + 1

@@ -64,6 +64,9 @@ def _json_lines(raw: bytes) -> list[dict | None]:
 def _joins(raw: bytes) -> list[JoinRequest]:
     out = []
     for index, data in enumerate(_json_lines(raw)):
+        if data is None:   # a malformed line
+            out.append(JoinRequest(uid="", token="", index=index))   # keeps the cursor counting lines
+            continue
         try:
             out.append(JoinRequest(uid=str(data["uid"]), token=str(data["token"]), index=index,
                                    pref_rank=int(data.get("pref_rank", 0)),
@@ -78,6 +81,8 @@ def _joins(raw: bytes) -> list[JoinRequest]:
 def _checkins(raw: bytes) -> list[CheckIn]:
     out = []
     for data in _json_lines(raw):
+        if data is None:   # a malformed line
+            continue
         try:
             out.append(CheckIn(uid=str(data["uid"]), token=str(data["token"]), failed=bool(data.get("failed")),
                                suspects=[str(s) for s in data.get("suspects", [])],

@@ -119,7 +119,7 @@ def _bind_message(addr: str, port: int, e: OSError) -> str:
 def is_public(addr: str) -> bool:
     """True when `addr` may be reachable from the internet (not loopback, private or link-local)."""
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(addr, None)}
+        ips = {str(info[4][0]) for info in socket.getaddrinfo(addr, None)}  # AF_INET(6): always a str
     except socket.gaierror:
         return False
     for ip in ips:

@@ -17,6 +17,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -123,7 +124,7 @@ class Staging:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
-    def __exit__(self, kind, error, tb) -> bool:
+    def __exit__(self, kind, error, tb) -> Literal[False]:
         if self.tmp.exists():
             shutil.rmtree(self.tmp, ignore_errors=True)
         if isinstance(error, OSError):

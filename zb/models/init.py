@@ -16,9 +16,15 @@ output layer trunc-normal std dim^-0.5 cut at 3 std.
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+    from zb.models.llama import Transformer
 
 INIT_STD = 0.02
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -44,6 +50,7 @@ def _std_for(name: str, layer_id: int | None, dim: int) -> tuple[str, float]:
     if name.startswith("output."):
         return "trunc", dim ** -0.5
     if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "feed_forward.w3.weight")):
+        assert layer_id is not None  # these live in layers.N
         return "trunc", INIT_STD / (2 * (layer_id + 1)) ** 0.5
     return "trunc", INIT_STD
 
@@ -60,7 +67,7 @@ def full_value(name: str, shape: torch.Size, seed: int, layer_id: int | None, di
     return nn.init.trunc_normal_(out, 0.0, std, a=-3 * std, b=3 * std, generator=gen)
 
 
-def _is_dtensor(param: torch.Tensor) -> bool:
+def _is_dtensor(param: torch.Tensor) -> TypeGuard[DTensor]:
     return hasattr(param, "device_mesh") and hasattr(param, "placements")
 
 
@@ -84,7 +91,7 @@ def _layer_id(name: str) -> int | None:
 
 
 @torch.no_grad()
-def init_transformer(model: nn.Module, seed: int) -> None:
+def init_transformer(model: Transformer, seed: int) -> None:
     dim = model.args.dim
     for index, (name, param) in enumerate(model.named_parameters()):
         if not _is_dtensor(param) or param.device_mesh.ndim != 1:

@@ -140,6 +140,9 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor   # buffers (register_buffer below)
+    rope_sin: torch.Tensor
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args

@@ -26,7 +26,7 @@ SKIPPED_FIELDS = ("event", "time", "node")
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """{name: value} of the record's numeric fields ({} for an event without numbers)."""
-    event = record.get("event")
+    event: Any = record.get("event")   # a JSON value: a name, or anything in a malformed record
     if event in SKIPPED_EVENTS:
         return {}
     names = PRIME_NAMES.get(event, {})

@@ -40,13 +40,13 @@ def hops(order: Sequence[int]) -> list[tuple[int, int]]:
     return [(order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
 
 
-def bottleneck(matrix: Sequence[Sequence[float]], order: Sequence[int]) -> float:
+def bottleneck(matrix: Sequence[Sequence[float | None]], order: Sequence[int]) -> float:
     if len(order) < 2:
         return float("inf")
     return min(_rate(matrix, a, b) for a, b in hops(order))
 
 
-def _rate(matrix: Sequence[Sequence[float]], a: int, b: int) -> float:
+def _rate(matrix: Sequence[Sequence[float | None]], a: int, b: int) -> float:
     value = matrix[a][b]
     return float(value) if value is not None and value == value and value > 0 else 0.0  # None, NaN, <= 0: unusable
 

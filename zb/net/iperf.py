@@ -175,9 +175,11 @@ def _measure(mesh: Mesh, server: LinkServer, hosts: dict[int, dict], cfg: MeshCo
             if mesh.rank == src:
                 _send_one(mesh, hosts[dst], src, dst, tag, cfg)
             elif mesh.rank == dst:
+                def sender_error(s: int = src, d: int = dst) -> str | None:
+                    return _sender_error(mesh, s, d)
+
                 result = receive(server, src, dst, tag, streams=cfg.parallel, pings=cfg.pings, wait_s=wait_s,
-                                 io_timeout_s=cfg.timeout_s,
-                                 sender_error=lambda s=src, d=dst: _sender_error(mesh, s, d))
+                                 io_timeout_s=cfg.timeout_s, sender_error=sender_error)
                 mesh.set(f"result/{src}-{dst}", result.to_json())
         mesh.barrier(f"phase/{tag}", f"{phase.label} (phase {tag + 1})", phase_timeout)
         for src, dst in phase.pairs:

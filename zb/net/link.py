@@ -273,6 +273,7 @@ def _drain(socks: list[socket.socket]) -> tuple[int, float]:
                 counts[i] += n
             last = now
         if first is not None:
+            assert last is not None  # set by the same read that set first
             firsts.append(first)
             lasts.append(last)
 

@@ -21,7 +21,8 @@ class _Series:
     points every other one goes and the stride doubles, so the whole run stays drawn evenly."""
 
     def __init__(self, limit: int) -> None:
-        self.limit, self.rows, self.stride, self.seen = limit, [], 1, 0
+        self.limit, self.stride, self.seen = limit, 1, 0
+        self.rows: list[list] = []
         self.tail: list | None = None        # the newest point when the stride skipped it (drawn anyway)
         self.newest: tuple = (float("-inf"), float("-inf"))
 

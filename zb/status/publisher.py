@@ -73,12 +73,12 @@ class StatusSink:
 
 
 class StatusPublisher(threading.Thread):
-    def __init__(self, status: NodeStatus, connect_fn: Callable[[], object], interval: float) -> None:
+    def __init__(self, status: NodeStatus, connect_fn: Callable[[], Any], interval: float) -> None:
         super().__init__(name="zb-status", daemon=True)
         self.status, self.interval = status, interval
         self._connect = connect_fn
         self._wake, self._closing = threading.Event(), threading.Event()
-        self._store = None
+        self._store: Any = None         # a torch Store client; None until connected, and after a failure
         self._history_written = -1
         self._outage_since: float | None = None
         self.published = 0      # records written (for tests and logs)
@@ -122,7 +122,7 @@ class StatusPublisher(threading.Thread):
             if self._outage_since is not None:
                 log.info("status: publishing to the store again after %.1f s", time.monotonic() - self._outage_since)
                 self._outage_since = None
-        except (*store_errors(), ZbError) as e:   # ZbError: an address that does not resolve (the node says so)
+        except store_errors() + (ZbError,) as e:   # ZbError: an address that does not resolve (the node says so)
             self._store = None
             if self._outage_since is None:
                 self._outage_since = time.monotonic()

@@ -129,7 +129,9 @@ class RunReader:
         now = time.monotonic()
         out = {}
         for uid, raw in zip(chosen, self._read([keys.status_history(u) for u in chosen])):
-            self._hist_seen[uid], self._hist_read[uid] = records[uid].get("history_version"), now
+            record = records[uid]
+            assert record is not None  # `changed` keeps only the nodes with a record
+            self._hist_seen[uid], self._hist_read[uid] = record.get("history_version"), now
             history = decode_history(raw)
             if history is not None:
                 out[uid] = history
@@ -220,7 +222,8 @@ def _run(world, nodes: list[dict], records: dict[str, dict | None]) -> dict[str,
     total = lead.get("total_steps") if lead else None
     rate = lead.get("steps_per_s") if lead else None
     running = bool(training) and step is not None and total and total > step   # a finished run has no ETA
-    eta = (total - step) / rate if running and rate and rate > 0 else None
+    # (running says step and total are known; the checks repeat it for the type checker)
+    eta = (total - step) / rate if running and step is not None and total is not None and rate and rate > 0 else None
     tps = [n["tokens_per_s"] for n in training if isinstance(n["tokens_per_s"], (int, float))]
     return {"mesh_version": world.version if world else None, "world_size": len(world.nodes) if world else 0,
             "leader": leader, "step": step, "outer_step": max((n["outer_step"] or 0 for n in counted), default=None),

@@ -217,7 +217,8 @@ def decode_history(raw: bytes) -> dict[str, Any] | None:
     if data is None or not isinstance(data.get("uid"), str):
         return None
     changes = []
-    for item in data.get("membership") if isinstance(data.get("membership"), list) else []:
+    membership = data.get("membership")
+    for item in membership if isinstance(membership, list) else []:
         if isinstance(item, dict) and isinstance(item.get("mesh_version"), int):
             changes.append({"time": item.get("time") if isinstance(item.get("time"), (int, float)) else None,
                             "mesh_version": item["mesh_version"],

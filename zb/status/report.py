@@ -70,7 +70,8 @@ class _Node:
         self.steps: list[list] = []
         self.outer: list[list] = []
         self.evals: list[list] = []
-        self.first = self.last = None
+        self.first: float | None = None
+        self.last: float | None = None
 
     def add(self, e: dict[str, Any]) -> None:
         t, kind = _num(e.get("time")), e["event"]
@@ -125,7 +126,7 @@ def build_report(paths: Iterable[str]) -> dict[str, Any]:
     rows = sorted((n.row for n in nodes.values()), key=lambda r: (r["global_rank"] is None, r["global_rank"] or 0,
                                                                    r["uid"]))
     for n in nodes.values():
-        n.row["duration_s"] = round(n.last - n.first, 1) if n.first is not None else None
+        n.row["duration_s"] = round(n.last - n.first, 1) if n.first is not None and n.last is not None else None
         rate = n.rate()
         n.row["steps_per_s"] = round(rate, 4) if rate is not None else None
     timeline = [membership[v] for v in sorted(membership)]

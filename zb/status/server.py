@@ -106,7 +106,7 @@ class Dashboard:
             doc = self.history.merge(self._reader.read(with_history=True))
         except NoRun as e:
             doc, error = None, str(e)
-        except (*store_errors(), EnvironmentFailure) as e:
+        except store_errors() + (EnvironmentFailure,) as e:
             self._reader = None      # a restarted store needs a new client
             doc, error = None, f"store {self.where} unreachable ({str(e).splitlines()[0][:160]}); retrying"
         if doc is None:

@@ -56,7 +56,9 @@ class RunCheckpoints:
         if store is not None and self.cfg.ckpt.resume == "latest":
             from zb.ckpt.durable.agree import agree_on_latest
 
-            agreed = agree_on_latest(store, self.cfg.elastic.unique_id, self.manager.committed_steps(),
+            node_id = self.cfg.elastic.unique_id
+            assert node_id is not None  # the run named its node (node_identity) before anything resumes
+            agreed = agree_on_latest(store, node_id, self.manager.committed_steps(),
                                      quorum=quorum or self.cfg.elastic.world_size, timeout=self.cfg.elastic.start_timeout,
                                      scope=scope)
             if agreed is None:

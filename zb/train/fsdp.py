@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,8 @@ from zb.train.device import Placement
 
 log = logging.getLogger("zb.train")
 
+_Model = TypeVar("_Model", bound=nn.Module)
+
 
 def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
     """Recompute the activations of every `every`-th block (blocks 0, every, 2*every, ...) in backward:
@@ -25,14 +28,15 @@ def apply_activation_checkpointing(model: nn.Module, every: int = 1) -> int:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     wrapped = 0
-    for i, block in enumerate(model.layers):
+    layers = cast(nn.ModuleList, model.layers)   # the model's blocks (zb.models.llama.Transformer.layers)
+    for i, block in enumerate(layers):
         if i % every == 0:
-            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+            layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
             wrapped += 1
     return wrapped
 
 
-def shard_model(model: nn.Module, cfg: TrainConfig, placement: Placement) -> nn.Module:
+def shard_model(model: _Model, cfg: TrainConfig, placement: Placement) -> _Model:
     """With several local ranks, apply FSDP2 per block and at the root (the model may be on the meta
     device: the caller then allocates with `to_empty` and initialises the shards)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
@@ -57,7 +61,7 @@ def shard_model(model: nn.Module, cfg: TrainConfig, placement: Placement) -> nn.
         offload = CPUOffloadPolicy(pin_memory=True)
     elif cfg.fsdp_cpu_offload and dist.get_rank() == 0:
         log.warning("train.fsdp_cpu_offload has no effect on a CPU run: params are in host memory already")
-    blocks = list(model.layers)
+    blocks = list(cast(nn.ModuleList, model.layers))   # the model's blocks (Transformer.layers)
     for i, block in enumerate(blocks):
         # The last block's params are needed again right away by backward: keep them gathered.
         reshard = cfg.reshard_after_forward and i < len(blocks) - 1

@@ -61,8 +61,9 @@ def launch_local_ranks(nproc: int, argv: list[str] | None = None, grace_period_s
     from zb.log import level_for_children
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if level_for_children() is not None:
-        os.environ["ZB_LOG_LEVEL"] = level_for_children()  # -v/-q reach the ranks as log.level
+    level = level_for_children()
+    if level is not None:
+        os.environ["ZB_LOG_LEVEL"] = level  # -v/-q reach the ranks as log.level
     rest = _strip_nproc(argv[argv.index("train") + 1:] if "train" in argv else argv)
     parser = get_args_parser()
     launcher = ["--standalone", "--nproc-per-node", str(nproc)]

@@ -41,6 +41,7 @@ from zb.train.step import StepResult, Trainer, take
 
 if TYPE_CHECKING:
     from zb.ckpt.durable.state import TrainState
+    from zb.diloco.node import DilocoNode
 
 log = logging.getLogger("zb.train")
 
@@ -126,7 +127,7 @@ class TrainingRun:
         self.counters = Counters()
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
-        self.diloco = None
+        self.diloco: DilocoNode | None = None
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
         # Where a run starts in a file that may hold several (every run of a log.dir appends to it).
         self.sink.log("run_start", version=__version__, host=socket.gethostname(), pid=os.getpid(),
@@ -232,7 +233,9 @@ class TrainingRun:
         self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, self.fingerprint,
                                  local_group=control_group())
         slot = self.diloco.start()
-        self.counters.num_nodes = self.diloco.mesh.view.global_world_size
+        view = self.diloco.mesh.view
+        assert view is not None  # start() took the world
+        self.counters.num_nodes = view.global_world_size
         if self.diloco.recovered_position is not None:
             self.move_to(self.diloco.recovered_position)
         return slot, self.diloco.num_slots
@@ -263,8 +266,13 @@ class TrainingRun:
     def _resume(self) -> None:
         diloco = self.diloco
         # The nodes that start together share the world they were admitted to: its version names this start.
+        scope = ""
+        if diloco is not None:
+            view = diloco.mesh.view
+            assert view is not None  # _join started the node: it has a world
+            scope = f"v{view.mesh_version}"
         loaded = self.checkpoints.resume(store=diloco.store if diloco is not None else None,
-                                         scope=f"v{diloco.mesh.view.mesh_version}" if diloco is not None else "",
+                                         scope=scope,
                                          joining=diloco is not None and diloco.joining)
         if loaded is None:
             return
@@ -359,6 +367,7 @@ class TrainingRun:
         """One outer step; False when the node turned out to be leaving (a signal arrived after the
         step's local stop vote, and its deathrattle already told the others)."""
         c = self.counters
+        assert self.diloco is not None  # outer steps happen only with DiLoCo
         try:
             report, received = self.diloco.outer_step(c.position, self.train_loader.state_dict())
         except LeavingRun:
@@ -378,6 +387,7 @@ class TrainingRun:
     def _close_overlap(self) -> None:
         """diloco.overlap: the last average is still in flight; every node applies it and ends on the
         shared params (see DilocoNode.close_run)."""
+        assert self.diloco is not None  # only with DiLoCo
         try:
             report = self.diloco.close_run(self.counters.position)
         except LeavingRun:
@@ -411,6 +421,7 @@ class TrainingRun:
                           round_weight=report.round_weight, run_tokens=c.run_tokens)
         self.sink.log("outer_step", **fields)
         note = note or report.note or ("" if report.applied else " | NOT applied")
+        assert self.cfg.diloco is not None  # outer steps happen only with DiLoCo
         hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" if self.cfg.diloco.overlap != "none" else ""
         if report.fragment is not None:
             note = f" | fragment {report.fragment}{note}"

@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,9 @@ from zb.local_world import LocalWorld
 from zb.metrics import MetricsSink
 from zb.train.device import Placement, pick_placement
 from zb.train.fsdp import apply_activation_checkpointing, materialize, shard_model
+
+if TYPE_CHECKING:
+    from zb.models import Transformer
 
 log = logging.getLogger("zb.train")
 
@@ -119,7 +123,7 @@ def node_identity(cfg: Config, local: LocalWorld) -> str:
     return node_id
 
 
-def build_model(cfg: Config, vocab_size: int, placement: Placement) -> torch.nn.Module:
+def build_model(cfg: Config, vocab_size: int, placement: Placement) -> Transformer:
     """Identical initial weights on every node, without ever holding the whole model on any rank.
 
     The model is built on the meta device (no memory), wrapped and sharded, then each rank allocates

@@ -25,7 +25,7 @@ class StopRequest:
         self.signal_name: str | None = None
         self.signum: int | None = None
         self._first_at = 0.0
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, stop_signals.SignalHandler] = {}
 
     def install(self) -> "StopRequest":
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, cast
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ from torch import nn
 from zb.models.loss import LossSpec
 from zb.train.device import Placement, stats_dtype
 from zb.train.fsdp import autocast, is_sharded, reshard
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 # (inputs, labels) or zb.data.Batch (inputs, labels, cu_seqlens): where documents start, or None.
 Batch = tuple[torch.Tensor, ...]
@@ -78,7 +81,8 @@ class Trainer:
             if is_sharded(self.model):
                 # Reduce-scatter only after the last micro batch (least traffic), unless asked to after
                 # each: FSDP2 otherwise holds a full unsharded fp32 gradient until then.
-                self.model.set_requires_gradient_sync(self.reduce_every_micro_batch or i == n - 1)
+                sharded = cast("FSDPModule", self.model)   # is_sharded: fully_shard made it one
+                sharded.set_requires_gradient_sync(self.reduce_every_micro_batch or i == n - 1)
             loss, z_loss = self._forward(*batch)
             (loss / n).backward()
             z = z_loss.detach().to(acc)
@@ -93,8 +97,8 @@ class Trainer:
         # the grad norm (equal on every rank, so its mean is itself) together.
         stop = torch.tensor([float(stop_requested())], dtype=acc).to(self.placement.device, non_blocking=True)
         values = torch.cat([sums / n, stop, grad_norm.detach().to(acc).reshape(1)])
-        loss, z, stop_mean, norm = local_mean(values, self.placement.device)
-        return StepResult(loss=loss, z_loss=z, grad_norm=norm, lr=lr, stop=stop_mean > 0)
+        mean_loss, mean_z, stop_mean, norm = local_mean(values, self.placement.device)
+        return StepResult(loss=mean_loss, z_loss=mean_z, grad_norm=norm, lr=lr, stop=stop_mean > 0)
 
     def _clip(self) -> torch.Tensor:
         """Clip and return the global grad norm, left on the device (no host sync)."""

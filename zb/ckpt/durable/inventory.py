@@ -126,8 +126,8 @@ def local_roots(path: Path) -> dict[str | None, Path]:
                            f"{path}, or list the directory holding it")
     if step_dirs(path):
         return {None: path}
-    nodes = {e.name: Path(e.path) for e in sorted(os.scandir(path), key=lambda e: e.name)
-             if not e.name.startswith(".") and e.is_dir(follow_symlinks=False) and step_dirs(Path(e.path))}
+    nodes: dict[str | None, Path] = {e.name: Path(e.path) for e in sorted(os.scandir(path), key=lambda e: e.name)
+                                     if not e.name.startswith(".") and e.is_dir(follow_symlinks=False) and step_dirs(Path(e.path))}
     if not nodes:
         raise InvalidInput(f"{path} holds no zb checkpoints (no step-NNNNNNNNN directories in it or in the "
                            f"directories below it); name {WHAT}")
@@ -151,9 +151,9 @@ def list_checkpoints(path: str | Path | None = None, remote: str | None = None) 
                               for s, p in sorted(step_dirs(root).items())]
     if remote is not None:
         sources.append(remote)
-        for node, root, entries in _remote_listings(remote):
+        for node, remote_root, entries in _remote_listings(remote):
             listing = nodes.setdefault(node, NodeListing(node, []))
-            listing.roots.append(root)
+            listing.roots.append(remote_root)
             listing.steps += entries
     for listing in nodes.values():
         listing.steps.sort(key=lambda e: (e.step, e.where))
@@ -183,6 +183,7 @@ def _remote_listings(url: str) -> list[tuple[str | None, str, list[StepEntry]]]:
         if not fs.exists(root):
             raise InvalidInput(f"--remote {url} does not exist")
         children = _remote_dirs(fs, root)
+        nodes: dict[str | None, tuple[str, str]]
         if any(step_from_name(c) is not None for c in children):
             nodes = {None: (root, url)}
         else:
@@ -268,7 +269,9 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, list[int] | None]:
             raise InvalidInput(f"no checkpoint step {step} under {path} (its steps: {have})")
         return steps[step], None
     if is_part:
-        return path.parent, [int(_PART.fullmatch(path.name).group(1))]
+        part = _PART.fullmatch(path.name)
+        assert part is not None  # is_part says it matched
+        return path.parent, [int(part.group(1))]
     if is_step:
         return path, None
     steps = step_dirs(path)
@@ -280,6 +283,7 @@ def _resolve(path: Path, step: int | None) -> tuple[Path, list[int] | None]:
 
 
 def _check_part(part: Path, rank: int, step: int | None, ranks: int | None) -> PartCheck:
+    why: str | None
     if not part.is_dir():
         tmp = part.parent / f"{TMP_PREFIX}{part.name}"
         why = f"{part} is missing" + (f" ({tmp.name} is a copy being written or cut short)" if tmp.exists() else "")

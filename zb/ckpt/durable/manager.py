@@ -132,7 +132,8 @@ class CheckpointManager:
 
     # -- saving ------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        return bool(self.cfg.interval) and step > 0 and step % self.cfg.interval == 0
+        interval = self.cfg.interval
+        return bool(interval and step > 0 and step % interval == 0)
 
     def save(self, step: int, state: TrainState, *, final: bool = False) -> None:
         """Copy the live state into the staging buffers and return; the worker does the rest."""
@@ -196,6 +197,7 @@ class CheckpointManager:
             return safe
         in_ram = self.ram_root is not None and job.release.is_set() and not job.final
         if in_ram:
+            assert self.ram_root is not None  # in_ram says so
             return (f"step {job.step} is complete in RAM at {self.ram_root / snapshot_name(job.step)} and its copy to "
                     f"ckpt.path is unfinished; the next start with the same ckpt.path and ckpt.ram_dir finishes it; "
                     f"{safe}")
@@ -235,9 +237,11 @@ class CheckpointManager:
         finished: a second Ctrl-C, a kill) are copied there now, this rank's part by this rank, so a
         resume finds them and no sweep takes them. EnvironmentFailure when the copy fails: the RAM
         copy stays, and the message says where it is."""
-        for step in ram_only_steps(self.ram_root, self.disk_root):
-            src = self.ram_root / snapshot_name(step) / part_name(self.local_rank)
-            dst = self.disk_root / snapshot_name(step)
+        ram_root, disk_root = self.ram_root, self.disk_root
+        assert ram_root is not None and disk_root is not None  # _tidy calls this only with both
+        for step in ram_only_steps(ram_root, disk_root):
+            src = ram_root / snapshot_name(step) / part_name(self.local_rank)
+            dst = disk_root / snapshot_name(step)
             try:
                 check_quick(dst / part_name(self.local_rank))
                 continue  # this rank's part got there; another rank's did not
@@ -256,7 +260,8 @@ class CheckpointManager:
     def committed_steps(self) -> list[int]:
         """Complete checkpoints of this node (all local ranks' markers; sizes checked), on its disk or
         on the remote copy, oldest first."""
-        local = complete_steps(self._root()) if self._root() else []
+        root = self._root()
+        local = complete_steps(root) if root else []
         return sorted(set(local) | set(remote_steps(self.remote) if self.remote else []))
 
     def _root(self) -> Path | None:
@@ -306,6 +311,7 @@ class CheckpointManager:
                 raise
             if part.parent.exists():
                 log.warning("checkpoint step %d: the local copy is not usable (%s); using the remote copy", step, e)
+        assert self.remote is not None  # on_remote: there is a remote copy
         return download_part(self.remote, step, rank, self._need_root())
 
     def _read_step(self, fetch, state: TrainState) -> dict:
@@ -363,16 +369,18 @@ class CheckpointManager:
         """ckpt.resume names a remote step directory (`<remote>/<node id>/step-000000100`): fetch(rank)."""
         """ckpt.resume names a remote step directory (`<remote>/<node id>/step-000000100`)."""
         base, _, name = url.rstrip("/").rpartition("/")
-        if step_from_name(name) is None:
+        step = step_from_name(name)
+        if step is None:
             raise InvalidInput(f"ckpt.resume {url!r}: a remote checkpoint must name its step directory "
                                "(.../<node id>/step-000000100)")
         root = self._need_root()
-        return lambda rank: download_part(base, step_from_name(name), rank, root)
+        return lambda rank: download_part(base, step, rank, root)
 
     def _need_root(self) -> Path:
-        if self._root() is None:
+        root = self._root()
+        if root is None:
             raise InvalidInput("resuming needs ckpt.path (where checkpoints are)")
-        return self._root()
+        return root
 
     def _pick_latest(self, state: TrainState) -> dict | None:
         """The newest step whose part verifies (checksums and content) on every local rank, read into
@@ -435,7 +443,7 @@ class CheckpointManager:
         _check_rest(part, rest, meta, state)
         return {"path": str(part), "meta": meta, "model": tensors[MODEL], **rest}
 
-    def _apply(self, loaded: dict, state: TrainState) -> dict:
+    def _apply(self, loaded: dict, state: TrainState) -> Resumed:
         meta = loaded["meta"]
         load_model(state.model, loaded["model"])
         load_optimizer(state.model, state.optimizer, loaded[OPTIM], meta["param_groups"])

@@ -23,6 +23,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
+from typing import Sequence
 
 from zb.ckpt.durable.layout import complete_steps
 
@@ -77,7 +78,7 @@ def _ckpt_paths(owners: list[Path]) -> set[Path]:
     return paths
 
 
-def release(directory: Path, own: list[str], keep: list[Path] = ()) -> None:
+def release(directory: Path, own: list[str], keep: Sequence[Path] = ()) -> None:
     """Remove this process's entries of `directory`: the names in `own` at the top or one level down
     (a part `rank-0` inside each step directory) with their temporary and moved-aside twins, except
     the paths in `keep`, then its owner file; directories left empty go too. Best effort: it runs
@@ -129,7 +130,7 @@ def alive(owner: Path) -> bool:
     return start is None or _start_time(pid) in (None, start)
 
 
-def sweep_stale(ram_dir: Path) -> list[Path]:
+def sweep_stale(ram_dir: str | Path) -> list[Path]:
     """Remove node directories under ram_dir whose every owner is dead; returns them (logged)."""
     removed = []
     for kind in KINDS:

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -128,10 +128,11 @@ class Worker:
             self._record(job.step, None, error)
             self._report_checkpoint(job, None, 0)
             return
-        durable = first
+        durable: Path | None = first
         if self.t.disk_root is not None and not _is_under(first, self.t.disk_root):
+            disk_root = self.t.disk_root
             durable, error = retry(f"checkpoint step {job.step}: copy to disk",
-                                   lambda: copy_part(first, self.t.disk_root / snapshot_name(job.step)),
+                                   lambda: copy_part(first, disk_root / snapshot_name(job.step)),
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
                 log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
@@ -189,9 +190,10 @@ class Worker:
                     self._claimed = True
                 except OSError as e:
                     log.warning("cannot use the RAM directory %s: %s", root, e)
-            write: Callable[[], Path] = lambda root=root: write_snapshot(
-                root / snapshot_name(job.step), tensors, job.meta, job.step, outer_step=job.outer_step,
-                fingerprint=job.fingerprint, name=part_name(self.t.local_rank))
+            def write(root: Path = root) -> Path:
+                return write_snapshot(root / snapshot_name(job.step), tensors, job.meta, job.step,
+                                      outer_step=job.outer_step, fingerprint=job.fingerprint,
+                                      name=part_name(self.t.local_rank))
             path, error = retry(f"checkpoint step {job.step}: write to {root}", write, self.t.attempts,
                                 self.t.retry_delay)
             if path is not None:
@@ -212,7 +214,9 @@ class Worker:
             log.warning("pruning %s failed: %s", root, e)
 
     def _upload(self, job: Job, src: Path, nbytes: int) -> None:
-        url = f"{self.t.remote.rstrip('/')}/{snapshot_name(job.step)}/{part_name(self.t.local_rank)}"
+        remote = self.t.remote
+        assert remote is not None  # uploads happen only with ckpt.remote.path
+        url = f"{remote.rstrip('/')}/{snapshot_name(job.step)}/{part_name(self.t.local_rank)}"
         t0 = time.perf_counter()
         sent, error = retry(f"upload of step {job.step} to {url}", lambda: upload_part(src, url),
                             self.t.attempts, self.t.retry_delay)
@@ -227,7 +231,7 @@ class Worker:
         self._uploaded.append(job.step)
         if self.t.topk and self.t.local_rank == 0 and len(self._uploaded) >= self.t.topk:
             self._uploaded = self._uploaded[-self.t.topk:]
-            retry("pruning the remote", lambda: prune_remote(self.t.remote, self._uploaded[0]), 1, 0.0)
+            retry("pruning the remote", lambda: prune_remote(remote, self._uploaded[0]), 1, 0.0)
 
     def _report_checkpoint(self, job: Job, path: Path | None, nbytes: int) -> None:
         background = time.perf_counter() - job.started

@@ -134,7 +134,8 @@ def recover_leftovers(root: Path, names: list[str] | None = None) -> list[str]:
     half-deleted (`.del-`, other `.old-`) directories. With `names`, only leftovers of those
     snapshot names are touched (another process may be writing the others). Returns what it did,
     one phrase per directory."""
-    done, root = [], Path(root)
+    done: list[str] = []
+    root = Path(root)
     if not root.is_dir():
         return done
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
@@ -223,7 +224,7 @@ def check_quick(path: Path) -> Manifest:
 
 def list_snapshots(root: Path) -> list[tuple[Path, Manifest]]:
     """Committed snapshots under `root` (marker checked, content not), oldest step first."""
-    found = []
+    found: list[tuple[Path, Manifest]] = []
     root = Path(root)
     if not root.is_dir():
         return found

@@ -14,6 +14,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,12 +44,14 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
             ) -> tuple[bytes, dict[str, TensorInfo]]:
-    table, infos, offset = ({"__metadata__": dict(metadata)} if metadata else {}), {}, 0
+    table: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    infos: dict[str, TensorInfo] = {}
+    offset = 0
     for name in sorted(tensors):
         t = tensors[name]
         if not isinstance(t, torch.Tensor):

@@ -200,7 +200,8 @@ def _download_verified(req: _Request, todo: list[str], plans: dict[str, FilePlan
                        total: int) -> dict[str, int]:
     """Download and check `todo`; a file with a bad checksum is retried one source at a time.
     Returns the bytes each peer served."""
-    by_peer, solo = Counter(), {}
+    by_peer: Counter[str] = Counter()
+    solo: dict[str, list[str]] = {}
     bar = TransferProgress(total, "live recovery", req.progress)
     try:
         while todo:

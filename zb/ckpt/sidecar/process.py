@@ -41,10 +41,12 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
     if store_addr is not None:
         try:
             sidecar.store = _connect_store(store_addr, connect_timeout)
+            assert node_id  # checked above: publishing needs a node id
             sidecar.node_id, sidecar.key = node_id, publish_address(sidecar.store, node_id, sidecar.address)
         except BaseException:
             server.server_close()
             raise
+        assert store_host is not None  # parsed from store_addr
         if _loopback(host) and not _loopback(store_host) and advertise is None:
             log.warning("serving on %s only, but the store at %s is on another machine: joiners there cannot reach "
                         "this sidecar; pass --host 0.0.0.0 (or this machine's address)", host, store_host)
@@ -95,6 +97,6 @@ def run_until_signal(sidecar: Sidecar) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if sidecar.store is not None:
+        if sidecar.store is not None and sidecar.node_id is not None:   # open_sidecar sets both
             unpublish_address(sidecar.store, sidecar.node_id)
         sidecar.server.server_close()

@@ -78,7 +78,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: "SnapshotServer"
 
     def setup(self) -> None:
-        self.timeout = self.server.client_timeout  # a stalled client cannot hold a thread forever
+        # A stalled client cannot hold a thread forever. typeshed declares `timeout` a ClassVar, but
+        # StreamRequestHandler.setup() reads it per instance, as set here.
+        self.timeout = self.server.client_timeout  # type: ignore[misc]
         super().setup()
         self.rfile.close()  # the plain socket file: reads go through _HeadDeadline instead
         self._head = _HeadDeadline(self.connection)
@@ -264,6 +266,7 @@ class ServerHandle:
     @property
     def address(self) -> str:
         host, port = self.server.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET(6) server: its host is a str
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def close(self) -> None:
@@ -272,7 +275,7 @@ class ServerHandle:
         self.thread.join(timeout=5)
 
 
-def make_server(root: Path, token: str, host: str, port: int, client_timeout: float = 30.0,
+def make_server(root: str | Path, token: str, host: str, port: int, client_timeout: float = 30.0,
                 max_connections: int = MAX_CONNECTIONS, host_option: str = "--host") -> SnapshotServer:
     """Bind the sidecar; bad input (`host_option` names where the host came from) is InvalidInput, a
     busy port EnvironmentFailure (one clear line)."""
