@@ -24,8 +24,6 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-    from zb.models.llama import Transformer
-
 INIT_STD = 0.02
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -85,20 +83,20 @@ def fill_(param: torch.Tensor, full: torch.Tensor, src: int | None = None) -> No
         param.copy_(full.to(param.device))
 
 
-def _layer_id(name: str) -> int | None:
+def layer_id(name: str) -> int | None:
     parts = canonical_name(name).split(".")
     return int(parts[1]) if parts[0] == "layers" else None
 
 
 @torch.no_grad()
-def init_transformer(model: Transformer, seed: int) -> None:
-    dim = model.args.dim
+def init_transformer(model: nn.Module, seed: int, dim: int) -> None:
+    """Every parameter of `model` (zb's Transformer, of width `dim`) from `seed`, by its name."""
     for index, (name, param) in enumerate(model.named_parameters()):
         if not _is_dtensor(param) or param.device_mesh.ndim != 1:
-            fill_(param, full_value(name, param.shape, seed, _layer_id(name), dim))
+            fill_(param, full_value(name, param.shape, seed, layer_id(name), dim))
             continue
         src = index % param.device_mesh.size()  # every rank walks the same names in the same order
         mine = param.device_mesh.get_local_rank() == src
-        full = (full_value(name, param.shape, seed, _layer_id(name), dim) if mine
+        full = (full_value(name, param.shape, seed, layer_id(name), dim) if mine
                 else torch.empty(param.shape, dtype=torch.float32))
         fill_(param, full, src=src)

@@ -198,7 +198,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic init from `seed`: identical on every node, device and sharding."""
         self.reset_rope()
-        init_transformer(self, seed)
+        init_transformer(self, seed, self.args.dim)
 
 
 def count_params(model: nn.Module) -> int:

@@ -47,7 +47,7 @@ def checkpointed_stage(cfg: "Config") -> int | None:
         return None
     if spec == "latest":
         steps = complete_steps(Path(root)) if root and Path(root).is_dir() else []
-        if not steps:
+        if not steps or root is None:
             return None
         part = Path(root) / snapshot_name(steps[-1]) / part_name(0)
     else:
@@ -71,7 +71,8 @@ class StageCheckpoints:
     def resume(self, link: registry.StoreLink, *, joining: bool) -> "Resumed | None":
         """Load this worker's checkpoint per the module's rules, in place; the rest for the worker to apply.
         `joining`: the stage has live workers, whose state this one takes instead."""
-        cfg = self.cfg
+        cfg, sw = self.cfg, self.cfg.swarm
+        assert sw is not None
         if self.run.manager is None or not cfg.ckpt.resume:
             return None
         if joining:
@@ -83,7 +84,7 @@ class StageCheckpoints:
                                f"{self.index} (swarm.stage): leave swarm.stage unset to take the checkpoint's stage, "
                                "or give this worker its own ckpt.path")
         # A step can take up to a hop timeout per micro-batch: watch for one beyond the heartbeat timeout.
-        window = cfg.elastic.heartbeat_timeout + cfg.swarm.hop_timeout
+        window = cfg.elastic.heartbeat_timeout + sw.hop_timeout
         if self.index > 0 and registry.first_stage_training(link, window):
             log.info("the run is training without stage %d: resuming this worker's own newest checkpoint",
                      self.index)
@@ -91,7 +92,7 @@ class StageCheckpoints:
         if cfg.ckpt.resume != "latest":
             return self.run.resume()
         return self.run.resume(store=link.client, scope=f"swarm/{_epoch(link.client)}",
-                               quorum=cfg.elastic.world_size * cfg.swarm.stages)
+                               quorum=cfg.elastic.world_size * sw.stages)
 
     def maybe_save(self, step: int) -> bool:
         return self.run.maybe_save(step)

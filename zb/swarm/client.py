@@ -43,7 +43,7 @@ class Hops:
         self.reissued = 0
         self.not_ready = 0
         self.bytes_out = self.bytes_in = 0
-        self.done = Counter()   # completed hops per worker
+        self.done: Counter[str] = Counter()   # completed hops per worker
         self.registered: set[str] = set()
 
     # -- membership ---------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 
 from zb import __version__
 from zb.config import fail, non_default_settings, source_of
-from zb.config_schema import Config
+from zb.config_schema import Config, SwarmConfig
 from zb.errors import LeavingRun
 from zb.local_world import local_world
 from zb.swarm import registry
@@ -34,26 +34,33 @@ def plan_stages(cfg: Config, vocab_size: int):
     """(model args, block ranges per stage), or exit 2 naming the key when the split cannot be."""
     from zb.models import model_args
 
+    sw = _swarm(cfg)
     args = model_args(cfg.model, vocab_size=vocab_size, max_seq_len=cfg.data.seq_length)
     try:
-        return args, split_blocks(args, cfg.swarm.stages, cfg.swarm.split)
+        return args, split_blocks(args, sw.stages, sw.split)
     except ValueError as e:
-        fail(cfg, "swarm.split" if cfg.swarm.split and cfg.swarm.stages <= args.n_layers else "swarm.stages", str(e))
+        fail(cfg, "swarm.split" if sw.split and sw.stages <= args.n_layers else "swarm.stages", str(e))
+
+
+def _swarm(cfg: Config) -> SwarmConfig:
+    assert cfg.swarm is not None, "zb.cli.train starts a stage worker for a [swarm] config only"
+    return cfg.swarm
 
 
 def pick_stage(cfg: Config) -> int:
     """swarm.stage, or the store's choice (the stage with the least measured throughput)."""
-    if cfg.swarm.stage is not None:
-        return cfg.swarm.stage
+    sw = _swarm(cfg)
+    if sw.stage is not None:
+        return sw.stage
     stage = checkpointed_stage(cfg)
-    if stage is not None and stage < cfg.swarm.stages:
+    if stage is not None and stage < sw.stages:
         log.info("stage %d: the stage of the checkpoint this worker resumes", stage)
         return stage
     from zb.elastic.tcpstore import connect
 
     e = cfg.elastic
     store = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
-    stage = registry.choose_stage(store, cfg.swarm.stages)
+    stage = registry.choose_stage(store, sw.stages)
     log.info("the store chose stage %d for this worker (least measured throughput)", stage)
     return stage
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from zb.local_world import LocalWorld
 from zb.swarm import registry, wire
 from zb.swarm.client import Hops, to_wire
 from zb.swarm.worker import Ended, StageWorker
@@ -35,9 +36,14 @@ class FirstStage(StageWorker):
         from zb.train.progress import StepClock
 
         self.step_clock = StepClock()   # for the ETA of the step lines
-        self.hops = None
+        self._hops: Hops | None = None
         self.compute = threading.Lock()
         self.counted: set[int] = set()   # micro-batch ids whose loss was counted (each exactly once)
+
+    @property
+    def hops(self) -> Hops:
+        assert self._hops is not None, "the hops are made once the stage is joined"
+        return self._hops
 
     def execute(self, vocab_size: int) -> Ended:
         from zb.train.setup import build_loaders
@@ -49,10 +55,10 @@ class FirstStage(StageWorker):
             self.link = self.store_link()
             registry.announce_start(self.link.client, 0, self.uid, self.token)
             slot = self.join_stage(vocab_size)
-            self.hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait,
+            self._hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait,
                              self.cfg.elastic.heartbeat_timeout)
             registry.publish_stages(self.link.client, self.num_stages)
-            self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, _One(), slot,
+            self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, LocalWorld(rank=0, world_size=1), slot,
                                                                 self.diloco.num_slots)
             position = self.diloco.data_position()
             if position is not None:
@@ -146,7 +152,8 @@ class FirstStage(StageWorker):
                 msg = wire.Message(wire.EVAL, step, -1 - i, meta, [h] + ([batch[1]] if j == self.num_stages - 1
                                                                            else []) + extra)
                 reply = self.hops.call(j, msg)
-                h = reply.tensors[0] if reply.tensors else None
+                if j < self.num_stages - 1:
+                    h = reply.tensors[0]   # the next stage's input; the last stage answers with the loss only
             total += float(reply.meta["loss"])
             count += 1
         loss = total / count if count else float("nan")
@@ -184,8 +191,3 @@ class FirstStage(StageWorker):
 
     def _owners(self) -> int:
         return self.diloco.mesh.view.global_world_size if self.diloco and self.diloco.mesh.view else 1
-
-
-class _One:
-    """The loaders' view of a single-process worker (no local ranks)."""
-    rank, world_size, is_head = 0, 1, True

@@ -28,7 +28,7 @@ class LaterStage(StageWorker):
     def __init__(self, cfg, stage_index: int, bounds, args, sink, uid: str):
         super().__init__(cfg, stage_index, bounds, args, sink, uid)
         self.server = StageServer(self.stage, self.sw.host, self.sw.port, self.sw.hop_timeout, self.loss, self.device)
-        self.liveness = None
+        self.liveness: registry.Liveness | None = None
         self._owners_seen = time.monotonic()
         self._stepped_at = time.monotonic()
         self._first_stage: dict[str, registry.Worker] = {}
@@ -49,7 +49,7 @@ class LaterStage(StageWorker):
             # Alone in its stage: if the run is further on, this worker restarts a stage that lost every worker
             # (from its checkpoint or the initial weights), and takes the run's step from the first request (with
             # workers beside it, it catches up through the step notices instead).
-            self.server.adopt = self.diloco.mesh.view.global_world_size == 1
+            self.server.adopt = self.diloco.mesh.view is not None and self.diloco.mesh.view.global_world_size == 1
             self.server.start()
             me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
             registry.register(self.link.client, self.index, me)
@@ -77,6 +77,7 @@ class LaterStage(StageWorker):
         if known is not None:
             self._first_stage = known
         owners = [w.uid for w in self._first_stage.values() if w.first_step <= step]
+        assert self.liveness is not None, "made at the start of execute()"
         return self.liveness.alive(0, owners) if owners else set()
 
     def _await_step_end(self, step: int, stop) -> None:
@@ -154,6 +155,7 @@ class LaterStage(StageWorker):
             if known is not None:
                 heard = time.monotonic()
             owners = list(known if known is not None else self._first_stage)
+            assert self.liveness is not None, "made at the start of execute()"
             if not owners or not self.liveness.alive(0, owners):
                 return
             time.sleep(POLL_S * 4)

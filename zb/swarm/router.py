@@ -65,7 +65,7 @@ class Router:
                     self.busy[uid] = floor
                     self.speed.setdefault(uid, ThroughputEMA(self.alpha))
 
-    def choose(self, size: float, avoid: set[str] = frozenset()) -> str:
+    def choose(self, size: float, avoid: set[str] | frozenset[str] = frozenset()) -> str:
         """The worker expected to be free first (not in `avoid`); charges it the task's expected time."""
         with self._lock:
             candidates = [u for u in self.busy if u not in avoid]

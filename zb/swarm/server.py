@@ -106,10 +106,12 @@ class StageServer:
             self.backward_count += 1
             ce = _ce(loss, z, self.loss)
             self.losses.append(ce)
+            assert x.grad is not None   # x requires grad and the loss depends on it
             return wire.Message(wire.REPLY, msg.step, msg.mb, {"loss": ce, "z": float(z)}, [x.grad])
         out = self.stage(x, cu)          # BACKWARD: recompute the forward, then back-propagate the output grad
         out.backward(rest[0])
         self.backward_count += 1
+        assert x.grad is not None
         return wire.Message(wire.REPLY, msg.step, msg.mb, tensors=[x.grad])
 
     # -- step gating ---------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from torch import nn
 
 from zb.models.args import ModelArgs
 from zb.models.docmask import spans
-from zb.models.init import _layer_id, full_value
-from zb.models.llama import RMSNorm, TransformerBlock, rope_tables
+from zb.models.init import full_value, layer_id
+from zb.models.llama import RMSNorm, TransformerBlock, attention_impl, rope_tables
 from zb.models.loss import LossSpec, cross_entropy
 
 
@@ -65,6 +65,7 @@ def _balanced(n: int, stages: int, per_block: int, head: int, tail: int) -> list
             walk(prefix + [c], left - c)
 
     walk([], n)
+    assert best is not None   # split_blocks checked stages <= blocks: some split exists
     return best[1]
 
 
@@ -73,6 +74,9 @@ class Stage(nn.Module):
 
     forward(x): tokens [B, T] (first stage) or hidden states [B, T, D] -> hidden states, or with
     `labels` on the last stage (total loss, z-loss detached) as zb.models.loss computes them."""
+
+    rope_cos: torch.Tensor   # buffers, registered in __init__
+    rope_sin: torch.Tensor
 
     def __init__(self, args: ModelArgs, index: int, num_stages: int, start: int, end: int):
         super().__init__()
@@ -88,13 +92,13 @@ class Stage(nn.Module):
         cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.attn_impl = next(iter(self.layers.values())).attention.attn_impl
+        self.attn_impl = attention_impl(args.attn_impl)   # what every block decided, as zb's Transformer keeps it
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """The same values as the whole model's init (per-name seeds), drawn for this stage only."""
         for name, param in self.named_parameters():
-            param.copy_(full_value(name, param.shape, seed, _layer_id(name), self.args.dim))
+            param.copy_(full_value(name, param.shape, seed, layer_id(name), self.args.dim))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 loss: LossSpec | None = None):

@@ -72,7 +72,7 @@ def encode(msg: Message) -> list[bytes | memoryview]:
             raise ValueError(f"dtype {t.dtype} cannot go on the wire")
         parts.append(struct.pack(f"<BB{t.dim()}q", _CODES[t.dtype], t.dim(), *t.shape))
         # bf16 has no numpy twin: ship its bits as uint8 (the receiver reinterprets by the dtype code).
-        payloads.append(memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else b"")
+        payloads.append(t.view(torch.uint8).numpy().data.cast("B") if t.numel() else b"")
     parts += payloads
     crc = 0
     for p in parts:

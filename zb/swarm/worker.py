@@ -12,10 +12,11 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zb.config_schema import Config
+from zb.config_schema import Config, DilocoConfig, SwarmConfig
 from zb.diloco.rounds import RoundWork
 from zb.errors import LeavingRun
 from zb.fingerprint import fingerprint
@@ -25,6 +26,9 @@ from zb.position import RunPosition
 from zb.swarm import registry
 from zb.swarm.checkpoints import StageCheckpoints
 from zb.swarm.stages import Stage, build_stage, stage_signature
+
+if TYPE_CHECKING:
+    from zb.diloco.node import DilocoNode
 
 log = logging.getLogger("zb.swarm")
 
@@ -50,7 +54,10 @@ class StageWorker:
     def __init__(self, cfg: Config, stage_index: int, bounds: list[tuple[int, int]], args, sink, uid: str):
         from zb.train.lr_schedule import build_optimizer, build_scheduler
 
-        self.cfg, self.sw, self.index, self.sink, self.uid = cfg, cfg.swarm, stage_index, sink, uid
+        assert cfg.swarm is not None and cfg.diloco is not None, "a stage worker runs a [swarm] and [diloco] config"
+        self.cfg, self.index, self.sink, self.uid = cfg, stage_index, sink, uid
+        self.sw: SwarmConfig = cfg.swarm
+        self.dcfg: DilocoConfig = cfg.diloco
         self.device = torch.device("cuda", torch.cuda.current_device()) if cfg.train.device == "cuda" else \
             torch.device("cpu")
         self.stage: Stage = build_stage(args, stage_index, bounds, cfg.train.seed, self.device)
@@ -59,11 +66,12 @@ class StageWorker:
         self.loss = LossSpec(cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.position = RunPosition()
-        self.link: registry.StoreLink | None = None
-        self.diloco = None
+        self._link: registry.StoreLink | None = None
+        self._diloco: DilocoNode | None = None
         self.stage_cfg = copy.deepcopy(cfg)
         self.stage_cfg.elastic.namespace = registry.stage_namespace(cfg.elastic.namespace, stage_index)
         self.stage_cfg.ckpt.live_recovery = False   # see UNSUPPORTED
+        assert self.stage_cfg.diloco is not None
         self.stage_cfg.diloco.blocking_join = True
         self.token = os.urandom(6).hex()
         self.round_steps = self.round_micro_batches = 0   # since the last outer step: the weight in the average
@@ -76,14 +84,29 @@ class StageWorker:
                  " + norm and head" if stage_index == len(bounds) - 1 else "",
                  f"{sum(p.numel() for p in self.stage.parameters()):,}")
 
+    # The store link and the stage's DiLoCo node exist once execute() has connected and joined.
+    @property
+    def link(self) -> registry.StoreLink:
+        assert self._link is not None, "the store link is made at the start of execute()"
+        return self._link
+
+    @link.setter
+    def link(self, link: registry.StoreLink) -> None:
+        self._link = link
+
+    @property
+    def diloco(self) -> DilocoNode:
+        assert self._diloco is not None, "the stage's DiLoCo node is made by join_stage()"
+        return self._diloco
+
     def join_stage(self, vocab_size: int) -> int:
         """Join the stage's DiLoCo run (a joiner receives the stage's state at its next outer step)."""
-        from zb.diloco.node import DilocoNode
+        from zb.diloco.node import DilocoNode  # noqa: F811 - at run time; the annotation's import is TYPE_CHECKING
 
         self.fingerprint = dict(fingerprint(self.cfg, 1, vocab_size), swarm_stage=self.index,
                                 stage_params=stage_signature(self.stage))
-        self.diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink,
-                                 self.fingerprint)
+        self._diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink,
+                                  self.fingerprint)
         # The stage's average weighs each worker by the micro-batches it processed since the last outer step: a
         # worker that routing gave little work (a slow one) moved its replica less far on less data.
         self.diloco.work_source = lambda: RoundWork(self.round_steps, self.round_micro_batches)
@@ -148,7 +171,7 @@ class StageWorker:
         return norm
 
     def outer_due(self) -> bool:
-        return self.position.step % self.cfg.diloco.inner_steps == 0 or self.position.step == self.total
+        return self.position.step % self.dcfg.inner_steps == 0 or self.position.step == self.total
 
     def outer_step(self, data_state: dict | None) -> None:
         from zb.train.lr_schedule import set_schedule_position
@@ -161,7 +184,7 @@ class StageWorker:
             set_schedule_position(self.scheduler, received.step)
         self.position = RunPosition(self.position.step, self.position.outer_step + 1, self.position.tokens,
                                     self.position.run_tokens)
-        fields = dict(outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
+        fields: dict[str, Any] = dict(outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
                       mesh_version=report.mesh_version, global_world_size=report.global_world_size,
                       num_peers=report.num_peers, allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes,
                       wire_mbps=report.wire_mbps, applied=report.applied, attempts=report.attempts,
@@ -198,5 +221,5 @@ class StageWorker:
 
     def shutdown(self) -> None:
         self.checkpoints.close()
-        if self.diloco is not None:
-            self.diloco.shutdown(graceful=True)
+        if self._diloco is not None:
+            self._diloco.shutdown(graceful=True)

@@ -168,10 +168,10 @@ def list_checkpoints(path: str | Path | None = None, remote: str | None = None) 
 def _remote_listings(url: str) -> list[tuple[str | None, str, list[StepEntry]]]:
     """(node or None, node URL, its steps) under an fsspec URL: a node's remote directory or
     ckpt.remote.path itself (one directory per node). Unreachable: EnvironmentFailure (exit 1)."""
-    from zb.ckpt.durable.remote import REMOTE_EXTRA, _fs
+    from zb.ckpt.durable.remote import REMOTE_EXTRA, remote_fs
 
     try:
-        fs, root = _fs(url)
+        fs, root = remote_fs(url)
     except ImportError as e:
         scheme = url.split("://", 1)[0].lower()
         if scheme in REMOTE_EXTRA:
@@ -205,7 +205,7 @@ def _remote_dirs(fs, path: str) -> list[str]:
 
 
 def _remote_entries(fs, root: str, url: str) -> list[StepEntry]:
-    from zb.ckpt.durable.remote import _read_remote_manifest, remote_scan
+    from zb.ckpt.durable.remote import read_remote_manifest, remote_scan
 
     done, bad = remote_scan(url)
     entries = []
@@ -217,7 +217,7 @@ def _remote_entries(fs, root: str, url: str) -> list[StepEntry]:
         for part in _remote_dirs(fs, f"{root}/{name}"):
             if _PART.fullmatch(part):
                 try:
-                    manifests.append(_read_remote_manifest(fs, f"{root}/{name}/{part}"))
+                    manifests.append(read_remote_manifest(fs, f"{root}/{name}/{part}"))
                 except Exception:  # noqa: BLE001 - an uncommitted part is counted as missing
                     pass
         ranks, position, final = meta_facts(manifests[0]) if manifests else (None, None, False)

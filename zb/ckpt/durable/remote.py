@@ -26,7 +26,7 @@ log = logging.getLogger("zb.ckpt")
 REMOTE_EXTRA = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}
 
 
-def _fs(url: str):
+def remote_fs(url: str):
     import fsspec
 
     return fsspec.core.url_to_fs(url)
@@ -35,7 +35,7 @@ def _fs(url: str):
 def check_remote(url: str) -> None:
     """Fail at start, not at the first upload hours later, when no fsspec backend serves the URL."""
     try:
-        _fs(url)
+        remote_fs(url)
     except ImportError as e:  # the URL is fine, this machine lacks its backend
         scheme = url.split("://", 1)[0].lower()
         if scheme in REMOTE_EXTRA:
@@ -48,7 +48,7 @@ def check_remote(url: str) -> None:
 def upload_part(src: Path, url: str) -> int:
     """Upload a committed part to an fsspec URL (a directory), marker last; returns bytes sent."""
     manifest = read_committed(src)
-    fs, root = _fs(url)
+    fs, root = remote_fs(url)
     # A stale marker from an earlier attempt must go first, or a partial copy would look committed.
     if fs.exists(f"{root}/{MARKER}"):
         fs.rm(f"{root}/{MARKER}")
@@ -62,7 +62,7 @@ def upload_part(src: Path, url: str) -> int:
 
 def prune_remote(url: str, keep_from: int) -> None:
     """Delete step directories older than step `keep_from` under a remote node directory."""
-    fs, root = _fs(url)
+    fs, root = remote_fs(url)
     if not fs.exists(root):
         return
     for entry in fs.ls(root, detail=False):
@@ -71,7 +71,7 @@ def prune_remote(url: str, keep_from: int) -> None:
             fs.rm(entry, recursive=True)
 
 
-def _read_remote_manifest(fs, part: str) -> Manifest:
+def read_remote_manifest(fs, part: str) -> Manifest:
     """The manifest of a remote part, trusted only when its COMMITTED marker matches it."""
     try:
         data, marker = fs.cat_file(f"{part}/{MANIFEST}"), fs.cat_file(f"{part}/{MARKER}")
@@ -93,7 +93,7 @@ def remote_steps(url: str) -> list[int]:
 def remote_scan(url: str) -> tuple[list[int], dict[int, str]]:
     """(complete remote steps oldest first, {step: why it is not complete}); see remote_steps."""
     try:
-        fs, root = _fs(url)
+        fs, root = remote_fs(url)
         if not fs.exists(root):
             return [], {}
         entries = fs.ls(root, detail=False)
@@ -106,9 +106,9 @@ def remote_scan(url: str) -> tuple[list[int], dict[int, str]]:
         if step is None:
             continue
         try:
-            n = part_count(_read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(0)}"))
+            n = part_count(read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(0)}"))
             for rank in range(1, n):
-                _read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(rank)}")
+                read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(rank)}")
             done.append(step)
         except Exception as e:  # noqa: BLE001 - an incomplete or unreadable step is simply not listed
             bad[step] = str(e)
@@ -121,9 +121,9 @@ def download_part(url: str, step: int, local_rank: int, dst_root: Path) -> Path:
     match the manifest) or EnvironmentFailure (the remote cannot be read)."""
     started, tmp = time.perf_counter(), None
     try:
-        fs, root = _fs(url)
+        fs, root = remote_fs(url)
         remote_part = f"{root}/{snapshot_name(step)}/{part_name(local_rank)}"
-        manifest = _read_remote_manifest(fs, remote_part)
+        manifest = read_remote_manifest(fs, remote_part)
         if manifest.name != part_name(local_rank) or manifest.step != step:
             raise InvalidInput(f"{remote_part}: its manifest describes {manifest.name} of step {manifest.step}")
         step_dir = Path(dst_root) / snapshot_name(step)
