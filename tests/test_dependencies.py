@@ -25,6 +25,8 @@ USED_WITHOUT_IMPORT = {
     "ninja": "torch.utils.cpp_extension runs it to build zb/csrc",
     "numpy": "Tensor.numpy() (zb.diloco.drift, zb.ckpt.format.tensorfile) needs it; torch does not require it",
     "pytest-timeout": "the timeout option in [tool.pytest.ini_options]",
+    "ruff": "the lint .ci/run runs before the tests (configured in pyproject.toml)",
+    "mypy": "the type check .ci/run runs before the tests (configured in pyproject.toml)",
 }
 # Import name -> distribution, for distributions that may not be installed here to ask.
 NOT_INSTALLED = {"flash_attn": "flash-attn"}
