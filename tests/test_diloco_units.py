@@ -10,68 +10,68 @@ from conftest import free_port
 
 from zb.config import load_config
 from zb.diloco import slots
-from zb.diloco.checkin import ARRIVED_FAILED, ARRIVED_NONE, ARRIVED_OK, CONTRIBUTOR, NEEDS_STATE, RECOVERED, make_plan
+from zb.diloco.checkin import Arrived, Role, make_plan
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.fingerprint import check_against, encode, fingerprint
 
 
 def test_plan_static_world():
-    plan = make_plan([CONTRIBUTOR] * 3, [4, 4, 4], [40, 40, 40])
+    plan = make_plan([Role.CONTRIBUTOR] * 3, [4, 4, 4], [40, 40, 40])
     assert plan.contributors == plan.appliers == [0, 1, 2] and plan.receivers == [] and plan.donor is None
 
 
 def test_plan_blocking_joiner_receives_from_lowest_contributor():
-    plan = make_plan([NEEDS_STATE, CONTRIBUTOR, CONTRIBUTOR], [0, 4, 4], [0, 40, 40])
+    plan = make_plan([Role.NEEDS_STATE, Role.CONTRIBUTOR, Role.CONTRIBUTOR], [0, 4, 4], [0, 40, 40])
     assert plan.contributors == [1, 2] and plan.appliers == [1, 2]
     assert plan.receivers == [0] and plan.donor == 1 and (plan.run_outer_step, plan.run_step) == (4, 40)
 
 
 def test_plan_recovered_joiner_applies_only_when_current():
-    current = make_plan([CONTRIBUTOR, RECOVERED], [4, 4], [40, 35])
+    current = make_plan([Role.CONTRIBUTOR, Role.RECOVERED], [4, 4], [40, 35])
     assert current.appliers == [0, 1] and current.receivers == []
-    stale = make_plan([CONTRIBUTOR, RECOVERED], [5, 4], [50, 35])
+    stale = make_plan([Role.CONTRIBUTOR, Role.RECOVERED], [5, 4], [50, 35])
     assert stale.appliers == [0] and stale.receivers == [1] and stale.donor == 0
 
 
 def test_plan_applies_the_average_in_flight_only_when_every_contributor_holds_it():
     """diloco.overlap: a transfer can end on some nodes and fail on others; nobody applies it then.
     Non-contributors (a joiner, a receiver) never held it and do not count."""
-    ok = make_plan([CONTRIBUTOR] * 3, [4, 4, 4], arrived=[ARRIVED_OK] * 3)
+    ok = make_plan([Role.CONTRIBUTOR] * 3, [4, 4, 4], arrived=[Arrived.OK] * 3)
     assert ok.average_ok
-    one_failed = make_plan([CONTRIBUTOR] * 3, [4, 4, 4], arrived=[ARRIVED_OK, ARRIVED_FAILED, ARRIVED_OK])
+    one_failed = make_plan([Role.CONTRIBUTOR] * 3, [4, 4, 4], arrived=[Arrived.OK, Arrived.FAILED, Arrived.OK])
     assert not one_failed.average_ok
-    first_round = make_plan([CONTRIBUTOR] * 2, [1, 1], arrived=[ARRIVED_NONE] * 2)
+    first_round = make_plan([Role.CONTRIBUTOR] * 2, [1, 1], arrived=[Arrived.NONE] * 2)
     assert not first_round.average_ok
-    joiner = make_plan([CONTRIBUTOR, CONTRIBUTOR, NEEDS_STATE], [4, 4, 0], arrived=[ARRIVED_OK, ARRIVED_OK, ARRIVED_NONE])
+    joiner = make_plan([Role.CONTRIBUTOR, Role.CONTRIBUTOR, Role.NEEDS_STATE], [4, 4, 0], arrived=[Arrived.OK, Arrived.OK, Arrived.NONE])
     assert joiner.average_ok and joiner.receivers == [2]
-    lagging = make_plan([CONTRIBUTOR] * 3, [4, 4, 3], arrived=[ARRIVED_OK, ARRIVED_OK, ARRIVED_FAILED])
+    lagging = make_plan([Role.CONTRIBUTOR] * 3, [4, 4, 3], arrived=[Arrived.OK, Arrived.OK, Arrived.FAILED])
     assert lagging.average_ok and lagging.contributors == [0, 1], "a lagging node's flag is not the run's"
 
 
 def test_plan_without_contributors():
-    fresh = make_plan([NEEDS_STATE, NEEDS_STATE], [0, 0])
+    fresh = make_plan([Role.NEEDS_STATE, Role.NEEDS_STATE], [0, 0])
     assert fresh.contributors == [0, 1] and fresh.receivers == []
-    survivors = make_plan([NEEDS_STATE, RECOVERED], [0, 7], [0, 70])
+    survivors = make_plan([Role.NEEDS_STATE, Role.RECOVERED], [0, 7], [0, 70])
     assert survivors.contributors == [1] and survivors.receivers == [0] and survivors.donor == 1
 
 
 def test_plan_contributor_behind_the_run_receives_the_state():
     # Frozen past the heartbeat timeout, evicted, admitted again at its own old outer step 11.
-    plan = make_plan([CONTRIBUTOR, CONTRIBUTOR], [20, 11], [200, 110])
+    plan = make_plan([Role.CONTRIBUTOR, Role.CONTRIBUTOR], [20, 11], [200, 110])
     assert plan.contributors == [0] and plan.receivers == [1] and plan.donor == 0
     assert (plan.run_outer_step, plan.run_step) == (20, 200)
     # Even when the stale node has the lowest rank, the run's position is the newest.
-    assert make_plan([CONTRIBUTOR, CONTRIBUTOR, CONTRIBUTOR], [11, 20, 20]).receivers == [0]
+    assert make_plan([Role.CONTRIBUTOR, Role.CONTRIBUTOR, Role.CONTRIBUTOR], [11, 20, 20]).receivers == [0]
 
 
 def test_plan_contributor_with_other_params_receives_from_the_majority():
-    plan = make_plan([CONTRIBUTOR] * 3, [7, 7, 7], [70, 70, 70], [5, 9, 5])
+    plan = make_plan([Role.CONTRIBUTOR] * 3, [7, 7, 7], [70, 70, 70], [5, 9, 5])
     assert plan.contributors == [0, 2] and plan.receivers == [1] and plan.donor == 0
-    tie = make_plan([CONTRIBUTOR] * 2, [7, 7], [70, 70], [9, 5])
+    tie = make_plan([Role.CONTRIBUTOR] * 2, [7, 7], [70, 70], [9, 5])
     assert tie.contributors == [0] and tie.receivers == [1], "a tie goes to the lowest rank's params"
-    unknown = make_plan([CONTRIBUTOR] * 2, [7, 7], [70, 70], [0, 5])
+    unknown = make_plan([Role.CONTRIBUTOR] * 2, [7, 7], [70, 70], [0, 5])
     assert unknown.contributors == [0, 1], "a node that did not hash (drift guard off) is not judged"
-    recovered = make_plan([CONTRIBUTOR, CONTRIBUTOR, RECOVERED], [7, 7, 7], None, [5, 5, 6])
+    recovered = make_plan([Role.CONTRIBUTOR, Role.CONTRIBUTOR, Role.RECOVERED], [7, 7, 7], None, [5, 5, 6])
     assert recovered.appliers == [0, 1] and recovered.receivers == [2]
 
 
@@ -88,7 +88,7 @@ def test_check_in_carries_digests_over_a_real_group():
         store = master if r == 0 else dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
         pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), r, 2, timedelta(seconds=10))
         digest = digest_value(bytes([r + 1] * 32))
-        plans[r] = check_in(pg, r, 2, CONTRIBUTOR, 3, 30, 10.0, digest)
+        plans[r] = check_in(pg, r, 2, Role.CONTRIBUTOR, 3, 30, 10.0, digest)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:

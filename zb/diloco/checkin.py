@@ -18,22 +18,29 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 
-CONTRIBUTOR = 0   # trained the inner steps: sends its pseudo-gradient
-NEEDS_STATE = 1   # joined (blocking join), rejoined after an eviction or drifted: sends zeros, receives the state
-RECOVERED = 2     # loaded the run's outer state from a live snapshot: sends zeros, applies the update
+
+class Role(IntEnum):
+    """A node's part in an outer step; its value travels in the check-in table."""
+    CONTRIBUTOR = 0   # trained the inner steps: sends its pseudo-gradient
+    NEEDS_STATE = 1   # joined (blocking join), rejoined after an eviction or drifted: sends zeros, receives the state
+    RECOVERED = 2     # loaded the run's outer state from a live snapshot: sends zeros, applies the update
+
 
 UNKNOWN_DIGEST = 0  # the node did not hash its params (diloco.drift_guard off): not compared
 
-# diloco.overlap: what a node holds of the average launched at the previous boundary.
-ARRIVED_NONE = 0     # nothing was in flight (first boundary, after a resume, blocking mode)
-ARRIVED_OK = 1
-ARRIVED_FAILED = 2
+
+class Arrived(IntEnum):
+    """diloco.overlap: what a node holds of the average launched at the previous boundary."""
+    NONE = 0     # nothing was in flight (first boundary, after a resume, blocking mode)
+    OK = 1
+    FAILED = 2
 
 
 @dataclass(frozen=True)
@@ -49,8 +56,6 @@ class Plan:
     round_steps: list[int] = field(default_factory=list)    # diloco.round_seconds: inner steps of this round
     round_tokens: list[int] = field(default_factory=list)   # ... and tokens (the weights of the average)
 
-    def role_of(self, rank: int) -> str:
-        return "contributor" if rank in self.contributors else "applier" if rank in self.appliers else "receiver"
 
 
 def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None,
@@ -59,20 +64,20 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     n = len(roles)
     steps = steps or [0] * n
     digests = digests or [UNKNOWN_DIGEST] * n
-    arrived = arrived or [ARRIVED_NONE] * n
-    contributors = _current([r for r in range(n) if roles[r] == CONTRIBUTOR], outer_steps, digests)
+    arrived = arrived or [Arrived.NONE] * n
+    contributors = _current([r for r in range(n) if roles[r] == Role.CONTRIBUTOR], outer_steps, digests)
     if not contributors:
         # Nobody trained with the run yet (every earlier node is gone): those holding recovered state
         # carry the run on; with none, this is a fresh start from identical seeded weights.
-        contributors = _current([r for r in range(n) if roles[r] == RECOVERED], outer_steps, digests) or list(range(n))
+        contributors = _current([r for r in range(n) if roles[r] == Role.RECOVERED], outer_steps, digests) or list(range(n))
     first = contributors[0]
     run_outer_step = outer_steps[first]
-    appliers = sorted(set(contributors) | {r for r in range(n) if roles[r] == RECOVERED and outer_steps[r] == run_outer_step
+    appliers = sorted(set(contributors) | {r for r in range(n) if roles[r] == Role.RECOVERED and outer_steps[r] == run_outer_step
                                            and _same(digests[r], digests[first])})
     receivers = [r for r in range(n) if r not in appliers]
     # A transfer can end on some nodes and fail on others (a peer died mid-ring): the average is applied
     # only when every contributor has it, so no node ever applies what another skips.
-    average_ok = all(arrived[r] == ARRIVED_OK for r in contributors)
+    average_ok = all(arrived[r] == Arrived.OK for r in contributors)
     return Plan(contributors, appliers, receivers, first if receivers else None, run_outer_step, steps[first],
                 average_ok, list(steps), list(round_steps or [0] * n), list(round_tokens or [0] * n))
 
@@ -102,7 +107,7 @@ def digest_value(digest: bytes) -> int:
 
 
 def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, outer_step: int, step: int,
-             deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = ARRIVED_NONE,
+             deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = Arrived.NONE,
              round_steps: int = 0, round_tokens: int = 0) -> Plan:
     """All-reduce every rank's (role, outer step, step, digest, arrived, round steps, round tokens) and
     derive the plan; PeerFailure if a peer is missing. Each rank writes only its own column, so SUM

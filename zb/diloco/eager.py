@@ -146,14 +146,6 @@ def pseudo_gradient(shared: torch.Tensor, own: OwnTerm, local: torch.Tensor) -> 
     return start_params(shared, own).sub_(local)
 
 
-def eager_outer_gradient(fresh: torch.Tensor, world_size: int, arrived: Optional[torch.Tensor],
-                         last_share: torch.Tensor) -> torch.Tensor:
-    """Rule (1) as one tensor, D~_m(r) = Dbar(r-1) + D_m(r)/M_r - D_m(r-1)/M_(r-1): what a node
-    steps a private outer optimizer with in the paper's per-node form (`arrived` None: no average)."""
-    out = fresh / world_size - last_share
-    return out if arrived is None else out.add_(arrived)
-
-
 @torch.no_grad()
 def shared_step(shared: torch.Tensor, shared_momentum: Optional[torch.Tensor],
                 arrived: Optional[torch.Tensor], opt: OuterSGD) -> bool:

@@ -112,7 +112,7 @@ class DilocoNode:
                                             cfg.optim.batch_size * cfg.data.seq_length, local_group)
         self.store: Any = None  # a torch Store client (tcpstore.connect); None until start(), and after a failure
         self.slot = self.num_slots = 0
-        self.role = checkin.CONTRIBUTOR
+        self.role = checkin.Role.CONTRIBUTOR
         self.recovered_position: RunPosition | None = None
         self.live: LiveSnapshots | None = None
         self._fresh_view = False
@@ -146,7 +146,7 @@ class DilocoNode:
         view = self.mesh.start()
         others_were_there = any(uid not in view.joined for uid in view.nodes)
         if view.is_joiner and others_were_there:
-            self.role = checkin.RECOVERED if recovered else checkin.NEEDS_STATE
+            self.role = checkin.Role.RECOVERED if recovered else checkin.Role.NEEDS_STATE
         self._fresh_view = True
         self.slot, self.num_slots = self._claim_slot(view)
         if self.cfg.ckpt.live_recovery and self._layout.owner:
@@ -227,7 +227,7 @@ class DilocoNode:
     @property
     def joining(self) -> bool:
         """This node joined a running run: it takes part in the current outer step right away."""
-        return self.role != checkin.CONTRIBUTOR
+        return self.role != checkin.Role.CONTRIBUTOR
 
     def data_position(self) -> dict | None:
         """Where the previous holder of this node's slot stopped (None: start of the shard)."""
@@ -289,8 +289,8 @@ class DilocoNode:
             return self._eager_outer_step(position, data_state)
         if isinstance(self.overlap, StreamingOverlap):
             return self._streaming_apply(position, data_state)
-        view, plan, stats, attempts, _ = self._check_in(position, checkin.ARRIVED_NONE, sync=self._sync)
-        was_recovered = self.role == checkin.RECOVERED
+        view, plan, stats, attempts, _ = self._check_in(position, checkin.Arrived.NONE, sync=self._sync)
+        was_recovered = self.role == checkin.Role.RECOVERED
         if self.rounds is not None and plan is not None:
             plan = self._adaptive_plan(plan)
             position = replace(position, step=plan.run_step)  # a joiner receives the run's step, not the donor's
@@ -368,7 +368,7 @@ class DilocoNode:
         me = view.global_rank
         contributing = me in plan.contributors
         finite = localsync.all_ok(self.local_group, ov.take_fresh(contributing and not closing))
-        was_recovered = self.role == checkin.RECOVERED
+        was_recovered = self.role == checkin.Role.RECOVERED
         report.applied = self._eager_apply(view, plan, arrival)
         if contributing and not closing:
             if not finite:
@@ -381,7 +381,7 @@ class DilocoNode:
             ov.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
         if was_recovered and me in plan.appliers:
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
-            self.role = checkin.CONTRIBUTOR
+            self.role = checkin.Role.CONTRIBUTOR
         if closing:
             return self._close_on_shared(report), received
         ov.launch(view, self.mesh.global_pg, max(1, len(plan.contributors)))
@@ -405,7 +405,7 @@ class DilocoNode:
         an outer step (joiners are admitted there), so every node of the world sends; a node whose
         world is stale (it was frozen) fails its transfer and is sorted out at the outer step."""
         assert isinstance(self.overlap, StreamingOverlap)  # sync_points names a fragment to launch only then
-        self.overlap.launch(fragment, self.mesh.view, self.mesh.global_pg, self.role == checkin.CONTRIBUTOR)
+        self.overlap.launch(fragment, self.mesh.view, self.mesh.global_pg, self.role == checkin.Role.CONTRIBUTOR)
         log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.overlap.numel(fragment))
 
     def _streaming_apply(self, position: RunPosition, data_state: dict | None,
@@ -422,7 +422,7 @@ class DilocoNode:
                 self._outer.push_to_model()
             return report, None
         me = view.global_rank
-        was_recovered = self.role == checkin.RECOVERED
+        was_recovered = self.role == checkin.Role.RECOVERED
         finite = localsync.all_ok(self.local_group, not (arrival is not None and ov.non_finite))
         report.applied = self._eager_apply(view, plan, arrival)  # a recovered joiner takes the average here
         report.fragment = ov.fragment
@@ -437,7 +437,7 @@ class DilocoNode:
         if was_recovered and me in plan.appliers:
             self._outer.push_to_model()  # a recovered joiner holds no progress of its own yet
             received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
-            self.role = checkin.CONTRIBUTOR
+            self.role = checkin.Role.CONTRIBUTOR
         if closing:
             return self._close_on_shared(report), received
         self._after_step(report, view, received or position, data_state)
@@ -447,9 +447,9 @@ class DilocoNode:
         """Tell the check-in what this node holds of the average in flight; the report so far."""
         if arrival is not None and not arrival.ok:
             self.mesh.report_failure(arrival.error.rank)
-        arrived = checkin.ARRIVED_NONE if arrival is None else checkin.ARRIVED_OK if arrival.ok else checkin.ARRIVED_FAILED
+        arrived = checkin.Arrived.NONE if arrival is None else checkin.Arrived.OK if arrival.ok else checkin.Arrived.FAILED
         if arrival is not None and not localsync.all_ok(self.local_group, arrival.ok):
-            arrived = checkin.ARRIVED_FAILED  # one local rank's transfer failed: the node holds no whole average
+            arrived = checkin.Arrived.FAILED  # one local rank's transfer failed: the node holds no whole average
         view, plan, attempts = self._eager_check_in(position, arrived)
         report = OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
                              0.0, 0, 0.0, False, attempts)
@@ -600,7 +600,7 @@ class DilocoNode:
                 not any(plan.round_tokens[r] for r in plan.contributors):
             # Nobody trained in this round (only joiners, say): there is no update, not even momentum's.
             if view.global_rank in plan.appliers:
-                self.role = checkin.CONTRIBUTOR
+                self.role = checkin.Role.CONTRIBUTOR
             return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors),
                                round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), False, attempts,
                                note=" | no node trained in this round: nothing to apply")
@@ -615,7 +615,7 @@ class DilocoNode:
                 self._outer.push_to_model()
                 h2d_s = time.perf_counter() - t0
                 applied = True
-                self.role = checkin.CONTRIBUTOR
+                self.role = checkin.Role.CONTRIBUTOR
             else:
                 self._skip_non_finite()
         elif stats is None:
@@ -669,7 +669,7 @@ class DilocoNode:
             data = localsync.broadcast_json(self.local_group, self.local.rank,
                                             {"position": received.to_json() if received is not None else None})
             received = RunPosition.from_json(data["position"])
-        self.role = checkin.CONTRIBUTOR
+        self.role = checkin.Role.CONTRIBUTOR
         log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
         return received
 
@@ -686,15 +686,15 @@ class DilocoNode:
         """Resolve the world; a node the run evicted while it was alive (frozen, partitioned) and that
         was admitted again holds stale params: it must receive the run's state before it contributes."""
         view = self.mesh.resolve()
-        if view.is_joiner and self.role == checkin.CONTRIBUTOR:
+        if view.is_joiner and self.role == checkin.Role.CONTRIBUTOR:
             log.warning("this node was dropped from the run while it was away and is admitted again: it receives "
                         "the run's state at this outer step instead of contributing its stale params")
-            self.role = checkin.NEEDS_STATE
+            self.role = checkin.Role.NEEDS_STATE
         return view
 
     def _note_lagging(self, view, plan: checkin.Plan, outer_step: int) -> None:
         """Say why a node that thinks it trained with the run is told to receive the state instead."""
-        if self.role == checkin.CONTRIBUTOR and view.global_rank in plan.receivers:
+        if self.role == checkin.Role.CONTRIBUTOR and view.global_rank in plan.receivers:
             log.warning("this node's outer params are not the run's (it is at outer step %d, the run at %d, or its "
                         "params differ from the majority's): it receives the run's state instead of contributing",
                         outer_step, plan.run_outer_step)
@@ -765,8 +765,8 @@ def _deadline(cfg: Config) -> float:
 
 
 def _joining_note(role: int) -> str:
-    if role == checkin.NEEDS_STATE:
+    if role == checkin.Role.NEEDS_STATE:
         return ", joining a running run: the state comes from a live node at the next outer step"
-    if role == checkin.RECOVERED:
+    if role == checkin.Role.RECOVERED:
         return ", joining a running run with its recovered outer state (non-blocking join)"
     return ""

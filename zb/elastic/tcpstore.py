@@ -66,10 +66,6 @@ def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, nam
     return dist.PrefixStore(namespace.rstrip("/"), client) if namespace else client
 
 
-def set_op_timeout(store, seconds: float) -> None:
-    store.set_timeout(timedelta(seconds=seconds))
-
-
 def host(addr: str, port: int):
     """Host a store at addr:port in this process (libuv backend); one clear error when it cannot bind.
 
