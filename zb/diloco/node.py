@@ -19,7 +19,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
@@ -29,6 +29,7 @@ from zb.config_schema import Config, DilocoConfig
 from zb.diloco import checkin, drift, rounds, slots
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.overlap import EagerOverlap
+from zb.diloco.report import OuterReport
 from zb.diloco.streaming import StreamingOverlap
 from zb.diloco.streams import StreamGroups
 from zb.diloco.stripes import StripeLayout
@@ -46,36 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("zb.diloco")
 
 FINGERPRINT_KEY = "zb/run/fingerprint"
-
-
-@dataclass
-class OuterReport:
-    """What one outer step did, for the `outer_step` metrics event."""
-
-    mesh_version: int
-    global_world_size: int
-    num_peers: int          # nodes that contributed a pseudo-gradient
-    allreduce_s: float
-    wire_bytes: int
-    wire_mbps: float
-    applied: bool           # False when skipped (non-finite, no peer reachable) or state was received
-    attempts: int
-    params_hash: str | None = None
-    note: str = ""          # why nothing was applied, when that is expected
-    fragment: int | None = None  # streaming: the fragment this outer step synced
-    hidden_s: float = 0.0   # overlap: all-reduce seconds that ran behind compute
-    stall_s: float = 0.0    # overlap: seconds training waited for the all-reduce (blocking: all of it)
-    # Blocking outer steps: where the seconds went. d2h_s and reduce_s overlap inside allreduce_s
-    # (buckets are reduced while later ones are copied); h2d_s follows it (outer params to the model).
-    d2h_s: float = 0.0
-    reduce_s: float = 0.0
-    h2d_s: float = 0.0
-    # diloco.round_seconds: the run's step after the round (every node moves there), each node's inner
-    # steps in the round (by node id), the run's tokens in it, and this node's weight in the average.
-    run_step: int | None = None
-    round_steps: dict[str, int] | None = None
-    round_tokens: int | None = None
-    round_weight: float | None = None
 
 
 class DilocoNode:

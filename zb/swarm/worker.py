@@ -12,7 +12,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -184,14 +184,8 @@ class StageWorker:
             set_schedule_position(self.scheduler, received.step)
         self.position = RunPosition(self.position.step, self.position.outer_step + 1, self.position.tokens,
                                     self.position.run_tokens)
-        fields: dict[str, Any] = dict(outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
-                      mesh_version=report.mesh_version, global_world_size=report.global_world_size,
-                      num_peers=report.num_peers, allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes,
-                      wire_mbps=report.wire_mbps, applied=report.applied, attempts=report.attempts,
-                      round_micro_batches=round_micro_batches)
-        if report.params_hash is not None:
-            fields["params_hash"] = report.params_hash
-        self.sink.log("outer_step", **fields)
+        self.sink.log("outer_step", outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
+                      **report.event_fields(), round_micro_batches=round_micro_batches)
         log.info("stage %d outer step %d | workers %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes%s",
                  self.index, self.position.outer_step, report.global_world_size, report.num_peers,
                  report.mesh_version, report.allreduce_s, f"{report.wire_bytes:,}",

@@ -406,19 +406,10 @@ class TrainingRun:
         started, tokens_then = self._round_start
         round_tps = (c.tokens - tokens_then) / max(now - started, 1e-9)
         self._round_start = (now, c.tokens)
-        fields = dict(outer_step=c.outer_step, step=c.step, mesh_version=report.mesh_version,
-                      global_world_size=report.global_world_size, num_peers=report.num_peers,
-                      allreduce_s=report.allreduce_s, wire_bytes=report.wire_bytes, wire_mbps=report.wire_mbps,
-                      applied=report.applied, attempts=report.attempts, hidden_s=report.hidden_s,
-                      stall_s=report.stall_s, d2h_s=report.d2h_s, reduce_s=report.reduce_s, h2d_s=report.h2d_s,
+        fields = dict(outer_step=c.outer_step, step=c.step, **report.event_fields(),
                       outer_tokens_per_s=round(round_tps, 1), outer_mfu=self._mfu(round_tps), **extra)
-        if report.params_hash is not None:
-            fields["params_hash"] = report.params_hash
-        if report.fragment is not None:
-            fields["fragment"] = report.fragment
         if report.round_steps is not None:
-            fields.update(round_steps=report.round_steps, round_tokens=report.round_tokens,
-                          round_weight=report.round_weight, run_tokens=c.run_tokens)
+            fields["run_tokens"] = c.run_tokens
         self.sink.log("outer_step", **fields)
         note = note or report.note or ("" if report.applied else " | NOT applied")
         assert self.cfg.diloco is not None  # outer steps happen only with DiLoCo
