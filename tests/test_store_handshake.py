@@ -98,3 +98,15 @@ def test_a_signal_stops_train_while_it_waits_for_the_handshake(silent, tmp_path,
             proc.wait(10)
     assert proc.returncode == code, err
     assert f"{sig.name} received" in err and "Traceback" not in err
+
+
+def test_retries_against_a_hung_peer_leave_one_waiting_thread_not_one_per_try(silent):
+    """A store that hangs is retried every heartbeat interval: each try must not leave a thread behind."""
+    def waiting() -> int:
+        return sum(t.name == "zb-store-handshake" and t.is_alive() for t in threading.enumerate())
+
+    before = waiting()
+    for _ in range(4):
+        with pytest.raises(EnvironmentFailure, match="does not answer as a TCPStore"):
+            store_client("127.0.0.1", silent.port, 30.0, 0.3, "check the address", use_libuv=True)
+    assert waiting() - before == 1

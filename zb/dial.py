@@ -42,6 +42,10 @@ def wait_listening(host: str, port: int, timeout_s: float, option: str) -> OSErr
             time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
 
+_handshakes: dict[tuple[str, int], threading.Thread] = {}   # the newest handshake helper per address
+_handshakes_lock = threading.Lock()
+
+
 def store_client(host: str, port: int, timeout_s: float, answer_s: float, hint: str,
                  failure: type[ZbError] = EnvironmentFailure, **options):
     """A TCPStore client of host:port (`options` go to torch's constructor), or one `failure` line
@@ -65,14 +69,30 @@ def store_client(host: str, port: int, timeout_s: float, answer_s: float, hint: 
         except Exception as e:  # noqa: BLE001 - DistNetworkError / RuntimeError, one line for the user
             result["error"] = str(e).splitlines()[0][:160]
 
-    helper = threading.Thread(target=build, name="zb-store-handshake", daemon=True)
-    helper.start()
     deadline = time.monotonic() + answer_s
     on_main = threading.current_thread() is threading.main_thread()
-    while helper.is_alive() and time.monotonic() < deadline:
-        helper.join(0.1)
-        if on_main and helper.is_alive() and stop_signals.requested():
-            raise LeavingRun(f"{stop_signals.requested()} received while connecting to the store at {host}:{port}")
+
+    def wait_for(thread: threading.Thread) -> None:
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(0.1)
+            if on_main and thread.is_alive() and stop_signals.requested():
+                raise LeavingRun(f"{stop_signals.requested()} received while connecting to the store at "
+                                 f"{host}:{port}")
+
+    # At most one handshake per address in flight: a store that hangs (SIGSTOPped, say) would otherwise
+    # leave a helper thread behind for every retry of every caller (heartbeats retry each interval).
+    with _handshakes_lock:
+        earlier = _handshakes.get((host, port))
+    if earlier is not None:
+        wait_for(earlier)
+        if earlier.is_alive():
+            raise failure(f"{host}:{port} accepts connections but does not answer as a TCPStore (an earlier "
+                          f"handshake is still waiting after {answer_s:g} s): is it a `zb store`? {hint}")
+    helper = threading.Thread(target=build, name="zb-store-handshake", daemon=True)
+    with _handshakes_lock:
+        _handshakes[(host, port)] = helper
+    helper.start()
+    wait_for(helper)
     if "store" in result:
         return result["store"]
     why = result.get("error") or f"no answer within {answer_s:g} s"
