@@ -88,7 +88,7 @@ def test_check_in_carries_digests_over_a_real_group():
         store = master if r == 0 else dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
         pg = dist.ProcessGroupGloo(dist.PrefixStore("t", store), r, 2, timedelta(seconds=10))
         digest = digest_value(bytes([r + 1] * 32))
-        plans[r] = check_in(pg, r, 2, Role.CONTRIBUTOR, 3, 30, 10.0, digest)
+        plans[r] = check_in(pg, r, 2, Role.CONTRIBUTOR, outer_step=3, step=30, deadline_s=10.0, digest=digest)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:

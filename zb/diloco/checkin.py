@@ -43,7 +43,7 @@ class Arrived(IntEnum):
     FAILED = 2
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     contributors: list[int]     # ranks whose pseudo-gradients are averaged
     appliers: list[int]         # ranks that apply the averaged update to their outer params
@@ -78,8 +78,10 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     # A transfer can end on some nodes and fail on others (a peer died mid-ring): the average is applied
     # only when every contributor has it, so no node ever applies what another skips.
     average_ok = all(arrived[r] == Arrived.OK for r in contributors)
-    return Plan(contributors, appliers, receivers, first if receivers else None, run_outer_step, steps[first],
-                average_ok, list(steps), list(round_steps or [0] * n), list(round_tokens or [0] * n))
+    return Plan(contributors=contributors, appliers=appliers, receivers=receivers,
+                donor=first if receivers else None, run_outer_step=run_outer_step, run_step=steps[first],
+                average_ok=average_ok, steps=list(steps), round_steps=list(round_steps or [0] * n),
+                round_tokens=list(round_tokens or [0] * n))
 
 
 def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> list[int]:
@@ -106,7 +108,7 @@ def digest_value(digest: bytes) -> int:
     return int.from_bytes(digest[:8], "little", signed=True) or 1
 
 
-def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, outer_step: int, step: int,
+def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, *, outer_step: int, step: int,
              deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = Arrived.NONE,
              round_steps: int = 0, round_tokens: int = 0) -> Plan:
     """All-reduce every rank's (role, outer step, step, digest, arrived, round steps, round tokens) and

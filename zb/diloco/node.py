@@ -422,8 +422,8 @@ class DilocoNode:
         if arrival is not None and not localsync.all_ok(self.local_group, arrival.ok):
             arrived = checkin.Arrived.FAILED  # one local rank's transfer failed: the node holds no whole average
         view, plan, attempts = self._eager_check_in(position, arrived)
-        report = OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
-                             0.0, 0, 0.0, False, attempts)
+        report = OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
+                             num_peers=len(plan.contributors) if plan else 0, attempts=attempts)
         if arrival is None:
             report.note = " | no average in flight yet"
         else:
@@ -463,7 +463,8 @@ class DilocoNode:
                 plan = stats = None
                 if self._layout.owner:
                     plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                            position.outer_step, position.step, _deadline(self.cfg), digest, arrived,
+                                            outer_step=position.outer_step, step=position.step,
+                                            deadline_s=_deadline(self.cfg), digest=digest, arrived=arrived,
                                             round_steps=work.steps, round_tokens=work.tokens)
                     self._note_lagging(view, plan, position.outer_step)
                     stats = sync(view, plan) if sync is not None else None
@@ -572,8 +573,9 @@ class DilocoNode:
             # Nobody trained in this round (only joiners, say): there is no update, not even momentum's.
             if view.global_rank in plan.appliers:
                 self.role = checkin.Role.CONTRIBUTOR
-            return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors),
-                               round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), False, attempts,
+            return OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
+                               num_peers=len(plan.contributors), allreduce_s=round(stats.seconds, 4),
+                               wire_bytes=stats.wire_bytes, wire_mbps=round(stats.mbps, 2), attempts=attempts,
                                note=" | no node trained in this round: nothing to apply")
         h2d_s = 0.0
         if stats is not None and plan is not None and view.global_rank in plan.appliers:
@@ -594,9 +596,11 @@ class DilocoNode:
             log.error("outer step skipped after %d failed attempts; training goes on and the world is resolved "
                       "again at the next outer step", attempts)
         stats = stats or SyncStats()
-        return OuterReport(view.mesh_version, view.global_world_size, len(plan.contributors) if plan else 0,
-                           round(stats.seconds, 4), stats.wire_bytes, round(stats.mbps, 2), applied, attempts,
-                           d2h_s=round(stats.d2h_s, 4), reduce_s=round(stats.reduce_s, 4), h2d_s=round(h2d_s, 4))
+        return OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
+                           num_peers=len(plan.contributors) if plan else 0, allreduce_s=round(stats.seconds, 4),
+                           wire_bytes=stats.wire_bytes, wire_mbps=round(stats.mbps, 2), applied=applied,
+                           attempts=attempts, d2h_s=round(stats.d2h_s, 4), reduce_s=round(stats.reduce_s, 4),
+                           h2d_s=round(h2d_s, 4))
 
     def _skip_non_finite(self) -> None:
         """Some node sent NaN/Inf: every node skips the step; a node whose own params are non-finite

@@ -8,18 +8,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OuterReport:
     """What one outer step did, for the `outer_step` metrics event."""
 
     mesh_version: int
     global_world_size: int
     num_peers: int          # nodes that contributed a pseudo-gradient
-    allreduce_s: float
-    wire_bytes: int
-    wire_mbps: float
-    applied: bool           # False when skipped (non-finite, no peer reachable) or state was received
     attempts: int
+    allreduce_s: float = 0.0
+    wire_bytes: int = 0
+    wire_mbps: float = 0.0
+    applied: bool = False   # False when skipped (non-finite, no peer reachable) or state was received
     params_hash: str | None = None
     note: str = ""          # why nothing was applied, when that is expected
     fragment: int | None = None  # streaming: the fragment this outer step synced
