@@ -88,8 +88,8 @@ def measure(args) -> dict:
     manager = CheckpointManager(cfg.ckpt, node_id="bench", local_rank=0, local_world_size=1, sink=sink)
     train(trainer, loader, 2)  # optimizer state exists from here on
     outer.step()
-    state = TrainState(model, opt, sched, RunPosition(),
-                       loader.state_dict(), outer.state_tensors(), cfg_dict, fingerprint(cfg, 1, 259))
+    state = TrainState(model, opt, sched, RunPosition(), data_state=loader.state_dict(), outer=outer.state_tensors(),
+                       config=cfg_dict, fingerprint=fingerprint(cfg, 1, 259))
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3 + sum(
         t.numel() * t.element_size() for t in state.outer.values())
     manager.save(1, state)  # warm-up: allocates the staging buffers once

@@ -39,7 +39,8 @@ def small_state(seed: int = 0, width: int = 64) -> TrainState:
         opt.zero_grad()
         sched.step()
     return TrainState(model, opt, sched, RunPosition(step=2, tokens=8, run_tokens=8),
-                      {"kind": "fake", "batch": 2}, None, {}, {"model.dim": width, "local_world_size": 1})
+                      data_state={"kind": "fake", "batch": 2}, outer=None, config={},
+                      fingerprint={"model.dim": width, "local_world_size": 1})
 
 
 def manager(tmp_path: Path, sink=None, **kw) -> CheckpointManager:

@@ -97,8 +97,9 @@ def main() -> None:
     at = RunPosition()
 
     def state() -> TrainState:
-        return TrainState(model, optimizer, scheduler, at, loader.state_dict(), outer.state_tensors(),
-                          to_dict(cfg), fingerprint(cfg, local.world_size, vocab), loader.exact_resume)
+        return TrainState(model, optimizer, scheduler, at, data_state=loader.state_dict(),
+                          outer=outer.state_tensors(), config=to_dict(cfg),
+                          fingerprint=fingerprint(cfg, local.world_size, vocab), data_exact=loader.exact_resume)
 
     sink = MetricsSink(f"{ckpt_dir}/log-{mode}", f"node-{local.rank}", enabled=True)
     manager = CheckpointManager(cfg.ckpt, node_id="node", local_rank=local.rank, local_world_size=local.world_size,

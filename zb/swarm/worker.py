@@ -124,8 +124,9 @@ class StageWorker:
         from zb.config import to_dict
 
         data_state, exact = self.data_state()
-        return TrainState(self.stage, self.optimizer, self.scheduler, self.position, data_state,
-                          self.diloco.checkpoint_tensors(), to_dict(self.cfg), self.fingerprint, data_exact=exact)
+        return TrainState(self.stage, self.optimizer, self.scheduler, self.position, data_state=data_state,
+                          outer=self.diloco.checkpoint_tensors(), config=to_dict(self.cfg),
+                          fingerprint=self.fingerprint, data_exact=exact)
 
     def data_state(self) -> tuple[dict, bool]:
         """What a checkpoint keeps of the data: (loader state, whether it resumes exactly); first stage only."""

@@ -259,9 +259,10 @@ class TrainingRun:
         if gathered:  # a bug: something ran a forward and did not reshard (see zb.train.fsdp.reshard)
             raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
         return TrainState(self.model, self.optimizer, self.scheduler, self.counters.position,
-                          self.train_loader.state_dict(),
-                          self.diloco.checkpoint_tensors() if self.diloco is not None else None,
-                          to_dict(self.cfg), self.fingerprint, data_exact=self.train_loader.exact_resume)
+                          data_state=self.train_loader.state_dict(),
+                          outer=self.diloco.checkpoint_tensors() if self.diloco is not None else None,
+                          config=to_dict(self.cfg), fingerprint=self.fingerprint,
+                          data_exact=self.train_loader.exact_resume)
 
     def _resume(self) -> None:
         diloco = self.diloco

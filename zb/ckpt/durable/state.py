@@ -13,7 +13,7 @@ Numbers (counters, scheduler, optimizer hyperparameters, data position) go in th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     position: RunPosition                          # where the run stands at this save
+    _: KW_ONLY                                     # the rest by name
     data_state: dict                               # this local rank's loader.state_dict() (JSON-able)
     outer: dict[str, torch.Tensor] | None          # OuterState.state_tensors(), None without DiLoCo
     config: dict                                   # zb.config.to_dict(cfg)
