@@ -101,6 +101,13 @@ def test_a_mesh_measures_its_links_while_it_runs(cluster):
     uids = ["a", "b", "c"]
     wait_until(lambda: all(len(rows(client, u)) == 2 for u in uids), 90, "the mesh's links measured",
                alive=[n.proc for n in nodes])
-    # Loopback links are alike: the ring stays as it is (no rebuild for noise) and keeps summing right.
+    # The ring keeps summing right whatever order the measurements give it, and every node sees the same
+    # order at each mesh version. (Loopback links are alike, but on a machine busy with the rest of the
+    # suite one 0.3 s probe can differ by more than the 10% a ring is kept within, so the order may move;
+    # that rule itself is held by test_ring_order.test_a_ring_within_ten_percent_of_the_best_is_kept.)
     cluster.agreement(nodes, 3)
-    assert all(e["nodes"] == uids for n in nodes for e in n.events("membership"))
+    seen: dict[int, list[str]] = {}
+    for n in nodes:
+        for e in n.events("membership"):
+            assert sorted(e["nodes"]) == uids
+            assert seen.setdefault(e["mesh_version"], e["nodes"]) == e["nodes"], (e["mesh_version"], seen)
