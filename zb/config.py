@@ -396,12 +396,16 @@ def build(values: Mapping[str, tuple[Any, str]], present: AbstractSet[str] = fro
     return cfg
 
 
+def auto_tokenizer(model_type: str, fake: bool, dataset: str) -> str:
+    """What data.tokenizer = auto means: bytes for the builtin or fake data, else Prime's choice per model.type."""
+    return "bytes" if fake or dataset == "builtin" else PRIME_TOKENIZERS.get(model_type, "bytes")
+
+
 def _resolve_tokenizer(cfg: Config, sources: dict[str, str]) -> None:
     """data.tokenizer = auto becomes a name here, so the fingerprint and --print-config show it."""
     if cfg.data.tokenizer != "auto":
         return
-    builtin = cfg.data.fake or cfg.data.dataset_name_or_paths == "builtin"
-    cfg.data.tokenizer = "bytes" if builtin else PRIME_TOKENIZERS[cfg.model.type]
+    cfg.data.tokenizer = auto_tokenizer(cfg.model.type, cfg.data.fake, cfg.data.dataset_name_or_paths)
     was = sources["data.tokenizer"]
     sources["data.tokenizer"] = "auto" if was == DEFAULT else f"{was}, auto"
 

@@ -83,11 +83,11 @@ def load_model(checkpoint: str | Path, *, params: str, device: torch.device) -> 
     model.to(dtype).eval()
     tokenizer = ckpt.config.get("data", {}).get("tokenizer", "auto")
     if tokenizer == "auto":  # written before zb.config resolved it: resolve it the same way
-        from zb.config import PRIME_TOKENIZERS
+        from zb.config import auto_tokenizer
 
         data = ckpt.config.get("data", {})
-        builtin = data.get("fake") or data.get("dataset_name_or_paths") == "builtin"
-        tokenizer = "bytes" if builtin else PRIME_TOKENIZERS.get(ckpt.config["model"].get("type"), "bytes")
+        tokenizer = auto_tokenizer(ckpt.config["model"].get("type", ""), bool(data.get("fake")),
+                                   data.get("dataset_name_or_paths", ""))
     return Loaded(model, str(ckpt.step_dir), ckpt.step, params, len(ckpt.parts), tokenizer,
                   "bf16" if dtype == torch.bfloat16 else "fp32")
 

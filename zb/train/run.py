@@ -164,10 +164,11 @@ class TrainingRun:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def execute(self) -> Counters:
-        if self.cfg.eval.only:
-            return self._evaluate_only()
         self.stop.install()  # before the mesh: its deathrattle chains to this handler
         try:
+            if self.cfg.eval.only:
+                self._evaluate_only()
+                return self.counters
             try:
                 data_rank, data_world = self._join_nodes()
             except LeavingRun:  # a signal arrived while this node was joining
@@ -201,26 +202,19 @@ class TrainingRun:
             self.sink.close()
         return self.counters
 
-    def _evaluate_only(self) -> Counters:
+    def _evaluate_only(self) -> None:
         """eval.only: the checkpoint ckpt.resume names, on this node's held-out shard; nothing else."""
         cfg = self.cfg
-        try:
-            self.train_loader, self.eval_loader = build_loaders(cfg, self.tokenizer, self.local,
-                                                                cfg.data.data_rank or 0, cfg.data.data_world_size or 1)
-            loaded = self.checkpoints.resume(store=None, scope="", joining=False)
-            if loaded is None:
-                raise InvalidInput(f"eval.only: ckpt.resume = '{cfg.ckpt.resume}' found no complete checkpoint under "
-                                   f"{cfg.ckpt.path}; see `zb ckpt ls {cfg.ckpt.path}`")
-            self.move_to(loaded.position, own_tokens=True)
-            loss = self._evaluate()
-            log.info("eval.only: checkpoint %s (step %d): held-out loss %.4f, perplexity %.4g over %d micro batches "
-                     "per rank", loaded.path, self.counters.step, loss, perplexity(loss), cfg.eval.batches)
-        finally:
-            if hasattr(getattr(self, "train_loader", None), "close"):
-                self.train_loader.close()
-            self.checkpoints.close()
-            self.sink.close()
-        return self.counters
+        self.train_loader, self.eval_loader = build_loaders(cfg, self.tokenizer, self.local, cfg.data.data_rank or 0,
+                                                            cfg.data.data_world_size or 1)
+        loaded = self.checkpoints.resume(store=None, scope="", joining=False)
+        if loaded is None:
+            raise InvalidInput(f"eval.only: ckpt.resume = '{cfg.ckpt.resume}' found no complete checkpoint under "
+                               f"{cfg.ckpt.path}; see `zb ckpt ls {cfg.ckpt.path}`")
+        self.move_to(loaded.position, own_tokens=True)
+        loss = self._evaluate()
+        log.info("eval.only: checkpoint %s (step %d): held-out loss %.4f, perplexity %.4g over %d micro batches "
+                 "per rank", loaded.path, self.counters.step, loss, perplexity(loss), cfg.eval.batches)
 
     def _join_nodes(self) -> tuple[int, int]:
         """With DiLoCo: join the elastic world and claim a data slot. Without: the configured shard."""
