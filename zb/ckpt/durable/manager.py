@@ -195,9 +195,7 @@ class CheckpointManager:
             "no checkpoint is complete on ckpt.path yet"
         if job is None or self.disk_root is None:
             return safe
-        in_ram = self.ram_root is not None and job.release.is_set() and not job.final
-        if in_ram:
-            assert self.ram_root is not None  # in_ram says so
+        if self.ram_root is not None and job.release.is_set() and not job.final:   # its RAM copy is committed
             return (f"step {job.step} is complete in RAM at {self.ram_root / snapshot_name(job.step)} and its copy to "
                     f"ckpt.path is unfinished; the next start with the same ckpt.path and ckpt.ram_dir finishes it; "
                     f"{safe}")
