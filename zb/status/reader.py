@@ -221,9 +221,9 @@ def _run(world, nodes: list[dict], records: dict[str, dict | None]) -> dict[str,
     step = max((n["step"] or 0 for n in counted), default=None)
     total = lead.get("total_steps") if lead else None
     rate = lead.get("steps_per_s") if lead else None
-    running = bool(training) and step is not None and total and total > step   # a finished run has no ETA
-    # (running says step and total are known; the checks repeat it for the type checker)
-    eta = (total - step) / rate if running and step is not None and total is not None and rate and rate > 0 else None
+    eta = None
+    if training and step is not None and total and total > step and rate and rate > 0:   # a finished run has none
+        eta = (total - step) / rate
     tps = [n["tokens_per_s"] for n in training if isinstance(n["tokens_per_s"], (int, float))]
     return {"mesh_version": world.version if world else None, "world_size": len(world.nodes) if world else 0,
             "leader": leader, "step": step, "outer_step": max((n["outer_step"] or 0 for n in counted), default=None),
