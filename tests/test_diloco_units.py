@@ -162,7 +162,7 @@ def test_progress_is_published_after_the_store_client_was_dropped():
     written = {}
     node = DilocoNode.__new__(DilocoNode)
     node.store = None
-    node._connect = lambda: SimpleNamespace(set=lambda key, value: written.update({key: value}))
+    node.connect = lambda: SimpleNamespace(set=lambda key, value: written.update({key: value}))
     node.live = SimpleNamespace(publish=lambda outer, position: None)
     node.outer, node.local = None, SimpleNamespace(is_head=True)
     node._publish_live(RunPosition(step=20, outer_step=1), SimpleNamespace(global_rank=0))

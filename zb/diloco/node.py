@@ -1,6 +1,8 @@
 """One DiLoCo node across an elastic world: start, outer steps, joiners, guards, leave.
 
-Outer step, as data flows (DESIGN.md):
+The node orchestrates what every outer-step algorithm shares; the algorithm (zb.diloco.algorithm,
+chosen by diloco.overlap from zb.diloco.algorithms) owns how a pseudo-gradient becomes an update.
+Blocking outer step, as data flows (docs/architecture.md):
   1. resolve the world (elastic mesh): admit joiners, drop the dead, rebuild groups if needed;
   2. check in (zb.diloco.checkin): who contributes, who only applies, who needs the full state
      (a joiner, a node evicted while alive and admitted again, a node whose params lag or differ);
@@ -27,13 +29,14 @@ import torch
 from zb.collectives import PeerFailure
 from zb.config_schema import Config, DilocoConfig
 from zb.diloco import checkin, drift, rounds, slots
-from zb.diloco.outer import OuterState, local_shard
-from zb.diloco.overlap import EagerOverlap
+from zb.diloco.algorithm import CheckIn, OuterAlgorithm
+from zb.diloco.algorithms import ALGORITHMS
+from zb.diloco.outer import OuterState
 from zb.diloco.report import OuterReport
-from zb.diloco.streaming import StreamingOverlap
+from zb.diloco.roles import RoleKeeper
 from zb.diloco.streams import StreamGroups
 from zb.diloco.stripes import StripeLayout
-from zb.diloco.sync import SyncStats, sync_pseudo_gradient
+from zb.diloco.sync import SyncStats
 from zb.diloco.transfer import StateTransfer
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.tcpstore import connect, store_errors
@@ -55,10 +58,16 @@ class DilocoNode:
     elastic mesh; the training loop owns the model, the inner optimizer and the counters.
 
     `local_group` carries the control messages between the node's local ranks: a gloo group even
-    on GPUs (CPU tensors, and long waits raise instead of tripping NCCL's watchdog); None alone."""
+    on GPUs (CPU tensors, and long waits raise instead of tripping NCCL's watchdog); None alone.
+    The collaborators can be passed in (the in-process fake world of the tests does): `mesh` (default
+    an ElasticDeviceMesh over the run's store), `connect` (a store client; default zb.elastic.tcpstore).
+    `work_source`, for a user that counts its own work (DiLoCo-SWARM: micro-batches a stage worker
+    processed since the last outer step), makes the average weigh contributors by it, as
+    diloco.round_seconds weighs them by tokens."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local, sink,
-                 fingerprint: dict, local_group=None):
+                 fingerprint: dict, local_group=None, *, mesh=None, connect: Callable[[], Any] | None = None,
+                 work_source: Callable[[], rounds.RoundWork] | None = None):
         assert cfg.diloco is not None, "a DiLoCo node needs the [diloco] section"
         self.dcfg: DilocoConfig = cfg.diloco
         self.cfg, self.optimizer, self.local, self.sink = cfg, optimizer, local, sink
@@ -69,21 +78,20 @@ class DilocoNode:
         # The outer state's layout is the run's (diloco.stripes, zb.diloco.stripes): known at start.
         self.outer: OuterState | None = None
         self.layout: StripeLayout | None = None
-        self.mesh = ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
-                                      stripes=fingerprint["stripes"], sink=sink if local.is_head else None,
-                                      ring_backward=cfg.diloco.compression == "none")   # gloo's ring runs r -> r - 1
+        self.mesh = mesh or ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
+                                              stripes=fingerprint["stripes"], sink=sink if local.is_head else None,
+                                              ring_backward=cfg.diloco.compression == "none")  # gloo's ring: r -> r - 1
+        self._connect_store = connect
         self.streams = StreamGroups(cfg.diloco.streams, local.rank, cfg.elastic.pg_timeout)
-        self.overlap: EagerOverlap | StreamingOverlap | None = None
+        self.algorithm: OuterAlgorithm | None = None   # made when the outer state is laid out (start)
         self.rounds: rounds.RoundClock | None = None
-        # Set by a user that counts its own work (DiLoCo-SWARM: micro-batches a stage worker processed since the
-        # last outer step): the average then weighs contributors by it, as diloco.round_seconds weighs by tokens.
-        self.work_source: Callable[[], rounds.RoundWork] | None = None
+        self.work_source = work_source
         if cfg.diloco.round_seconds is not None:
             self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
                                             cfg.optim.batch_size * cfg.data.seq_length, local_group)
         self.store: Any = None  # a torch Store client (tcpstore.connect); None until start(), and after a failure
         self.slot = self.num_slots = 0
-        self.role = checkin.Role.CONTRIBUTOR
+        self.roles = RoleKeeper()
         self.recovered_position: RunPosition | None = None
         self.live: LiveSnapshots | None = None
         self._fresh_view = False
@@ -108,25 +116,33 @@ class DilocoNode:
         assert self.layout is not None, "DilocoNode.start() lays the outer state out"
         return self.layout
 
+    @property
+    def _algorithm(self) -> OuterAlgorithm:
+        assert self.algorithm is not None, "DilocoNode.start() makes the outer-step algorithm"
+        return self.algorithm
+
     # -- start -------------------------------------------------------------------------------
     def start(self) -> int:
         """Join the run; returns this node's data slot. Refuses (exit 2) a node whose settings differ."""
         self._use_stripes(self._agree(self._check_fingerprint if self.local.is_head else None)["stripes"])
-        self.store = self._connect()
+        self.store = self.connect()
         recovered = self._recover_live() if self.cfg.ckpt.live_recovery and not self.dcfg.blocking_join else False
         view = self.mesh.start()
         others_were_there = any(uid not in view.joined for uid in view.nodes)
         if view.is_joiner and others_were_there:
-            self.role = checkin.Role.RECOVERED if recovered else checkin.Role.NEEDS_STATE
+            self.roles.joined(recovered=recovered)
         self._fresh_view = True
         self.slot, self.num_slots = self._claim_slot(view)
         if self.cfg.ckpt.live_recovery and self._layout.owner:
             self._serve_live(view.uid)
         log.info("node %s: global rank %d of %d (mesh v%d), data slot %d%s", view.uid, view.global_rank,
-                 view.global_world_size, view.mesh_version, self.slot, _joining_note(self.role))
+                 view.global_world_size, view.mesh_version, self.slot, self.roles.joining_note())
         return self.slot
 
-    def _connect(self):
+    def connect(self) -> Any:
+        """A new client of the run's store."""
+        if self._connect_store is not None:
+            return self._connect_store()
         e = self.cfg.elastic
         return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
 
@@ -148,7 +164,7 @@ class DilocoNode:
         """The first node publishes the run's fingerprint; every later node must match it. A node that
         leaves diloco.stripes unset takes the run's."""
         self.mesh.host_store_if_asked()  # a node hosting the store (Prime style) checks against itself
-        published = self._connect().compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
+        published = self.connect().compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
         mine = dict(self.fingerprint)
         if self.dcfg.stripes is None:
             try:
@@ -178,13 +194,11 @@ class DilocoNode:
         if not self._layout.identity and self.local.is_head:
             log.info("this node has %d local ranks and the run %d stripes: rows move inside the node at every outer "
                      "step (local ranks %d..%d hold no outer state)", n, stripes, stripes, n - 1)
-        if self.dcfg.overlap != "none":
-            kind = EagerOverlap if self.dcfg.overlap == "eager" else StreamingOverlap
-            self.overlap = kind(self.outer, self.dcfg, self.local.rank, self.cfg.elastic.pg_timeout, self._connect)
-            if self.local.is_head:
-                log.info("diloco.overlap = %s: %.1f MB more CPU memory per local rank (buffers in flight%s)",
-                         self.dcfg.overlap, self.overlap.extra_bytes / 1e6,
-                         ", the eager term" if self.dcfg.overlap == "eager" else "")
+        self.algorithm = ALGORITHMS[self.dcfg.overlap](self, self.outer)
+        if self.algorithm.extra_bytes and self.local.is_head:
+            log.info("diloco.overlap = %s: %.1f MB more CPU memory per local rank (buffers in flight%s)",
+                     self.dcfg.overlap, self.algorithm.extra_bytes / 1e6,
+                     ", the eager term" if self.dcfg.overlap == "eager" else "")
 
     def _claim_slot(self, view) -> tuple[int, int]:
         def claim() -> dict:
@@ -198,7 +212,7 @@ class DilocoNode:
     @property
     def joining(self) -> bool:
         """This node joined a running run: it takes part in the current outer step right away."""
-        return self.role != checkin.Role.CONTRIBUTOR
+        return self.roles.joining
 
     def data_position(self) -> dict | None:
         """Where the previous holder of this node's slot stopped (None: start of the shard)."""
@@ -245,7 +259,7 @@ class DilocoNode:
         if view.global_rank == 0 and self.local.is_head:
             try:
                 # An earlier outer step may have dropped the client (the store restarted): reconnect.
-                self.store = self.store or self._connect()
+                self.store = self.store or self.connect()
                 publish_progress(self.store, after.outer_step, after.step)
             except store_errors() + (EnvironmentFailure,) as e:
                 log.warning("could not publish the run's progress (retried next outer step): %s",
@@ -256,51 +270,35 @@ class DilocoNode:
     def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
         """Run one outer step from `position` (this node's, before it). Returns its report and, for a
         node that took over the run's state, the run's position before the step."""
-        if isinstance(self.overlap, EagerOverlap):
-            return self._eager_outer_step(position, data_state)
-        if isinstance(self.overlap, StreamingOverlap):
-            return self._streaming_apply(position, data_state)
-        view, plan, stats, attempts, _ = self._check_in(position, checkin.Arrived.NONE, sync=self._sync)
-        was_recovered = self.role == checkin.Role.RECOVERED
-        if self.rounds is not None and plan is not None:
-            plan = self._adaptive_plan(plan)
-            position = replace(position, step=plan.run_step)  # a joiner receives the run's step, not the donor's
-        report = self._apply(view, plan, stats, attempts)
-        received = self._hand_over_state(view, plan, position) if plan is not None else None
-        if was_recovered and report.applied:
-            # A recovered joiner applied the run's update: it now stands where the run stands.
-            received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
-        report.stall_s = report.allreduce_s
-        if self.rounds is not None:
-            self._report_round(report, view, plan)
-        self._after_step(report, view, received or position, data_state)
-        if self.rounds is not None:   # the outer step ended together on every node: the next round starts now
-            furthest = max((plan.round_steps[r] for r in plan.contributors), default=0) if plan is not None else 0
-            self.rounds.start(plan.run_step if plan is not None else None, furthest)
-        return report, received
+        return self._algorithm.outer_step(position, data_state)
 
-    # -- speed-adaptive rounds (diloco.round_seconds) ------------------------------------------------
+    def sync_points(self, step: int) -> tuple[int | None, int | None]:
+        """(fragment to launch, fragment to apply) after inner step `step`; applying is the outer step."""
+        return self._algorithm.sync_points(step)
+
+    def launch_fragment(self, fragment: int) -> None:
+        """Streaming: start the fragment's all-reduce behind the next inner steps."""
+        self._algorithm.launch_fragment(fragment)
+
+    def close_run(self, position: RunPosition) -> OuterReport | None:
+        """The run's end under overlap (every node reaches it at the same step, optim.total_steps):
+        wait for the average in flight, apply it on every node alike, and leave the model at the
+        shared params, the consensus model with no node's eager term or merge residue. None when
+        nothing was in flight."""
+        return self._algorithm.close_run(position)
+
     def begin_rounds(self) -> None:
-        """The training loop starts: the first round's budget runs from here."""
+        """The training loop starts: the first round's budget (diloco.round_seconds) runs from here."""
         if self.rounds is not None:
             self.rounds.start()
 
-    def _adaptive_plan(self, plan: checkin.Plan) -> checkin.Plan:
-        """The run's step after an adaptive round is the furthest contributor's (see zb.diloco.rounds)."""
-        if not plan.contributors:
-            return plan
-        return replace(plan, run_step=rounds.run_step(plan.steps, plan.contributors))
+    @property
+    def weighted(self) -> bool:
+        """The average weighs contributors by their round's work (tokens or counted micro-batches)."""
+        return self.rounds is not None or self.work_source is not None
 
-    def _report_round(self, report: OuterReport, view, plan: checkin.Plan | None) -> None:
-        if plan is None:
-            return
-        report.run_step = plan.run_step
-        report.round_steps = {uid: plan.round_steps[r] for r, uid in enumerate(view.nodes) if r in plan.contributors}
-        report.round_tokens = sum(plan.round_tokens[r] for r in plan.contributors)
-        report.round_weight = round(rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank), 6)
-
-    def _after_step(self, report: OuterReport, view, position: RunPosition, data_state: dict | None) -> None:
-        """What follows every outer step, blocking or not; `position` is where this node stood before it."""
+    def after_step(self, report: OuterReport, view, position: RunPosition, data_state: dict | None) -> None:
+        """What follows every outer step, whatever the algorithm; `position` is where this node stood before it."""
         # The outer params stay as they are now until the next outer step: hash them while the inner
         # steps run, for that step's check-in (and, after the hand-over, a receiver's params_hash).
         self._digest = drift.BackgroundDigest(self._outer.flat) if self.dcfg.drift_guard else None
@@ -312,127 +310,7 @@ class DilocoNode:
         if self.local.is_head:
             self._reassert_claims(view)
 
-    def _checkin_digest(self) -> int:
-        return checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
-
-    # -- overlapped outer step (diloco.overlap = eager) --------------------------------------------
-    def _eager_outer_step(self, position: RunPosition, data_state: dict | None,
-                          closing: bool = False) -> tuple[OuterReport, RunPosition | None]:
-        """One round boundary under the eager rule (zb.diloco.overlap has the steps). The check-in also
-        says who holds the average launched at the last boundary: it is applied only when every
-        contributor does, so a transfer that failed anywhere is skipped everywhere, never half applied."""
-        ov = self.overlap
-        assert isinstance(ov, EagerOverlap)  # outer_step and close_run come here only under diloco.overlap = eager
-        arrival = ov.wait()
-        report, view, plan, attempts = self._agree_on_arrival(position, arrival)
-        if plan is None and closing:
-            log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
-                      "shared params without it", attempts)
-            ov.reset_own()
-            self._outer.push_to_model()
-            return report, None
-        if plan is None:
-            # Nobody could be reached: keep training; the next check-in finds where this node stands.
-            log.error("outer step skipped after %d failed check-ins; training goes on and the world is resolved "
-                      "again at the next outer step", attempts)
-            return report, None
-        me = view.global_rank
-        contributing = me in plan.contributors
-        finite = localsync.all_ok(self.local_group, ov.take_fresh(contributing and not closing))
-        was_recovered = self.role == checkin.Role.RECOVERED
-        report.applied = self._eager_apply(view, plan, arrival)
-        if contributing and not closing:
-            if not finite:
-                log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, "
-                            "its inner optimizer state is cleared, and every node skips the average it poisons")
-                self.optimizer.state.clear()
-            ov.own_step(len(plan.contributors), finite)
-        received = self._hand_over_state(view, plan, position)
-        if received is not None or me in plan.receivers or closing:
-            ov.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
-        if was_recovered and me in plan.appliers:
-            received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
-            self.role = checkin.Role.CONTRIBUTOR
-        if closing:
-            return self._close_on_shared(report), received
-        ov.launch(view, self.mesh.global_pg, max(1, len(plan.contributors)))
-        ov.push_start()
-        self._after_step(report, view, received or position, data_state)
-        return report, received
-
-    # -- streaming (diloco.overlap = streaming) ------------------------------------------------------
-    def sync_points(self, step: int) -> tuple[int | None, int | None]:
-        """(fragment to launch, fragment to apply) after inner step `step`: the outer step is the
-        apply; without streaming there is one whole-model outer step every H steps, or with
-        diloco.round_seconds when this node's round budget is spent."""
-        if isinstance(self.overlap, StreamingOverlap):
-            return self.overlap.sync_points(step)
-        if self.rounds is not None:
-            return None, (0 if self.rounds.over(step) else None)
-        return None, (0 if step % self.dcfg.inner_steps == 0 else None)
-
-    def launch_fragment(self, fragment: int) -> None:
-        """Start the fragment's all-reduce over the current world. No check-in: roles change only at
-        an outer step (joiners are admitted there), so every node of the world sends; a node whose
-        world is stale (it was frozen) fails its transfer and is sorted out at the outer step."""
-        assert isinstance(self.overlap, StreamingOverlap)  # sync_points names a fragment to launch only then
-        self.overlap.launch(fragment, self.mesh.view, self.mesh.global_pg, self.role == checkin.Role.CONTRIBUTOR)
-        log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.overlap.numel(fragment))
-
-    def _streaming_apply(self, position: RunPosition, data_state: dict | None,
-                         closing: bool = False) -> tuple[OuterReport, RunPosition | None]:
-        """A fragment's outer step: the average launched tau steps ago, applied on every node or on
-        none, then the merge; joiners are admitted and handed the state here (nothing is in flight)."""
-        ov = self.overlap
-        assert isinstance(ov, StreamingOverlap)  # outer_step and close_run come here only under streaming
-        arrival = ov.wait()
-        report, view, plan, attempts = self._agree_on_arrival(position, arrival)
-        if plan is None:
-            log.error("outer step skipped after %d failed check-ins; training goes on", attempts)
-            if closing:
-                self._outer.push_to_model()
-            return report, None
-        me = view.global_rank
-        was_recovered = self.role == checkin.Role.RECOVERED
-        finite = localsync.all_ok(self.local_group, not (arrival is not None and ov.non_finite))
-        report.applied = self._eager_apply(view, plan, arrival)  # a recovered joiner takes the average here
-        report.fragment = ov.fragment
-        if not finite:
-            log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, "
-                        "its inner optimizer state is cleared, and every node skips the average it poisons")
-            self.optimizer.state.clear()
-            self._outer.push_to_model()
-        elif report.applied and me in plan.contributors and not closing:
-            ov.merge(self.dcfg.fragment_alpha)
-        received = self._hand_over_state(view, plan, position)
-        if was_recovered and me in plan.appliers:
-            self._outer.push_to_model()  # a recovered joiner holds no progress of its own yet
-            received = RunPosition(plan.run_step, plan.run_outer_step, 0, position.run_tokens)
-            self.role = checkin.Role.CONTRIBUTOR
-        if closing:
-            return self._close_on_shared(report), received
-        self._after_step(report, view, received or position, data_state)
-        return report, received
-
-    def _agree_on_arrival(self, position: RunPosition, arrival):
-        """Tell the check-in what this node holds of the average in flight; the report so far."""
-        if arrival is not None and not arrival.ok:
-            self.mesh.report_failure(arrival.error.rank)
-        arrived = checkin.Arrived.NONE if arrival is None else checkin.Arrived.OK if arrival.ok else checkin.Arrived.FAILED
-        if arrival is not None and not localsync.all_ok(self.local_group, arrival.ok):
-            arrived = checkin.Arrived.FAILED  # one local rank's transfer failed: the node holds no whole average
-        view, plan, attempts = self._eager_check_in(position, arrived)
-        report = OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
-                             num_peers=len(plan.contributors) if plan else 0, attempts=attempts)
-        if arrival is None:
-            report.note = " | no average in flight yet"
-        else:
-            report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
-                                                                       round(arrival.mbps, 2))
-            report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
-        return report, view, plan, attempts
-
-    def _close_on_shared(self, report: OuterReport) -> OuterReport:
+    def close_on_shared(self, report: OuterReport) -> OuterReport:
         """The run ends on the shared params: the consensus model, the same on every node."""
         self._outer.push_to_model()
         self._digest = None  # the shared params may just have changed: hash them anew
@@ -440,12 +318,11 @@ class DilocoNode:
             report.params_hash = self.params_hash()
         return report
 
-    def _check_in(self, position: RunPosition, arrived: int, sync=None):
-        """Resolve the world and check in (blocking: and sync the pseudo-gradient), retried without the
-        failed peers. Returns (view, plan, stats, attempts, ok); after the last failed attempt the
-        plan is that attempt's (None if its check-in failed) and stats is None."""
-        digest = self._checkin_digest()
-        # diloco.round_seconds: this node's steps and tokens of the round (the weights of the average)
+    def check_in(self, position: RunPosition, arrived: int, sync=None) -> CheckIn:
+        """Resolve the world and check in (blocking: and sync the pseudo-gradient with `sync`), retried
+        without the failed peers."""
+        digest = checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
+        # This node's steps and tokens of the round (the weights of the average, when weighted).
         work = self.rounds.work() if self.rounds is not None else \
             self.work_source() if self.work_source is not None else rounds.RoundWork(0, 0)
         view = plan = stats = None
@@ -462,8 +339,8 @@ class DilocoNode:
             try:
                 plan = stats = None
                 if self._layout.owner:
-                    plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size, self.role,
-                                            outer_step=position.outer_step, step=position.step,
+                    plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size,
+                                            self.roles.role, outer_step=position.outer_step, step=position.step,
                                             deadline_s=_deadline(self.cfg), digest=digest, arrived=arrived,
                                             round_steps=work.steps, round_tokens=work.tokens)
                     self._note_lagging(view, plan, position.outer_step)
@@ -480,9 +357,9 @@ class DilocoNode:
             if not self._layout.identity:
                 plan = self._plan_of_head(plan)
             if localsync.all_ok(self.local_group, ok):
-                return view, plan, stats, attempts, True
+                return CheckIn(view, plan, stats, attempts, True)
             stats = None
-        return view, plan, None, attempts, False
+        return CheckIn(view, plan, None, attempts, False)
 
     def _plan_of_head(self, plan: checkin.Plan | None) -> checkin.Plan | None:
         """Local rank 0's plan on every local rank (on a node with more local ranks than stripes, not every
@@ -491,129 +368,7 @@ class DilocoNode:
                                         {"plan": dataclasses.asdict(plan) if plan is not None else None})
         return checkin.Plan(**data["plan"]) if data["plan"] is not None else None
 
-    def _eager_check_in(self, position: RunPosition, arrived: int):
-        """The overlapped paths' check-in: (view, plan or None when every attempt failed, attempts)."""
-        view, plan, _, attempts, ok = self._check_in(position, arrived)
-        return view, plan if ok else None, attempts
-
-    def _eager_apply(self, view, plan: checkin.Plan, arrival) -> bool:
-        """The shared step with the average launched last boundary, on every applier or on none. A
-        recovered joiner (its snapshot predates that average) gets the average from the donor."""
-        me = view.global_rank
-        if not plan.average_ok or me not in plan.appliers:
-            if plan.contributors and not plan.average_ok and me in plan.appliers and arrival is not None:
-                log.warning("the average launched at the last outer step did not reach every node: every node "
-                            "skips it")
-            return False
-        late = [r for r in plan.appliers if r not in plan.contributors]
-        donor = plan.contributors[0]
-        average = arrival.buffer if me in plan.contributors else None
-        if late:
-            average = self._share_average(view, donor, late, average)
-            if average is None:
-                return False
-        assert average is not None  # an applier that did not contribute is one of `late`: it received the average
-        finite = localsync.all_ok(self.local_group, bool(torch.isfinite(average).all()))
-        if not finite:
-            # The same bits on every node: every node decides alike (the offender reset at launch).
-            log.warning("non-finite average pseudo-gradient: skipped on every node")
-            return False
-        assert self.overlap is not None  # only the overlapped outer steps come here
-        self.overlap.apply_average(average)
-        return True
-
-    def _share_average(self, view, donor: int, late: list[int], average):
-        """Donor -> recovered joiners: the average they did not take part in."""
-        assert self.overlap is not None  # only the overlapped outer steps come here
-        transfer = StateTransfer(self.mesh.global_pg, self._outer, self.optimizer, self.dcfg.min_bandwidth_mbps)
-        if view.global_rank == donor:
-            part = self.overlap.part_in_flight()
-            self._send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
-            return average
-        if view.global_rank not in late:
-            return average
-        try:
-            buffer, part = transfer.receive_tensor(donor, self.overlap.average_numel)
-        except PeerFailure as e:
-            raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive ({e}); "
-                                     "restart this node to join again") from None
-        self.overlap.adopt_part(part)  # streaming: a joiner launched nothing, the donor says which fragment
-        log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
-        return buffer
-
-    def close_run(self, position: RunPosition) -> OuterReport | None:
-        """The run's end under overlap (every node reaches it at the same step, optim.total_steps):
-        wait for the average in flight, apply it on every node alike, and leave the model at the
-        shared params, the consensus model with no node's eager term or merge residue. None when
-        nothing was in flight."""
-        if self.overlap is None:
-            return None
-        if self.overlap.job is None:
-            self._outer.push_to_model()
-            return None
-        if isinstance(self.overlap, StreamingOverlap):
-            return self._streaming_apply(position, None, closing=True)[0]
-        return self._eager_outer_step(position, None, closing=True)[0]
-
-    def _sync(self, view, plan: checkin.Plan) -> SyncStats:
-        streams = self.streams.for_view(view, self.store)
-        contributing = view.global_rank in plan.contributors
-        weight = None
-        if self.rounds is not None or self.work_source is not None:   # weighted: weights sum to 1, the SUM is the update
-            weight = rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank)
-        return sync_pseudo_gradient(self._outer, self.mesh.global_pg, self.dcfg, streams, zeros=not contributing,
-                                    scale=len(plan.contributors), weight=weight)
-
-    def _apply(self, view, plan: checkin.Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
-        applied = False
-        weighted = self.rounds is not None or self.work_source is not None
-        assert stats is None or plan is not None  # _check_in returns stats only with the plan it synced under
-        if stats is not None and plan is not None and weighted and \
-                not any(plan.round_tokens[r] for r in plan.contributors):
-            # Nobody trained in this round (only joiners, say): there is no update, not even momentum's.
-            if view.global_rank in plan.appliers:
-                self.role = checkin.Role.CONTRIBUTOR
-            return OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
-                               num_peers=len(plan.contributors), allreduce_s=round(stats.seconds, 4),
-                               wire_bytes=stats.wire_bytes, wire_mbps=round(stats.mbps, 2), attempts=attempts,
-                               note=" | no node trained in this round: nothing to apply")
-        h2d_s = 0.0
-        if stats is not None and plan is not None and view.global_rank in plan.appliers:
-            grad = self._outer.flat.grad
-            assert grad is not None  # the pseudo-gradient buffer: set by OuterState, never cleared
-            finite = bool(torch.isfinite(grad).all())
-            if localsync.all_ok(self.local_group, finite):
-                self._outer.step()
-                t0 = time.perf_counter()
-                self._outer.push_to_model()
-                h2d_s = time.perf_counter() - t0
-                applied = True
-                self.role = checkin.Role.CONTRIBUTOR
-            else:
-                self._skip_non_finite()
-        elif stats is None:
-            # Inner params stay as they are: the next outer step's pseudo-gradient covers these steps too.
-            log.error("outer step skipped after %d failed attempts; training goes on and the world is resolved "
-                      "again at the next outer step", attempts)
-        stats = stats or SyncStats()
-        return OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
-                           num_peers=len(plan.contributors) if plan else 0, allreduce_s=round(stats.seconds, 4),
-                           wire_bytes=stats.wire_bytes, wire_mbps=round(stats.mbps, 2), applied=applied,
-                           attempts=attempts, d2h_s=round(stats.d2h_s, 4), reduce_s=round(stats.reduce_s, 4),
-                           h2d_s=round(h2d_s, 4))
-
-    def _skip_non_finite(self) -> None:
-        """Some node sent NaN/Inf: every node skips the step; a node whose own params are non-finite
-        (the offender) resets them to the outer params, and its inner optimizer state with them."""
-        mine = all(bool(torch.isfinite(local_shard(p.detach())).all()) for p in self._outer.params)
-        mine = localsync.all_ok(self.local_group, mine)
-        log.warning("non-finite pseudo-gradient in this outer step: skipped on every node%s",
-                    "" if mine else "; this node's params were non-finite: reset to the outer params")
-        if not mine:
-            self._outer.push_to_model()
-            self.optimizer.state.clear()
-
-    def _hand_over_state(self, view, plan: checkin.Plan, position: RunPosition) -> RunPosition | None:
+    def hand_over_state(self, view, plan: checkin.Plan, position: RunPosition) -> RunPosition | None:
         """Donor -> receivers, after the outer step; returns the position a receiver got."""
         if not plan.receivers:
             return None
@@ -622,7 +377,7 @@ class DilocoNode:
         if view.global_rank == plan.donor:
             transfer.stage(read=True)
             if self._layout.owner:
-                self._send_each(plan.receivers, lambda r: transfer.send(r, position), "state")
+                self.send_each(plan.receivers, lambda r: transfer.send(r, position), "state")
             return None
         if view.global_rank not in plan.receivers:
             return None
@@ -644,11 +399,11 @@ class DilocoNode:
             data = localsync.broadcast_json(self.local_group, self.local.rank,
                                             {"position": received.to_json() if received is not None else None})
             received = RunPosition.from_json(data["position"])
-        self.role = checkin.Role.CONTRIBUTOR
+        self.roles.caught_up()
         log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
         return received
 
-    def _send_each(self, ranks: list[int], send, what: str) -> None:
+    def send_each(self, ranks: list[int], send, what: str) -> None:
         """The donor's side of a hand-over: a joiner that fails to receive is reported, the rest go on."""
         for r in ranks:
             try:
@@ -661,15 +416,13 @@ class DilocoNode:
         """Resolve the world; a node the run evicted while it was alive (frozen, partitioned) and that
         was admitted again holds stale params: it must receive the run's state before it contributes."""
         view = self.mesh.resolve()
-        if view.is_joiner and self.role == checkin.Role.CONTRIBUTOR:
-            log.warning("this node was dropped from the run while it was away and is admitted again: it receives "
-                        "the run's state at this outer step instead of contributing its stale params")
-            self.role = checkin.Role.NEEDS_STATE
+        if view.is_joiner:
+            self.roles.readmitted()
         return view
 
     def _note_lagging(self, view, plan: checkin.Plan, outer_step: int) -> None:
         """Say why a node that thinks it trained with the run is told to receive the state instead."""
-        if self.role == checkin.Role.CONTRIBUTOR and view.global_rank in plan.receivers:
+        if self.roles.contributing and view.global_rank in plan.receivers:
             log.warning("this node's outer params are not the run's (it is at outer step %d, the run at %d, or its "
                         "params differ from the majority's): it receives the run's state instead of contributing",
                         outer_step, plan.run_outer_step)
@@ -678,7 +431,7 @@ class DilocoNode:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
         later joiner is still checked and never takes a live node's shard. A no-op otherwise."""
         try:
-            self.store = self.store or self._connect()
+            self.store = self.store or self.connect()
             self.store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
             self.store.compare_set(slots.slot_key(self.slot), "", view.uid)
         except store_errors() + (EnvironmentFailure,) as e:
@@ -689,7 +442,7 @@ class DilocoNode:
         if data_state is None:
             return
         try:
-            self.store = self.store or self._connect()
+            self.store = self.store or self.connect()
             slots.save_position(self.store, self.slot, self.local.rank, data_state, self.local.world_size)
         except store_errors() + (EnvironmentFailure,) as e:
             log.warning("could not record the data position in the store (retried next outer step): %s",
@@ -698,19 +451,13 @@ class DilocoNode:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The outer state in this node's checkpoint: the shared part, plus its eager term under overlap."""
-        out = dict(self._outer.state_tensors())
-        if self.overlap is not None:
-            out.update(self.overlap.state_tensors())
-        return out
+        """The outer state in this node's checkpoint: the shared part, plus what the algorithm keeps of its
+        own (the eager term)."""
+        return {**self._outer.state_tensors(), **self._algorithm.state_tensors()}
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._outer.load_state_tensors(tensors)
-        if self.overlap is not None:
-            self.overlap.load_state_tensors(tensors)
-        elif any(k.startswith("own/") for k in tensors):
-            log.warning("the checkpoint holds this node's eager term (diloco.overlap = eager); with overlap = none "
-                        "it is dropped: the node resumes from its model params and the shared outer params")
+        self._algorithm.load_state_tensors(tensors)
 
     # -- misc ---------------------------------------------------------------------------------
     def _node_digest(self) -> bytes:
@@ -725,8 +472,8 @@ class DilocoNode:
         return self._node_digest().hex()[:16]
 
     def shutdown(self, graceful: bool = True) -> None:
-        if self.overlap is not None:
-            self.overlap.close(grace_s=5.0 if graceful else 0.0)
+        if self.algorithm is not None:
+            self.algorithm.close(grace_s=5.0 if graceful else 0.0)
         if self.live is not None:
             try:
                 self.live.close(self.store)
@@ -738,10 +485,3 @@ class DilocoNode:
 def _deadline(cfg: Config) -> float:
     return max(5.0, cfg.elastic.sync_deadline)
 
-
-def _joining_note(role: int) -> str:
-    if role == checkin.Role.NEEDS_STATE:
-        return ", joining a running run: the state comes from a live node at the next outer step"
-    if role == checkin.Role.RECOVERED:
-        return ", joining a running run with its recovered outer state (non-blocking join)"
-    return ""

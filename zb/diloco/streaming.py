@@ -8,7 +8,7 @@ sync is one fragment (about 1/P of the model). For fragment p:
 
   1. at its sync step minus tau (`launch`): its pseudo-gradient, shared params minus the model's,
      goes into an all-reduce in a background thread; training goes on for tau steps;
-  2. at its sync step (zb.diloco.node, `apply`): the average arrives (the stall, if it is late), the
+  2. at its sync step (`StreamingAlgorithm.outer_step`, zb.diloco.arrival): the average arrives (the stall, if it is late), the
      check-in agrees that every contributor holds it (else every node skips it), the shared outer
      params and momentum of the fragment step with it, and the node's fragment merges:
          model_p <- alpha * model_p + (1 - alpha) * shared_p
@@ -30,10 +30,15 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
+from zb.diloco.algorithm import Boundary, OuterAlgorithm, log_skipped, run_position, warn_non_finite_own
+from zb.diloco.arrival import agree_on_arrival, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD
 from zb.diloco.outer import OuterState, local_shard
+from zb.diloco.report import OuterReport
 from zb.diloco.streams import StreamGroups
+from zb.elastic import localsync
+from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")
 
@@ -53,6 +58,78 @@ def fragment_of_params(names: list[str], numels: list[int], fragments: int) -> l
         out[i] = min(range(fragments), key=lambda f: (load[f], f))
         load[out[i]] += numels[i]
     return out
+
+
+class StreamingAlgorithm(OuterAlgorithm):
+    """A fragment's outer step: the average launched tau steps ago, applied on every node or on none,
+    then the merge; joiners are admitted and handed the state here (nothing is in flight). Nothing of
+    the node's own is checkpointed beside the shared outer state: periodic checkpoints fall where
+    nothing is in flight, and one taken on a signal mid-flight loses that fragment's average (every
+    node resumes with nothing in flight and skips it alike)."""
+
+    name = "streaming"
+
+    def __init__(self, node: Boundary, outer: OuterState):
+        super().__init__(node, outer)
+        self.state = StreamingOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect)
+        self.extra_bytes = self.state.extra_bytes
+
+    def sync_points(self, step: int) -> tuple[int | None, int | None]:
+        return self.state.sync_points(step)
+
+    def launch_fragment(self, fragment: int) -> None:
+        """Start the fragment's all-reduce over the current world. No check-in: roles change only at
+        an outer step (joiners are admitted there), so every node of the world sends; a node whose
+        world is stale (it was frozen) fails its transfer and is sorted out at the outer step."""
+        node = self.node
+        self.state.launch(fragment, node.mesh.view, node.mesh.global_pg, node.roles.contributing)
+        log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.state.numel(fragment))
+
+    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
+        return self._boundary(position, data_state, closing=False)
+
+    def close_run(self, position: RunPosition) -> OuterReport | None:
+        """Wait for the fragment in flight, apply it on every node alike, and leave the model at the
+        shared params (no merge residue)."""
+        if self.state.job is None:
+            self.outer.push_to_model()
+            return None
+        return self._boundary(position, None, closing=True)[0]
+
+    def _boundary(self, position: RunPosition, data_state: dict | None,
+                  closing: bool) -> tuple[OuterReport, RunPosition | None]:
+        node, ov = self.node, self.state
+        arrival = ov.wait()
+        report, done = agree_on_arrival(node, position, arrival)
+        view, plan = done.view, done.plan
+        if plan is None:
+            log_skipped(done.attempts)
+            if closing:
+                self.outer.push_to_model()
+            return report, None
+        me = view.global_rank
+        was_recovered = node.roles.recovered
+        finite = localsync.all_ok(node.local_group, not (arrival is not None and ov.non_finite))
+        report.applied = apply_arrived(node, self.outer, ov, view, plan, arrival)  # a recovered joiner takes it here
+        report.fragment = ov.fragment
+        if not finite:
+            warn_non_finite_own()
+            node.optimizer.state.clear()
+            self.outer.push_to_model()
+        elif report.applied and me in plan.contributors and not closing:
+            ov.merge(node.dcfg.fragment_alpha)
+        received = node.hand_over_state(view, plan, position)
+        if was_recovered and me in plan.appliers:
+            self.outer.push_to_model()  # a recovered joiner holds no progress of its own yet
+            received = run_position(plan, position)
+            node.roles.caught_up()
+        if closing:
+            return node.close_on_shared(report), received
+        node.after_step(report, view, received or position, data_state)
+        return report, received
+
+    def close(self, grace_s: float) -> None:
+        self.state.close(grace_s)
 
 
 class StreamingOverlap:
@@ -186,14 +263,6 @@ class StreamingOverlap:
         for a, b in self.ranges[fragment]:
             out[offset:offset + b - a].copy_(flat[a:b])
             offset += b - a
-
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Nothing beyond the shared outer state: periodic checkpoints fall where nothing is in flight,
-        and a checkpoint taken on a signal mid-flight loses that fragment's average (skipped alike)."""
-        return {}
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        return None
 
     def close(self, grace_s: float) -> None:
         if self.job is not None:

@@ -105,11 +105,11 @@ class StageWorker:
 
         self.fingerprint = dict(fingerprint(self.cfg, 1, vocab_size), swarm_stage=self.index,
                                 stage_params=stage_signature(self.stage))
-        self._diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink,
-                                  self.fingerprint)
         # The stage's average weighs each worker by the micro-batches it processed since the last outer step: a
         # worker that routing gave little work (a slow one) moved its replica less far on less data.
-        self.diloco.work_source = lambda: RoundWork(self.round_steps, self.round_micro_batches)
+        self._diloco = DilocoNode(self.stage_cfg, self.stage, self.optimizer, local_world(), self.sink,
+                                  self.fingerprint,
+                                  work_source=lambda: RoundWork(self.round_steps, self.round_micro_batches))
         slot = self.diloco.start()
         if self.diloco.joining:
             self.outer_step(None)

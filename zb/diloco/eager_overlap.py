@@ -1,6 +1,7 @@
 """diloco.overlap = eager: the outer step's all-reduce runs behind the next round's inner steps.
 
-At each round boundary (zb.diloco.node runs the check-in and the hand-overs around these steps):
+At each round boundary (`EagerAlgorithm`; the node runs the check-in and the hand-overs around these
+steps, zb.diloco.arrival agrees on what arrived):
   1. `wait`: the average launched at the previous boundary arrives (the wait is the stall);
   2. `take_fresh`: this node's pseudo-gradient of the round ending now, from the params it started
      the round with (shared + own offset), into a buffer of its own;
@@ -27,12 +28,88 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
+from zb.diloco.algorithm import Boundary, OuterAlgorithm, log_skipped, run_position, warn_non_finite_own
+from zb.diloco.arrival import agree_on_arrival, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
 from zb.diloco.outer import OuterState
+from zb.diloco.report import OuterReport
 from zb.diloco.streams import StreamGroups
+from zb.elastic import localsync
+from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")
+
+
+class EagerAlgorithm(OuterAlgorithm):
+    """The eager rule at each round boundary; the check-in also says who holds the average launched at
+    the last boundary: it is applied only when every contributor does."""
+
+    name = "eager"
+
+    def __init__(self, node: Boundary, outer: OuterState):
+        super().__init__(node, outer)
+        self.state = EagerOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect)
+        self.extra_bytes = self.state.extra_bytes
+
+    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
+        return self._boundary(position, data_state, closing=False)
+
+    def close_run(self, position: RunPosition) -> OuterReport | None:
+        """Wait for the last average, apply it on every node alike, and leave the model at the shared
+        params: the consensus model, with no node's eager term."""
+        if self.state.job is None:
+            self.outer.push_to_model()
+            return None
+        return self._boundary(position, None, closing=True)[0]
+
+    def _boundary(self, position: RunPosition, data_state: dict | None,
+                  closing: bool) -> tuple[OuterReport, RunPosition | None]:
+        node, ov = self.node, self.state
+        arrival = ov.wait()
+        report, done = agree_on_arrival(node, position, arrival)
+        view, plan = done.view, done.plan
+        if plan is None:
+            if not closing:
+                log_skipped(done.attempts)   # nobody could be reached: the next check-in finds where this node stands
+                return report, None
+            log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
+                      "shared params without it", done.attempts)
+            ov.reset_own()
+            self.outer.push_to_model()
+            return report, None
+        me = view.global_rank
+        contributing = me in plan.contributors
+        finite = localsync.all_ok(node.local_group, ov.take_fresh(contributing and not closing))
+        was_recovered = node.roles.recovered
+        report.applied = apply_arrived(node, self.outer, ov, view, plan, arrival)
+        if contributing and not closing:
+            if not finite:
+                warn_non_finite_own()   # push_start below restarts the params from the outer ones
+                node.optimizer.state.clear()
+            ov.own_step(len(plan.contributors), finite)
+        received = node.hand_over_state(view, plan, position)
+        if received is not None or me in plan.receivers or closing:
+            ov.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
+        if was_recovered and me in plan.appliers:
+            received = run_position(plan, position)
+            node.roles.caught_up()
+        if closing:
+            return node.close_on_shared(report), received
+        ov.launch(view, node.mesh.global_pg, max(1, len(plan.contributors)))
+        ov.push_start()
+        node.after_step(report, view, received or position, data_state)
+        return report, received
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.state.state_tensors()
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.state.load_state_tensors(tensors)
+
+    def close(self, grace_s: float) -> None:
+        self.state.close(grace_s)
+
 
 class EagerOverlap:
     """This rank's eager state: its own term, the two CPU buffers (one in flight, one free) and the

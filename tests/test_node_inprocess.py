@@ -1,0 +1,229 @@
+"""The DiLoCo node's decision paths in one process (tests/fake_world.py): each test is milliseconds to
+seconds, and each fails when its rule breaks. The outer-step math is checked against single-process
+references written here from the papers' rules, not from zb's code."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fake_world import TinyModel, start_world, together
+
+from zb.diloco.checkin import Role
+
+
+def deltas(n_nodes: int, rounds: int, numel: int, seed: int = 1) -> list[list[torch.Tensor]]:
+    """What each node's inner steps move its params by, per round (params -= delta)."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(numel, generator=g) * 0.01 for _ in range(n_nodes)] for _ in range(rounds)]
+
+
+def outer_sgd(params: torch.Tensor) -> torch.optim.SGD:
+    """zb's default outer optimizer (diloco.outer_lr 0.7, momentum 0.9, Nesterov) on `params`."""
+    return torch.optim.SGD([params], lr=0.7, momentum=0.9, nesterov=True)
+
+
+def blocking_reference(start: torch.Tensor, moves: list[list[torch.Tensor]]) -> torch.Tensor:
+    """DiLoCo (Douillard et al.): every round, every node trains from the outer params; the outer
+    optimizer steps with the average of (outer params - node params)."""
+    theta = torch.nn.Parameter(start.clone())
+    opt = outer_sgd(theta)
+    for round_moves in moves:
+        theta.grad = torch.stack(round_moves).mean(0)   # outer - (outer - delta) = delta
+        opt.step()
+    return theta.detach()
+
+
+def eager_reference(start: torch.Tensor, moves: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The eager rule (zb.diloco.eager, equation 1), each node with its own whole outer optimizer:
+    node m applies D~_m(r) = Dbar(r-1) + D_m(r)/M - D_m(r-1)/M to its own outer params. Returns each
+    node's params after the last round, before the run's closing average."""
+    m = len(moves[0])
+    thetas = [torch.nn.Parameter(start.clone()) for _ in range(m)]
+    opts = [outer_sgd(t) for t in thetas]
+    previous = [torch.zeros_like(start) for _ in range(m)]
+    for round_moves in moves:
+        average = torch.stack(previous).mean(0)
+        for i in range(m):
+            thetas[i].grad = average + round_moves[i] / m - previous[i] / m
+            opts[i].step()
+        previous = list(round_moves)
+    return [t.detach() for t in thetas]
+
+
+def run_rounds(nodes, moves) -> None:
+    """Each round: every node trains its move (from where its params stand), then the outer step."""
+    for round_moves in moves:
+        for node, move in zip(nodes, round_moves):
+            node.train(move)
+        together(nodes, lambda n: n.outer_step())
+
+
+def test_blocking_outer_steps_equal_the_single_process_math():
+    world, nodes = start_world(["a", "b", "c"])
+    start = TinyModel().flat()
+    moves = deltas(3, 3, start.numel())
+    run_rounds(nodes, moves)
+    expected = blocking_reference(start, moves)
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), expected, atol=1e-6)
+        assert node.reports[-1].applied and node.reports[-1].num_peers == 3
+    assert len({n.reports[-1].params_hash for n in nodes}) == 1
+
+
+def test_eager_outer_steps_equal_the_single_process_eager_rule():
+    """Each node's params after every round are its own outer params under the eager rule (the
+    shared + own split is exact up to rounding)."""
+    world, nodes = start_world(["a", "b", "c"], **{"diloco.overlap": "eager"})
+    start = TinyModel().flat()
+    moves = deltas(3, 3, start.numel())
+    run_rounds(nodes, moves)
+    expected = eager_reference(start, moves)
+    for node, theta in zip(nodes, expected):
+        assert torch.allclose(node.model.flat(), theta, atol=1e-5)
+    # The shared part moved with the averages only: the same on every node.
+    assert len({n.reports[-1].params_hash for n in nodes}) == 1
+
+
+def test_eager_close_ends_every_node_on_the_consensus_model():
+    world, nodes = start_world(["a", "b"], **{"diloco.overlap": "eager"})
+    start = TinyModel().flat()
+    moves = deltas(2, 2, start.numel())
+    run_rounds(nodes, moves)
+    together(nodes, lambda n: n.diloco.close_run(n.position))
+    # The consensus model: the shared params stepped with every round's average, in order.
+    expected = blocking_reference(start, moves)
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), expected, atol=1e-5)
+
+
+def test_streaming_fragments_step_the_shared_params_with_their_averages():
+    """Streaming with tau = 0 and alpha = 0: each fragment's sync replaces it with the shared params
+    stepped by the fragment's average, so after a whole round every node holds the shared params."""
+    flags = {"diloco.overlap": "streaming", "diloco.fragments": "2", "diloco.fragment_delay": "0",
+             "diloco.fragment_alpha": "0"}
+    world, nodes = start_world(["a", "b"], **flags)
+    start = TinyModel().flat()
+    moves = deltas(2, 1, start.numel())[0]
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    for step in (2, 4):   # H = 4, two fragments: fragment 0 syncs at step 2, fragment 1 at step 4
+        def sync(n, step=step):
+            launch, apply = n.diloco.sync_points(step)
+            assert launch == apply is not None   # tau = 0: launched and applied at the same step
+            n.diloco.launch_fragment(launch)
+            return n.outer_step()
+        reports = together(nodes, sync)
+        assert all(r.applied for r in reports) and {r.fragment for r in reports} == {step // 2 - 1}
+    # Every fragment took one outer step with the average of its part of the moves: the blocking math.
+    expected = blocking_reference(start, [moves])
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), expected, atol=1e-6)
+
+
+def test_a_non_finite_pseudo_gradient_is_skipped_everywhere_and_its_node_reset():
+    world, nodes = start_world(["a", "b", "c"])
+    start = TinyModel().flat()
+    moves = deltas(3, 1, start.numel())[0]
+    moves[1] = moves[1].clone()
+    moves[1][0] = math.nan
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    reports = together(nodes, lambda n: n.outer_step())
+    assert not any(r.applied for r in reports)
+    assert torch.equal(nodes[1].model.flat(), start)          # the offender restarts from the outer params
+    assert torch.allclose(nodes[0].model.flat(), start - moves[0])   # the others keep their inner progress
+    assert len({r.params_hash for r in reports}) == 1         # nobody's outer params moved
+
+
+def test_a_lagging_node_receives_the_run_state_instead_of_contributing():
+    """A node whose outer step is behind the run's (it was frozen) sends zeros and gets the state."""
+    world, nodes = start_world(["a", "b", "c"])
+    start = TinyModel().flat()
+    moves = deltas(3, 1, start.numel())[0]
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    nodes[0].position = nodes[1].position = type(nodes[0].position)(step=8, outer_step=1)
+    reports = together(nodes, lambda n: n.outer_step())
+    assert reports[0].num_peers == 2 and not reports[2].applied
+    expected = blocking_reference(start, [moves[:2]])
+    assert torch.allclose(nodes[2].model.flat(), expected, atol=1e-6)
+    assert nodes[2].position.outer_step == nodes[0].position.outer_step == 2   # it took the run's position
+    assert nodes[2].diloco.roles.contributing
+
+
+def test_a_node_readmitted_after_an_eviction_receives_the_state():
+    world, nodes = start_world(["a", "b"])
+    start = TinyModel().flat()
+    moves = deltas(2, 1, start.numel())[0]
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    nodes[1].diloco._fresh_view = nodes[0].diloco._fresh_view = False
+    world.set_world(["a", "b"], joined=("b",))   # b was dropped while frozen, and admitted again
+    reports = together(nodes, lambda n: n.outer_step())
+    assert reports[0].num_peers == 1 and reports[0].applied and not reports[1].applied
+    expected = blocking_reference(start, [moves[:1]])
+    assert torch.allclose(nodes[1].model.flat(), expected, atol=1e-6)
+    assert nodes[1].diloco.roles.contributing
+
+
+def test_a_blocking_joiner_takes_the_state_at_its_first_outer_step():
+    world, nodes = start_world(["a", "b"])
+    start = TinyModel().flat()
+    moves = deltas(2, 1, start.numel())[0]
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    together(nodes, lambda n: n.outer_step())
+    from fake_world import make_node, node_config
+    world.set_world(["a", "b", "j"], joined=("j",))
+    joiner = make_node(world, "j", node_config(), seed=7)        # different weights: it must not contribute them
+    starts = together([*nodes, joiner], lambda n: n.diloco.start() if n is joiner else n.diloco.mesh.resolve())
+    assert joiner.diloco.roles.role == Role.NEEDS_STATE and starts[0].mesh_version == 2
+    for node in nodes:
+        node.diloco._fresh_view = True   # the resolution above is this outer step's
+    moves2 = deltas(3, 1, start.numel(), seed=2)[0]
+    for node, move in zip(nodes, moves2):
+        node.train(move)
+    together([*nodes, joiner], lambda n: n.outer_step())
+    expected = blocking_reference(start, [moves, moves2[:2]])
+    for node in (*nodes, joiner):
+        assert torch.allclose(node.model.flat(), expected, atol=1e-6)
+    assert joiner.position == nodes[0].position and joiner.diloco.roles.contributing
+
+
+def test_a_failed_attempt_is_retried_without_the_dead_peer():
+    world, nodes = start_world(["a", "b", "c"])
+    start = TinyModel().flat()
+    moves = deltas(3, 1, start.numel())[0]
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    world.kill_in(world.version, "c")
+    reports = together(nodes[:2], lambda n: n.outer_step())
+    assert [r.attempts for r in reports] == [2, 2] and all(r.applied and r.num_peers == 2 for r in reports)
+    expected = blocking_reference(start, [moves[:2]])
+    assert torch.allclose(nodes[0].model.flat(), expected, atol=1e-6)
+
+
+def test_every_attempt_failing_skips_the_outer_step_and_keeps_the_inner_progress(caplog):
+    world, nodes = start_world(["a", "b"], **{"diloco.retry_all_reduce": "0"})
+    start = TinyModel().flat()
+    moves = deltas(2, 1, start.numel())[0]
+    for node, move in zip(nodes, moves):
+        node.train(move)
+    world.broken[world.version] = "nobody"    # every collective of this version fails, nobody is dropped
+    reports = together(nodes, lambda n: n.outer_step())
+    assert not any(r.applied for r in reports) and reports[0].attempts == 1
+    assert torch.allclose(nodes[0].model.flat(), start - moves[0])
+    assert "outer step skipped after 1 failed check-ins" in caplog.text
+
+
+@pytest.mark.parametrize("overlap", ["none", "eager"])
+def test_checkpoint_tensors_round_trip(overlap):
+    world, nodes = start_world(["a"], **{"diloco.overlap": overlap})
+    start = TinyModel().flat()
+    run_rounds(nodes, deltas(1, 2, start.numel()))
+    saved = {k: v.clone() for k, v in nodes[0].diloco.checkpoint_tensors().items()}
+    assert any(k.startswith("own/") for k in saved) == (overlap == "eager")
+    nodes[0].diloco.load_checkpoint_tensors(saved)
+    assert all(torch.equal(saved[k], v) for k, v in nodes[0].diloco.checkpoint_tensors().items())

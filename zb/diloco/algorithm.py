@@ -1,0 +1,134 @@
+"""How a pseudo-gradient becomes an update: the interface of an outer-step algorithm, and what it may
+ask of the node that runs it.
+
+A `DilocoNode` (zb.diloco.node) orchestrates what every algorithm shares: joining the run,
+resolving the world, the check-in, roles, handing the state to joiners, live snapshots and the
+data slot. An algorithm (blocking, eager, streaming; the registry is zb.diloco.algorithms) owns the
+rest of the outer step: when the boundaries fall, what travels, and how an average is applied. A
+new algorithm is one module with a subclass of `OuterAlgorithm` and one line in the registry.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Protocol
+
+import torch
+
+from zb.config_schema import Config, DilocoConfig
+from zb.diloco.checkin import Plan
+from zb.diloco.outer import OuterState
+from zb.diloco.report import OuterReport
+from zb.diloco.roles import RoleKeeper
+from zb.diloco.rounds import RoundClock
+from zb.diloco.streams import StreamGroups
+from zb.diloco.sync import SyncStats
+from zb.position import RunPosition
+
+log = logging.getLogger("zb.diloco")
+
+
+@dataclass
+class CheckIn:
+    """The world and plan an outer step runs under (`Boundary.check_in`). After the last failed attempt
+    `ok` is False, `plan` is that attempt's (None if its check-in failed) and `stats` is None."""
+
+    view: Any             # zb.elastic.WorldView
+    plan: Plan | None
+    stats: SyncStats | None
+    attempts: int
+    ok: bool
+
+
+class Boundary(Protocol):
+    """What the node (zb.diloco.node.DilocoNode) offers the algorithm it runs."""
+
+    cfg: Config
+    dcfg: DilocoConfig
+    optimizer: torch.optim.Optimizer
+    local: Any                      # zb.local_world.LocalWorld
+    local_group: Any                # the node's gloo control group (None alone)
+    roles: RoleKeeper
+    mesh: Any                       # zb.elastic.ElasticDeviceMesh, or a fake world's mesh in tests
+    streams: StreamGroups
+    store: Any
+    rounds: RoundClock | None
+
+    @property
+    def weighted(self) -> bool: ...
+
+    def connect(self) -> Any: ...
+
+    def check_in(self, position: RunPosition, arrived: int,
+                 sync: Callable[[Any, Plan], SyncStats] | None = None) -> CheckIn: ...
+
+    def hand_over_state(self, view: Any, plan: Plan, position: RunPosition) -> RunPosition | None: ...
+
+    def send_each(self, ranks: list[int], send: Callable[[int], Any], what: str) -> None: ...
+
+    def after_step(self, report: OuterReport, view: Any, position: RunPosition, data_state: dict | None) -> None: ...
+
+    def close_on_shared(self, report: OuterReport) -> OuterReport: ...
+
+
+class OuterAlgorithm:
+    """One outer-step algorithm, run by a node (`Boundary`). Subclasses set `name` (the value of
+    diloco.overlap that selects it) and implement `outer_step`."""
+
+    name: ClassVar[str]
+    extra_bytes = 0   # CPU bytes held beside the blocking path's outer state
+
+    def __init__(self, node: Boundary, outer: OuterState):
+        self.node, self.outer = node, outer
+
+    def sync_points(self, step: int) -> tuple[int | None, int | None]:
+        """(fragment to launch, fragment to apply) after inner step `step`: here one whole-model outer
+        step every H steps, or, with diloco.round_seconds, when this node's round budget is spent."""
+        if self.node.rounds is not None:
+            return None, (0 if self.node.rounds.over(step) else None)
+        return None, (0 if step % self.node.dcfg.inner_steps == 0 else None)
+
+    def launch_fragment(self, fragment: int) -> None:
+        raise AssertionError(f"diloco.overlap = {self.name} launches no fragment")  # sync_points names none
+
+    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
+        """Run one outer step from `position` (this node's, before it). Returns its report and, for a
+        node that took over the run's state, the run's position before the step."""
+        raise NotImplementedError
+
+    def close_run(self, position: RunPosition) -> OuterReport | None:
+        """The run's end (every node reaches it at the same step): finish what is in flight. None when
+        nothing was."""
+        return None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Tensors of this node's own beside the shared outer state, for its checkpoint."""
+        return {}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        if any(k.startswith("own/") for k in tensors):
+            log.warning("the checkpoint holds this node's eager term (diloco.overlap = eager); with overlap = %s "
+                        "it is dropped: the node resumes from its model params and the shared outer params",
+                        self.name)
+
+    def close(self, grace_s: float) -> None:
+        """The node leaves: stop what runs in the background."""
+        return None
+
+
+def log_skipped(attempts: int) -> None:
+    """Every attempt failed: training goes on, and the next outer step's pseudo-gradient covers these
+    inner steps too."""
+    log.error("outer step skipped after %d failed check-ins; training goes on and the world is resolved again at "
+              "the next outer step", attempts)
+
+
+def warn_non_finite_own() -> None:
+    log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, its inner "
+                "optimizer state is cleared, and every node skips the average it poisons")
+
+
+def run_position(plan: Plan, position: RunPosition) -> RunPosition:
+    """Where a recovered joiner stands once it applied the run's update: at the run's step and outer step."""
+    return RunPosition(step=plan.run_step, outer_step=plan.run_outer_step, tokens=0, run_tokens=position.run_tokens)

@@ -1,0 +1,103 @@
+"""The overlapped algorithms' boundary (diloco.overlap = eager or streaming): what arrived of the
+average launched at the previous boundary, agreed on by every node, and applied on every applier or on
+none. A transfer that failed anywhere is skipped everywhere, never half applied; a recovered joiner,
+whose snapshot predates that average, receives it from the donor.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+import torch
+
+from zb.collectives import PeerFailure
+from zb.diloco.algorithm import Boundary, CheckIn
+from zb.diloco.background import Arrival
+from zb.diloco.checkin import Arrived, Plan
+from zb.diloco.outer import OuterState
+from zb.diloco.report import OuterReport
+from zb.diloco.transfer import StateTransfer
+from zb.elastic import localsync
+from zb.errors import EnvironmentFailure
+from zb.position import RunPosition
+
+log = logging.getLogger("zb.diloco")
+
+
+class InFlight(Protocol):
+    """An overlapped algorithm's state of the average in flight (zb.diloco.eager_overlap, zb.diloco.streaming)."""
+
+    def apply_average(self, average: torch.Tensor) -> None: ...
+
+    def average_numel(self, part: int) -> int: ...
+
+    def part_in_flight(self) -> int: ...
+
+    def adopt_part(self, part: int) -> None: ...
+
+
+def agree_on_arrival(node: Boundary, position: RunPosition, arrival: Arrival | None) -> tuple[OuterReport, CheckIn]:
+    """Tell the check-in what this node holds of the average in flight; the report so far."""
+    if arrival is not None and not arrival.ok:
+        node.mesh.report_failure(arrival.error.rank if arrival.error is not None else None)
+    arrived = Arrived.NONE if arrival is None else Arrived.OK if arrival.ok else Arrived.FAILED
+    if arrival is not None and not localsync.all_ok(node.local_group, arrival.ok):
+        arrived = Arrived.FAILED  # one local rank's transfer failed: the node holds no whole average
+    done = node.check_in(position, arrived)
+    if not done.ok:
+        done.plan = None
+    report = OuterReport(mesh_version=done.view.mesh_version, global_world_size=done.view.global_world_size,
+                         num_peers=len(done.plan.contributors) if done.plan else 0, attempts=done.attempts)
+    if arrival is None:
+        report.note = " | no average in flight yet"
+    else:
+        report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
+                                                                   round(arrival.mbps, 2))
+        report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
+    return report, done
+
+
+def apply_arrived(node: Boundary, outer: OuterState, state: InFlight, view: Any, plan: Plan,
+                  arrival: Arrival | None) -> bool:
+    """The shared step with the average launched last boundary, on every applier or on none."""
+    me = view.global_rank
+    if not plan.average_ok or me not in plan.appliers:
+        if plan.contributors and not plan.average_ok and me in plan.appliers and arrival is not None:
+            log.warning("the average launched at the last outer step did not reach every node: every node skips it")
+        return False
+    late = [r for r in plan.appliers if r not in plan.contributors]
+    donor = plan.contributors[0]
+    average = arrival.buffer if me in plan.contributors and arrival is not None else None
+    if late:
+        average = _share_average(node, outer, state, view, donor, late, average)
+        if average is None:
+            return False
+    assert average is not None  # an applier that did not contribute is one of `late`: it received the average
+    if not localsync.all_ok(node.local_group, bool(torch.isfinite(average).all())):
+        # The same bits on every node: every node decides alike (the offender reset at launch).
+        log.warning("non-finite average pseudo-gradient: skipped on every node")
+        return False
+    state.apply_average(average)
+    return True
+
+
+def _share_average(node: Boundary, outer: OuterState, state: InFlight, view: Any, donor: int, late: list[int],
+                   average: torch.Tensor | None) -> torch.Tensor | None:
+    """Donor -> recovered joiners: the average they did not take part in."""
+    transfer = StateTransfer(node.mesh.global_pg, outer, node.optimizer, node.dcfg.min_bandwidth_mbps)
+    if view.global_rank == donor:
+        assert average is not None  # the donor contributed: it holds the average
+        part = state.part_in_flight()
+        node.send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
+        return average
+    if view.global_rank not in late:
+        return average
+    try:
+        buffer, part = transfer.receive_tensor(donor, state.average_numel)
+    except PeerFailure as e:
+        raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive ({e}); "
+                                 "restart this node to join again") from None
+    state.adopt_part(part)  # streaming: a joiner launched nothing, the donor says which fragment
+    log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
+    return buffer
