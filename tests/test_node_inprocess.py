@@ -227,3 +227,18 @@ def test_checkpoint_tensors_round_trip(overlap):
     assert any(k.startswith("own/") for k in saved) == (overlap == "eager")
     nodes[0].diloco.load_checkpoint_tensors(saved)
     assert all(torch.equal(saved[k], v) for k, v in nodes[0].diloco.checkpoint_tensors().items())
+
+
+def test_progress_is_published_after_the_store_client_was_dropped():
+    """Chaos seed 6: the store restarted, an outer step dropped the client (store = None), and the
+    next outer step's progress publication crashed the node with an AttributeError. It reconnects."""
+    from types import SimpleNamespace
+
+    from zb.diloco.live import read_progress
+
+    world, nodes = start_world(["a"])
+    node = nodes[0]
+    node.diloco.live = SimpleNamespace(publish=lambda outer, position: None)   # a sidecar that serves nothing
+    node.diloco.store = None
+    run_rounds(nodes, deltas(1, 1, TinyModel().flat().numel()))
+    assert node.diloco.store is not None and read_progress(world.store) == {"outer_step": 1, "step": 4}

@@ -257,14 +257,8 @@ class DilocoNode:
         # start() laid the outer state out before any outer step
         self.live.publish(cast(OuterState, self.outer), after)
         if view.global_rank == 0 and self.local.is_head:
-            try:
-                # An earlier outer step may have dropped the client (the store restarted): reconnect.
-                self.store = self.store or self.connect()
-                publish_progress(self.store, after.outer_step, after.step)
-            except store_errors() + (EnvironmentFailure,) as e:
-                log.warning("could not publish the run's progress (retried next outer step): %s",
-                            str(e).splitlines()[0])
-                self.store = None
+            self._write_store("publish the run's progress",
+                              lambda store: publish_progress(store, after.outer_step, after.step))
 
     # -- outer step ----------------------------------------------------------------------------
     def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
@@ -430,23 +424,25 @@ class DilocoNode:
     def _reassert_claims(self, view) -> None:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
         later joiner is still checked and never takes a live node's shard. A no-op otherwise."""
-        try:
-            self.store = self.store or self.connect()
-            self.store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
-            self.store.compare_set(slots.slot_key(self.slot), "", view.uid)
-        except store_errors() + (EnvironmentFailure,) as e:
-            log.warning("store unreachable at outer step (retried next outer step): %s", str(e).splitlines()[0])
-            self.store = None
+        def claim(store) -> None:
+            store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
+            store.compare_set(slots.slot_key(self.slot), "", view.uid)
+
+        self._write_store("put the run's fingerprint and this node's data slot back", claim)
 
     def _save_position(self, data_state: dict | None) -> None:
-        if data_state is None:
-            return
+        if data_state is not None:
+            self._write_store("record the data position", lambda store: slots.save_position(
+                store, self.slot, self.local.rank, data_state, self.local.world_size))
+
+    def _write_store(self, what: str, write: Callable[[Any], None]) -> None:
+        """A best-effort write after an outer step. An earlier one may have dropped the client (the store
+        restarted): reconnect; a failure drops it again, and the next outer step writes again."""
         try:
             self.store = self.store or self.connect()
-            slots.save_position(self.store, self.slot, self.local.rank, data_state, self.local.world_size)
+            write(self.store)
         except store_errors() + (EnvironmentFailure,) as e:
-            log.warning("could not record the data position in the store (retried next outer step): %s",
-                        str(e).splitlines()[0])
+            log.warning("could not %s in the store (retried next outer step): %s", what, str(e).splitlines()[0])
             self.store = None
 
     # -- checkpoints ----------------------------------------------------------------------------
