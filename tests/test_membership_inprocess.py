@@ -1,0 +1,130 @@
+"""The membership protocol's decision paths in one process: real `Membership` objects and heartbeat
+threads over one in-process TCPStore, each node a thread. A dead leader, a node evicted while frozen
+and a joiner take a second or two here instead of a process cluster's tens of seconds; the process
+tests (tests/test_elastic_mesh.py) keep what needs processes: signals, the deathrattle, the gloo groups."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from zb.config_schema import ElasticConfig
+from zb.elastic.heartbeat import Heartbeat, Liveness
+from zb.elastic.membership import Membership
+from zb.elastic.world import World
+
+# A live member beats 15 times per timeout: a busy machine does not make it look dead.
+CFG = ElasticConfig(store_timeout=60, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.2,
+                    heartbeat_timeout=3.0)
+
+
+class Members:
+    """Nodes of one run: each a Membership and the heartbeat thread that keeps it alive."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=10))
+        self.nodes: dict[str, Membership] = {}
+        self.beats: dict[str, Heartbeat] = {}
+
+    def client(self):
+        return dist.TCPStore("127.0.0.1", self.store.port, use_libuv=True, timeout=timedelta(seconds=10))
+
+    def add(self, uid: str) -> Membership:
+        m = Membership(CFG, uid, f"tok-{uid}", 1, Liveness(CFG.heartbeat_timeout), self.client)
+        self.nodes[uid] = m
+        self.beat(uid)
+        return m
+
+    def beat(self, uid: str) -> None:
+        m = self.nodes[uid]
+        hb = Heartbeat(uid, CFG.heartbeat_interval, m.liveness, self.client,
+                       lambda: list(m.world.nodes) if m.world else [])
+        m.heartbeat, self.beats[uid] = hb, hb
+        hb.start()
+
+    def freeze(self, uid: str) -> None:
+        """The node stops beating (SIGSTOP, a dead process): its counter stands still."""
+        self.beats[uid].stop()
+
+    def together(self, uids: list[str], fn) -> dict[str, World]:
+        out: dict[str, World] = {}
+        errors: list[BaseException] = []
+
+        def run(uid: str) -> None:
+            try:
+                out[uid] = fn(self.nodes[uid])
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in uids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(CFG.store_timeout)
+        assert not any(t.is_alive() for t in threads), "a member did not finish"
+        if errors:
+            raise errors[0]
+        return out
+
+    def close(self) -> None:
+        for hb in self.beats.values():
+            hb.stop()
+
+
+@pytest.fixture
+def members():
+    run = Members()
+    yield run
+    run.close()
+
+
+def start(members: Members, uids: list[str]) -> dict[str, World]:
+    for uid in uids:
+        members.add(uid)
+    return members.together(uids, lambda m: m.join(quorum=len(uids), quorum_timeout=10.0))
+
+
+def outer_steps_until_admitted(m: Membership, uid: str) -> World:
+    """A member resolves at each outer step; the first resolution after `uid`'s request admits it."""
+    for _ in range(100):
+        world = m.resolve()
+        if uid in world.nodes:
+            return world
+    raise AssertionError(f"{uid} was never admitted")
+
+
+def test_the_next_in_line_leads_when_the_leader_dies(members):
+    worlds = start(members, ["a", "b", "c"])
+    leader = worlds["b"].leader
+    assert {w.nodes[0] for w in worlds.values()} == {leader}
+    members.freeze(leader)          # dead: no beat, no check-in
+    survivors = [u for u in worlds["a"].nodes if u != leader]   # in rank order: the next in line first
+    after = members.together(survivors, lambda m: m.resolve())
+    assert all(w.nodes == survivors and leader in w.died for w in after.values())
+    assert {w.leader for w in after.values()} == {survivors[0]}
+    assert all(w.version > worlds["a"].version for w in after.values())
+
+
+def test_a_node_evicted_while_frozen_rejoins_as_a_joiner(members):
+    start(members, ["a", "b", "c"])
+    members.freeze("c")
+    evicted = members.together(["a", "b"], lambda m: m.resolve())
+    assert sorted(evicted["a"].nodes) == ["a", "b"] and evicted["a"].died == ["c"]
+    members.beat("c")               # c wakes up: it beats again and reaches its next outer step
+    back = members.together(["a", "b", "c"], lambda m: m.resolve() if m.uid == "c"
+                            else outer_steps_until_admitted(m, "c"))
+    assert back["c"].nodes == back["a"].nodes and sorted(back["a"].nodes) == ["a", "b", "c"]
+    assert back["c"].joined == ["c"]     # it receives the run's state before it contributes
+
+
+def test_a_joiner_is_admitted_at_the_next_resolution(members):
+    start(members, ["a", "b"])
+    members.add("d")
+    worlds = members.together(["a", "b", "d"], lambda m: m.join(quorum=1, quorum_timeout=10.0)
+                              if m.uid == "d" else outer_steps_until_admitted(m, "d"))
+    assert all(w.nodes == worlds["a"].nodes for w in worlds.values()) and sorted(worlds["a"].nodes) == ["a", "b", "d"]
+    assert worlds["a"].joined == ["d"]
