@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import psutil
-from elastic_cluster import TrainCluster
+
+from zb.testing.cluster import TrainCluster
 
 
 class Failure(Exception):

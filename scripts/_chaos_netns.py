@@ -10,10 +10,9 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO
-from elastic_cluster import TrainCluster
-
 from zb.net.netns import IFNAME, Host, Network, netns_unavailable
+from zb.testing.cluster import TrainCluster
+from zb.testing.procs import REPO
 
 PARTITION_TABLE = "zbchaos"
 

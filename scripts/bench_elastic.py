@@ -19,9 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from elastic_cluster import PROFILE, Cluster  # noqa: E402
+from zb.testing.cluster import PROFILE, Cluster
 
 KINDS = {"sigkill": (signal.SIGKILL, "c"), "sigkill-leader": (signal.SIGKILL, "a"),
          "sigterm": (signal.SIGTERM, "c"), "sigstop": (signal.SIGSTOP, "c")}

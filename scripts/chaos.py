@@ -21,7 +21,7 @@ the heal). Killed nodes are replaced by joiners so the run keeps `--nodes` nodes
 gets SIGTERM, no child process and no partition rule may be left, and a survivor's newest checkpoint
 must resume. Prints a table of events and one JSON line {seed, events, survived, failures}; exits 1 on
 any failed check (the seed and the replay command are in the message), 2 on a bad invocation.
-Nodes are `tests/elastic_cluster.py`'s TrainCluster (tiny debug model, short-timeout profile).
+Nodes are `zb/testing/cluster.py`'s TrainCluster (tiny debug model, short-timeout profile).
 """
 
 from __future__ import annotations
@@ -37,10 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-
-from _chaos_checks import (  # noqa: E402
+from _chaos_checks import (
     Failure,
     Tail,
     agreement_failures,
@@ -51,7 +48,8 @@ from _chaos_checks import (  # noqa: E402
     split_runs,
     tcp_sockets,
 )
-from elastic_cluster import PROFILE, TrainCluster  # noqa: E402
+
+from zb.testing.cluster import PROFILE, TrainCluster
 
 KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "donor-leave"]
 NETNS_KINDS = ["link-down", "partition"]   # only with --netns: faults of the network between hosts

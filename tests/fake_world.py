@@ -5,7 +5,7 @@ state transfer over real gloo groups (one `HashStore` for the world); only the m
 scripted: `FakeWorld.set_world` is what the leader's resolution would have written, and every
 node's `FakeMesh` reads it at its next resolve. So the node's decision paths (non-finite skip,
 lagging or readmitted node, joiners, a failed attempt retried without the failed peer) run as they
-do across processes, minus heartbeats and the store's process (tests/elastic_cluster.py, the
+do across processes, minus heartbeats and the store's process (zb/testing/cluster.py, the
 slower tier, keeps those). As torchft's integration tests run replicas as threads.
 """
 

@@ -9,8 +9,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from conftest import REPO, subprocess_env, wait_until
-from elastic_cluster import TrainCluster
+from zb.testing.cluster import TrainCluster
+from zb.testing.procs import REPO, subprocess_env, wait_until
 
 NODES = ("a", "b")
 

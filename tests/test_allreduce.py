@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import PYTHON, free_port, subprocess_env
 from torch.distributed import ReduceOp
 
 from zb.collectives import PeerFailure, all_reduce
 from zb.collectives.kernels import BLOCK
 from zb.errors import InvalidInput
+from zb.testing.procs import PYTHON, free_port, subprocess_env
 
 WORKER = Path(__file__).with_name("_allreduce_worker.py")
 

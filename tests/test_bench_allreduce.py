@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import free_port, zb_process
+from zb.testing.procs import free_port, zb_process
 
 
 def test_bench_two_local_ranks_json() -> None:

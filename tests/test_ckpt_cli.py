@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PYTHON, REPO, subprocess_env, zb_process, zb_train
 
 from zb.ckpt.durable.layout import part_name
 from zb.ckpt.format.manifest import snapshot_name
 from zb.ckpt.format.snapshot import write_snapshot
 from zb.position import RunPosition
+from zb.testing.procs import PYTHON, REPO, subprocess_env, zb_process, zb_train
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_states import Recorder, manager, save_steps, small_state
-from conftest import free_port, subprocess_env
 
 from zb.ckpt.durable.agree import agree_on_latest, newest_common_step, parse_publications
 from zb.ckpt.durable.layout import complete_steps
@@ -22,6 +21,7 @@ from zb.ckpt.format.manifest import snapshot_name
 from zb.config_schema import CkptConfig
 from zb.errors import InvalidInput
 from zb.position import RunPosition
+from zb.testing.procs import free_port, subprocess_env
 
 DRIVER = str(Path(__file__).parent / "drivers" / "ckpt_resume.py")
 TIMEOUT = 150

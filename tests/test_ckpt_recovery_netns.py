@@ -16,7 +16,9 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, load_script
+from conftest import load_script
+
+from zb.testing.procs import REPO
 
 pytestmark = pytest.mark.netns
 

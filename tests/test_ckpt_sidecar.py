@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 from ckpt_peers import TOKEN, check_fetched, http_get, raw_request, write_sample
-from conftest import free_port, subprocess_env, wait_until
 
 from zb.ckpt.format.catalog import prune, read_manifest
 from zb.ckpt.format.manifest import MARKER
 from zb.ckpt.format.snapshot import write_snapshot
 from zb.ckpt.recovery.fetch import fetch_snapshot
 from zb.ckpt.sidecar import server as serve
+from zb.testing.procs import free_port, subprocess_env, wait_until
 
 
 def test_token_is_required(peer):

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TINY, subprocess_env, zb_process
+
+from zb.testing.procs import PYTHON, REPO, TINY, subprocess_env, zb_process
 
 
 def test_help_lists_registered_commands(run_zb):

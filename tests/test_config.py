@@ -247,7 +247,7 @@ def test_early_log_level_and_the_config_agree(name, value):
 
 
 def test_bogus_log_level_stops_every_command_with_one_line():
-    from conftest import zb_process
+    from zb.testing.procs import zb_process
 
     proc = zb_process("store", "--port", "0", ZERO_BAND_LOG_LEVEL="BOGUS")  # refused before --port is parsed
     assert proc.returncode == 2, proc.stderr

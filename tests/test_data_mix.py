@@ -11,13 +11,14 @@ from dataclasses import replace
 from itertools import islice
 
 import pytest
-from conftest import same_batch, zb_train
+from conftest import same_batch
 
 from zb.config import ConfigError, load_config
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer
 from zb.data.prefetch import Prefetcher
 from zb.errors import InvalidInput
+from zb.testing.procs import zb_train
 
 BYTES = build_tokenizer("bytes")
 

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, TINY, subprocess_env
 from packaging.requirements import Requirement
+
+from zb.testing.procs import PYTHON, REPO, TINY, subprocess_env
 
 if sys.version_info >= (3, 11):
     import tomllib

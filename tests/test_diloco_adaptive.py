@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import TINY, free_port, zb_process
-from elastic_cluster import TrainCluster
 from torch import nn
 
 from zb.config import load_config
@@ -23,6 +21,8 @@ from zb.diloco.outer import OuterState
 from zb.diloco.rounds import RoundClock, run_step, token_weight, weighted_average
 from zb.diloco.sync import sync_pseudo_gradient
 from zb.errors import InvalidInput
+from zb.testing.cluster import TrainCluster
+from zb.testing.procs import TINY, free_port, zb_process
 
 
 # -- the weighting ------------------------------------------------------------------------------------

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, free_port, subprocess_env, zb_process
-from elastic_cluster import RUN_FLAGS, agree_with_joiner, reference_losses, worst_relative
 
 from zb.shard_rows import rows
+from zb.testing.cluster import RUN_FLAGS, agree_with_joiner, reference_losses, worst_relative
+from zb.testing.procs import REPO, TINY, free_port, subprocess_env, zb_process
 
 MOVES = str(Path(__file__).parent / "drivers" / "stripe_moves.py")
 

@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, subprocess_env
-from elastic_cluster import PROFILE, TrainCluster, agree_with_joiner, hashes_by_mesh, join_late
 
 from zb.metrics import read_metrics
+from zb.testing.cluster import PROFILE, TrainCluster, agree_with_joiner, hashes_by_mesh, join_late
+from zb.testing.procs import REPO, free_port, subprocess_env
 
 
 # fp32 over one stream under soak: int8 over two streams covers more of the path (suite time)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, subprocess_env
+
+from zb.testing.procs import REPO, free_port, subprocess_env
 
 DRIVER = str(Path(__file__).parent / "drivers" / "diloco_formula.py")
 

@@ -2,7 +2,7 @@
 its update rule (eager and none), nodes agree on the shared params at every outer step, and the
 background all-reduce's failures, joiners, checkpoints and signals keep every guarantee.
 
-Nodes are real `zb train` processes around a real `zb store` (tests/elastic_cluster.py).
+Nodes are real `zb train` processes around a real `zb store` (zb/testing/cluster.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import os
 import signal
 
 import pytest
-from conftest import TINY
-from elastic_cluster import RUN_FLAGS, agree_with_joiner, join_late, reference_losses, worst_relative
+
+from zb.testing.cluster import RUN_FLAGS, agree_with_joiner, join_late, reference_losses, worst_relative
+from zb.testing.procs import TINY
 
 # Streaming: 2 fragments (one block each, plus embeddings and output spread), each all-reduce behind
 # 1 inner step, merge 0.5; H = 6 so that the fragments divide it.

@@ -6,13 +6,13 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from conftest import free_port
 
 from zb.config import load_config
 from zb.diloco import slots
 from zb.diloco.checkin import Arrived, Role, make_plan
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.fingerprint import check_against, encode, fingerprint
+from zb.testing.procs import free_port
 
 
 def test_plan_static_world():

@@ -2,7 +2,7 @@
 
 Each test asserts what the survivors agree on (mesh version, node list, compact ranks) and that an
 all-reduce over the new groups gives the right sum (done by tests/elastic_node.py, checked here).
-Timeouts come from the short-timeout profile in tests/elastic_cluster.py (see README).
+Timeouts come from the short-timeout profile in zb/testing/cluster.py (see README).
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import signal
 import time
 
 import pytest
-from conftest import wait_until
-from elastic_cluster import Cluster
+
+from zb.testing.cluster import Cluster
+from zb.testing.procs import wait_until
 
 
 def membership(node, **match) -> list[dict]:

@@ -11,7 +11,8 @@ from functools import partial
 
 import pytest
 import test_elastic_mesh as t
-from elastic_cluster import Cluster
+
+from zb.testing.cluster import Cluster
 
 SCENARIOS = {
     "static": t.test_static_world_of_three,

@@ -8,7 +8,6 @@ import sys
 import time
 
 import pytest
-from conftest import free_port, subprocess_env, wait_until, zb_process
 
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.judge import RoundDeadlines, judge
@@ -16,6 +15,7 @@ from zb.elastic.probe import ProbeListener, check_peers
 from zb.elastic.store_state import CheckIn, Snapshot
 from zb.elastic.world import JoinRequest, Observation, World, next_world
 from zb.errors import EnvironmentFailure
+from zb.testing.procs import free_port, subprocess_env, wait_until, zb_process
 
 W = World(version=3, round=7, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"}, join_cursor=2)
 DL = RoundDeadlines(suspect_grace=1.0, sync_deadline=10.0, stuck_after=25.0)

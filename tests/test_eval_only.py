@@ -3,9 +3,8 @@ training run logged at that step, nothing is written, and a DiLoCo config contac
 
 from __future__ import annotations
 
-from conftest import TINY, free_port, zb_process
-
 from zb.metrics import read_metrics
+from zb.testing.procs import TINY, free_port, zb_process
 
 
 def _snapshot(path):

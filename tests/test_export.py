@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, free_port, zb_process
 
 from zb.errors import InvalidInput
 from zb.export import export_checkpoint
+from zb.testing.procs import TINY, free_port, zb_process
 
 
 def _transformers():

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, free_port, zb_process
 
 from zb.generate import Sampling, next_token
+from zb.testing.procs import TINY, free_port, zb_process
 
 SEQ = 32  # TINY's data.seq_length: the model's context
 EOS = 257  # zb's byte tokenizer: bytes 0-255, BOS 256, EOS 257, PAD 258

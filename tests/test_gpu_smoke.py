@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from conftest import REPO, subprocess_env
+from zb.testing.procs import REPO, subprocess_env
 
 SCRIPT = str(REPO / "scripts" / "gpu_smoke.py")
 

@@ -9,13 +9,13 @@ from collections import Counter
 from itertools import islice
 
 import pytest
-from conftest import free_port, wait_until, zb_process
 from hub_server import SHA, FakeHub
 
 from zb.config import ConfigError
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.testing.procs import free_port, wait_until, zb_process
 
 BYTES = build_tokenizer("bytes")
 REPO = "acme/stories"

@@ -8,11 +8,11 @@ import json
 import re
 
 import pytest
-from conftest import TINY, zb_process
 from hub_server import SHA, FakeHub
 
 from zb.config_schema import DataConfig
 from zb.data import build_dataloader, build_tokenizer
+from zb.testing.procs import TINY, zb_process
 
 BYTES = build_tokenizer("bytes")
 REPO = "acme/long"

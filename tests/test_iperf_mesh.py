@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PYTHON, REPO, free_port, subprocess_env, zb_process
 
 from zb.net.netns import netns_unavailable
 from zb.net.schedule import mesh_phases, round_robin
+from zb.testing.procs import PYTHON, REPO, free_port, subprocess_env, zb_process
 
 FAST = ["--duration", "0.2", "--json"]
 

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, subprocess_env
 
 from zb.config import load_config
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.local_world import LocalWorld
+from zb.testing.procs import REPO, subprocess_env
 
 
 def _train(**over: str):

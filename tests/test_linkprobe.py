@@ -8,12 +8,12 @@ import json
 import socket
 
 import pytest
-from conftest import wait_until
 
 from zb.elastic import keys
 from zb.elastic.linkprobe import LinkProber
 from zb.elastic.ring import read_links
 from zb.elastic.tcpstore import connect, host, read_many
+from zb.testing.procs import wait_until
 
 
 def free_port() -> int:

@@ -172,7 +172,8 @@ def _sharded_init_worker(rank: int, port: int, out: str) -> None:
 
 def test_init_is_independent_of_fsdp_sharding(tmp_path):
     import torch.multiprocessing as mp
-    from conftest import free_port
+
+    from zb.testing.procs import free_port
 
     out = str(tmp_path / "full.pt")
     mp.start_processes(_sharded_init_worker, args=(free_port(), out), nprocs=2, start_method="spawn")

@@ -10,12 +10,12 @@ import math
 import subprocess
 
 import pytest
-from conftest import PYTHON, REPO, TINY, free_port, subprocess_env, zb_process
 
 from zb.config import ConfigError, load_config
 from zb.metrics import MetricsSink, read_metrics
 from zb.monitor.scalars import scalars
 from zb.monitor.wandb_backend import init_arguments
+from zb.testing.procs import PYTHON, REPO, TINY, free_port, subprocess_env, zb_process
 
 
 def test_step_scalars_take_primes_wandb_names():

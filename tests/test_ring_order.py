@@ -233,7 +233,7 @@ def test_three_nodes_ring_follows_the_link_matrix(cluster, tmp_path):
 
 
 def test_a_node_missing_from_the_matrix_exits_2(cluster, tmp_path):
-    from conftest import wait_until
+    from zb.testing.procs import wait_until
 
     path = tmp_path / "links.json"
     path.write_text(mesh_doc(SLOW_AB, nodes=["a", "b", "c"]))

@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, load_script, subprocess_env, wait_until
+from conftest import load_script
 
 from zb.net.netns import emulated_hosts, netns_unavailable
+from zb.testing.procs import REPO, subprocess_env, wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -34,7 +35,7 @@ def test_measured_links_move_the_ring_off_a_slow_link(tmp_path):
     reason = netns_unavailable()
     if reason:
         pytest.skip(f"network namespaces unavailable: {reason}")
-    from elastic_cluster import PROFILE
+    from zb.testing.cluster import PROFILE
 
     shape = load_script("bench_netns_ring_order").shape_per_destination
     with emulated_hosts(4) as net:

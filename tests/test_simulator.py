@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import psutil
-from conftest import REPO, subprocess_env, wait_until
-from elastic_cluster import PROFILE
 
 from zb.metrics import read_metrics
+from zb.testing.cluster import PROFILE
+from zb.testing.procs import REPO, subprocess_env, wait_until
 
 SCRIPT = str(REPO / "scripts" / "simulate_multi_node_diloco.sh")
 SHORT = ["--model.name", "debug", "--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2",

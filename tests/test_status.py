@@ -14,7 +14,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import free_port, wait_until, zb_process
 
 from zb.elastic import keys
 from zb.elastic.store_state import encode_line
@@ -28,6 +27,7 @@ from zb.status.reader import NoRun, RunReader, read_present
 from zb.status.record import HISTORY_POINTS, NodeStatus, decode_history, decode_record, encode
 from zb.status.report import build_report
 from zb.status.server import Dashboard, listen
+from zb.testing.procs import free_port, wait_until, zb_process
 
 
 @pytest.fixture
@@ -146,7 +146,7 @@ def test_a_node_that_fails_before_its_run_owns_the_sink_still_says_goodbye(store
     import subprocess
     import sys
 
-    from conftest import REPO, subprocess_env
+    from zb.testing.procs import REPO, subprocess_env
 
     code = f"""
 from zb.config import load_config
@@ -516,7 +516,7 @@ def test_zb_store_serves_the_dashboard_on_its_own_address():
     import subprocess
     import sys
 
-    from conftest import REPO, subprocess_env
+    from zb.testing.procs import REPO, subprocess_env
 
     proc = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(free_port()), "--http-port", "0",
                              "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),

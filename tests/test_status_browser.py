@@ -16,8 +16,9 @@ import signal
 import subprocess
 
 import pytest
-from conftest import REPO, wait_until
 from status_run import api, start_dashboard, start_run, wait_for_curves
+
+from zb.testing.procs import REPO, wait_until
 
 pytestmark = pytest.mark.browser
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import signal
 
-from conftest import zb_process
 from status_run import NODES, start_dashboard, start_run, wait_for_curves
+
+from zb.testing.procs import zb_process
 
 
 def test_status_of_a_live_run_then_its_report(tmp_path):

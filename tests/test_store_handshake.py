@@ -10,11 +10,11 @@ import subprocess
 import threading
 
 import pytest
-from conftest import PYTHON, REPO, TINY, free_port, subprocess_env, wait_until
 
 from zb import stop_signals
 from zb.dial import store_client
 from zb.errors import EnvironmentFailure, LeavingRun
+from zb.testing.procs import PYTHON, REPO, TINY, free_port, subprocess_env, wait_until
 
 
 class SilentServer:

@@ -12,9 +12,9 @@ from datetime import timedelta
 
 import pytest
 from conftest import SWARM
-from elastic_cluster import TrainCluster
 
 from zb.ckpt.durable.layout import complete_steps
+from zb.testing.cluster import TrainCluster
 
 RUN = ["--optim.total_steps", "200"]   # long enough that the kill lands mid-run
 

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SWARM, zb_process
-from elastic_cluster import TrainCluster
+from conftest import SWARM
+
+from zb.testing.cluster import TrainCluster
+from zb.testing.procs import zb_process
 
 
 def _losses(cluster: TrainCluster, uid: str) -> dict[int, float]:

@@ -305,9 +305,9 @@ def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespac
 
 def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
     import torch.distributed as dist
-    from conftest import free_port
 
     from zb.elastic.tcpstore import connect
+    from zb.testing.procs import free_port
 
     port = free_port()
     host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)

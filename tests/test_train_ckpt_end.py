@@ -7,9 +7,9 @@ from __future__ import annotations
 import subprocess
 
 from ckpt_states import tmpfs
-from conftest import zb_train, zb_train_until_sigterm
 
 from zb.metrics import read_metrics
+from zb.testing.procs import zb_train, zb_train_until_sigterm
 
 
 def _train(tmp_path, log: str, *args: str) -> subprocess.CompletedProcess:

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, subprocess_env
+
+from zb.testing.procs import REPO, free_port, subprocess_env
 
 DRIVER = str(Path(__file__).parent / "drivers" / "loss_match.py")
 

@@ -61,7 +61,7 @@ def test_fsdp_bf16_blocks_keep_fp32_rope_and_gathered_params_are_resharded():
     import sys
     from pathlib import Path
 
-    from conftest import REPO, free_port, subprocess_env
+    from zb.testing.procs import REPO, free_port, subprocess_env
 
     driver = str(Path(__file__).parent / "drivers" / "fsdp_probe.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
@@ -145,7 +145,7 @@ def test_flash_attention_on_cpu_exits_2_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO, subprocess_env
+    from zb.testing.procs import REPO, subprocess_env
 
     proc = subprocess.run([sys.executable, "-m", "zb", "train", "--data.fake", "--train.device", "cpu",
                            "--model.attn_impl", "flash", "--optim.total_steps", "2", "--optim.warmup_steps", "1", "--log.dir", str(tmp_path)],

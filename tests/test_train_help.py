@@ -4,7 +4,8 @@ one-line error for a section that does not exist (issue 30: the flat help was ~6
 from __future__ import annotations
 
 import pytest
-from conftest import zb_process
+
+from zb.testing.procs import zb_process
 
 
 def _sections() -> dict[str, list]:

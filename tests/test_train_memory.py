@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import zb_process
 
 from zb.config import load_config
 from zb.errors import InvalidInput
+from zb.testing.procs import zb_process
 from zb.train.memory import check_memory, needs
 
 GB = 10**9

@@ -7,9 +7,9 @@ import shutil
 import signal
 
 import pytest
-from conftest import zb_train, zb_train_until_sigterm
 
 from zb.metrics import read_metrics
+from zb.testing.procs import zb_train, zb_train_until_sigterm
 
 
 def _losses(path) -> list[float]:

@@ -10,9 +10,9 @@ import sys
 
 import psutil
 import pytest
-from conftest import REPO, subprocess_env, wait_until, zb_process
 
 from zb.metrics import read_metrics
+from zb.testing.procs import REPO, subprocess_env, wait_until, zb_process
 
 FAST = ["--train.device", "cpu", "--log.progress", "plain", "--optim.warmup_steps", "5"]
 

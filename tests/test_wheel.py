@@ -16,7 +16,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+
+from zb.testing.procs import REPO
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -1,8 +1,12 @@
-"""Harness for multi-node tests: a real `zb store` and real node processes, either the membership
-driver (tests/elastic_node.py, Cluster) or whole `zb train` nodes (TrainCluster).
+"""Harness for multi-node tests and scripts: a real `zb store` and real node processes, either the
+membership driver (tests/elastic_node.py, Cluster) or whole `zb train` nodes (TrainCluster).
 
 Every node writes JSON lines to its own file; the harness reads them to decide what the survivors
-agree on. Every wait is bounded; `close()` kills whatever is left (tests call it in a finally).
+agree on. Every wait is bounded; `close()` kills whatever is left (callers call it in a finally).
+
+Used only from a source checkout: the membership driver (tests/elastic_node.py) and the DiLoCo
+reference (tests/drivers/diloco_reference.py) are files in tests/, addressed by path from the
+checkout root (zb.testing.procs.REPO); a zb installed without its checkout fails naming the missing file.
 """
 
 from __future__ import annotations
@@ -15,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import REPO, TINY, free_port, subprocess_env, wait_listening, wait_until
-
 from zb.elastic.profiles import SHORT_TIMEOUTS
 from zb.metrics import read_metrics
+from zb.testing.procs import REPO, TINY, checkout_file, free_port, subprocess_env, wait_listening, wait_until
 
 # The short-timeout test profile (README, "Elastic runs and zb store"): safe on 2 busy cores.
 PROFILE = SHORT_TIMEOUTS
@@ -70,21 +73,23 @@ class Cluster:
         wait_listening(self.port, 60)
 
     def kill_store(self) -> None:
+        assert self.store is not None, "start_store() first"
         self.store.kill()
         self.store.wait(10)
 
     def start(self, uid: str, rank: int = 0, world_size: int = 1, *args: str, nproc: int = 0, **env: str) -> Node:
         out, err = self.tmp / f"{uid}.{len(self.nodes)}.out", self.tmp / f"{uid}.{len(self.nodes)}.err"
         node_env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank), GLOBAL_WORLD_SIZE=str(world_size), **env)
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [sys.executable]
-        proc = subprocess.Popen([*launcher, NODE, *args], env=node_env, stdout=open(out, "w"),
+        launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+                    if nproc else [sys.executable])
+        proc = subprocess.Popen([*launcher, checkout_file(NODE), *args], env=node_env, stdout=open(out, "w"),
                                 stderr=open(err, "w"))
         node = Node(uid, proc, out, err)
         self.nodes[f"{uid}.{len(self.nodes)}"] = node
         return node
 
-    def start_world(self, n: int, *args: str, **env: str) -> list[Node]:
-        return [self.start(chr(ord("a") + i), i, n, *args, **env) for i in range(n)]
+    def start_world(self, n: int, *args: str, nproc: int = 0, **env: str) -> list[Node]:
+        return [self.start(chr(ord("a") + i), i, n, *args, nproc=nproc, **env) for i in range(n)]
 
     def close(self) -> None:
         for node in self.nodes.values():
@@ -211,7 +216,8 @@ def hashes_by_mesh(run: TrainCluster, uid: str, world_size: int = 2) -> dict[tup
     """params_hash of every all-reduce the node took in a world of `world_size` nodes, keyed by
     (mesh version, index within that version): the key the nodes share for one all-reduce,
     whatever their own counters say."""
-    out, seen = {}, {}
+    out: dict[tuple[int, int], str] = {}
+    seen: dict[int, int] = {}
     for e in run.metrics(uid, "outer_step"):
         if e["global_world_size"] == world_size:
             k = seen[e["mesh_version"]] = seen.get(e["mesh_version"], -1) + 1
@@ -244,12 +250,12 @@ def agree_with_joiner(run: TrainCluster) -> None:
         assert hashes[0][k] == hashes[1][k] == hashes[2][k], f"all-reduce {k} (mesh version, index)"
 
 
-REFERENCE = str(Path(__file__).parent / "drivers" / "diloco_reference.py")
+REFERENCE = str(REPO / "tests" / "drivers" / "diloco_reference.py")
 
 
 def reference_losses(nodes: int | str, rule: str, flags: list[str]) -> list[list[float]]:
-    out = subprocess.run([sys.executable, REFERENCE, str(nodes), rule, *flags], capture_output=True, text=True,
-                         timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
+    out = subprocess.run([sys.executable, checkout_file(REFERENCE), str(nodes), rule, *flags], capture_output=True,
+                         text=True, timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
 
