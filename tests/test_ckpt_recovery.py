@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 from ckpt_peers import TOKEN, check_fetched, write_sample
-from conftest import free_port
 
 from zb.ckpt.format.catalog import prune, read_manifest
 from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
 from zb.ckpt.recovery.fetch import fetch_snapshot
 from zb.ckpt.sidecar import server as serve
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.testing.procs import free_port
 
 
 def test_fetch_splits_across_two_peers(peer, tmp_path):
@@ -29,7 +29,7 @@ def test_fetch_splits_across_two_peers(peer, tmp_path):
     check_fetched(result)
     assert result.step == 10 and sorted(result.peers) == sorted([a.address, b.address])
     assert result.bytes == read_manifest(result.path).total_bytes
-    assert set(result.metrics()) >= {"outer_step", "peers", "bytes", "seconds"}
+    assert set(result.record().fields()) >= {"outer_step", "peers", "bytes", "seconds"}
 
 
 def test_fetch_only_the_requested_files(peer, tmp_path):

@@ -1,9 +1,11 @@
 """Metric sinks: `<log dir>/metrics.jsonl`, one JSON object per line.
 
-Every line has `event`, `time` (unix seconds) and `node` (unique id); field names are part of the
-interface (DESIGN.md): add, don't rename. Each line is written with a single write() and flushed,
-so a killed process leaves a file whose every complete line parses. A file another running zb
-process writes too (two nodes given one log.dir) is warned about once: the lines interleave.
+Every line has `event`, `time` (unix seconds) and `node` (unique id), then the fields of one of the
+records of zb.events (`zb.events.emit(sink, record)` writes one through `log`, which every sink,
+wrapper and test recorder has); field names are part of the interface: add, don't rename. Each line
+is written with a single write() and flushed, so a killed process leaves a file whose every complete
+line parses. A file another running zb process writes too (two nodes given one log.dir) is warned
+about once: the lines interleave.
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ import torch
 from zb.config_schema import Config, DilocoConfig
 from zb.diloco.checkin import Plan
 from zb.diloco.outer import OuterState
-from zb.diloco.report import OuterReport
 from zb.diloco.roles import RoleKeeper
 from zb.diloco.rounds import RoundClock
 from zb.diloco.streams import StreamGroups
 from zb.diloco.sync import SyncStats
+from zb.events import OuterReport
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")

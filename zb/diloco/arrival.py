@@ -16,10 +16,10 @@ from zb.diloco.algorithm import Boundary, CheckIn
 from zb.diloco.background import Arrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import OuterState
-from zb.diloco.report import OuterReport
 from zb.diloco.transfer import StateTransfer
 from zb.elastic import localsync
 from zb.errors import EnvironmentFailure
+from zb.events import OuterReport
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")

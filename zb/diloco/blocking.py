@@ -16,9 +16,9 @@ from zb.diloco import rounds
 from zb.diloco.algorithm import OuterAlgorithm, log_skipped, run_position
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import local_shard
-from zb.diloco.report import OuterReport
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.elastic import localsync
+from zb.events import OuterReport
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")

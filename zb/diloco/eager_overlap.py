@@ -33,9 +33,9 @@ from zb.diloco.arrival import agree_on_arrival, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
 from zb.diloco.outer import OuterState
-from zb.diloco.report import OuterReport
 from zb.diloco.streams import StreamGroups
 from zb.elastic import localsync
+from zb.events import OuterReport
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")

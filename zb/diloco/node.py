@@ -32,7 +32,6 @@ from zb.diloco import checkin, drift, rounds, slots
 from zb.diloco.algorithm import CheckIn, OuterAlgorithm
 from zb.diloco.algorithms import ALGORITHMS
 from zb.diloco.outer import OuterState
-from zb.diloco.report import OuterReport
 from zb.diloco.roles import RoleKeeper
 from zb.diloco.streams import StreamGroups
 from zb.diloco.stripes import StripeLayout
@@ -41,6 +40,7 @@ from zb.diloco.transfer import StateTransfer
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.tcpstore import connect, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.events import OuterReport, emit
 from zb.fingerprint import check_against, encode
 from zb.position import RunPosition
 
@@ -237,7 +237,7 @@ class DilocoNode:
             self.recovered_position = position
             if self.local.is_head:
                 assert found is not None  # local rank 0 always holds a stripe: all_ok above says it found one
-                self.sink.log("recovery", **found[1].metrics())
+                emit(self.sink, found[1].record())
                 log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
                          position.outer_step, ", ".join(found[1].peers), time.perf_counter() - started)
         return ok

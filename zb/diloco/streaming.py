@@ -35,9 +35,9 @@ from zb.diloco.arrival import agree_on_arrival, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD
 from zb.diloco.outer import OuterState, local_shard
-from zb.diloco.report import OuterReport
 from zb.diloco.streams import StreamGroups
 from zb.elastic import localsync
+from zb.events import OuterReport
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")

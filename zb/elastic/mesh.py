@@ -15,6 +15,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
+from zb import events
 from zb.elastic import keys, localsync
 from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
@@ -318,7 +319,8 @@ class ElasticDeviceMesh:
         if old_leader is not None and old_leader != view.leader:
             log.warning("new leader: %s (was %s)", view.leader, old_leader)
         if self.sink is not None:
-            self.sink.log("membership", mesh_version=view.mesh_version, global_world_size=view.global_world_size,
-                          leader=view.leader, joined=view.joined, left=view.left, died=view.died,
-                          global_rank=view.global_rank, new_leader=old_leader is not None and old_leader != view.leader,
-                          nodes=view.nodes, ring_mbps=view.ring_mbps)
+            events.emit(self.sink, events.Membership(
+                mesh_version=view.mesh_version, global_world_size=view.global_world_size, leader=view.leader,
+                joined=view.joined, left=view.left, died=view.died, global_rank=view.global_rank,
+                new_leader=old_leader is not None and old_leader != view.leader, nodes=view.nodes,
+                ring_mbps=view.ring_mbps))

@@ -12,15 +12,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-# Fields named as Prime named them in wandb, per event; "step" and "outer_step" are global names.
+from zb.events import OuterStep, RunStart, Step
+
+# Fields named as Prime named them in wandb, per event (tests/test_events.py checks the fields against
+# zb.events); "step" and "outer_step" are global names.
 PRIME_NAMES = {
-    "step": {"loss": "Loss", "perplexity": "Perplexity", "lr": "inner_lr", "tokens_per_s": "tokens_per_second",
-             "run_tokens": "total_tokens", "mfu": "mfu", "grad_norm": "grad_norm", "z_loss": "z_loss"},
-    "outer_step": {"outer_mfu": "outer_mfu", "outer_tokens_per_s": "outer_tokens_per_second",
-                   "allreduce_s": "all_reduce_step", "num_peers": "num_peers"},
+    Step.EVENT: {"loss": "Loss", "perplexity": "Perplexity", "lr": "inner_lr", "tokens_per_s": "tokens_per_second",
+                 "run_tokens": "total_tokens", "mfu": "mfu", "grad_norm": "grad_norm", "z_loss": "z_loss"},
+    OuterStep.EVENT: {"outer_mfu": "outer_mfu", "outer_tokens_per_s": "outer_tokens_per_second",
+                      "allreduce_s": "all_reduce_step", "num_peers": "num_peers"},
 }
 GLOBAL = ("step", "outer_step")
-SKIPPED_EVENTS = ("run_start",)  # its settings go to the backend's run config instead
+SKIPPED_EVENTS = (RunStart.EVENT,)  # its settings go to the backend's run config instead
 SKIPPED_FIELDS = ("event", "time", "node")
 
 

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from typing import Any
 
+from zb.events import Membership, OuterStep, RunStart, Step
+
 FORMAT = 1              # bumped when a field changes meaning
 HISTORY_POINTS = 120    # logged steps kept per node (about 6 KB)
 OUTER_POINTS = 32
@@ -37,6 +39,16 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "wire_mbps": (float, int), "wire_bytes": (int,), "num_peers": (int,), "started": (float, int),
     "time": (float, int), "heartbeat_interval": (float, int), "heartbeat_timeout": (float, int),
     "steps_per_s": (float, int), "history_version": (int,), "reason": (str,),
+}
+
+
+# What the record takes over from each event: fields it keeps under the event's own name (zb.events; checked
+# there by tests/test_events.py). The handlers below add the rest (renamed or derived).
+KEPT: dict[str, tuple[str, ...]] = {
+    RunStart.EVENT: ("host", "pid", "device", "local_world_size"),
+    Step.EVENT: ("step", "outer_step", "tokens", "tokens_per_s", "run_tokens"),
+    OuterStep.EVENT: ("outer_step", "step", "mesh_version", "num_peers", "allreduce_s", "wire_mbps", "wire_bytes"),
+    Membership.EVENT: ("mesh_version", "leader", "global_rank"),
 }
 
 
@@ -62,10 +74,12 @@ class NodeStatus:
     def observe(self, record: dict[str, Any]) -> bool:
         """Take one metrics event; True when it should be published at once (an outer step, a change
         of membership or of state)."""
-        handler = getattr(self, "_on_" + str(record.get("event")), None)
+        event = str(record.get("event"))
+        handler = getattr(self, "_on_" + event, None)
         if handler is None:
             return False
         with self._lock:
+            self._update(**{name: record.get(name) for name in KEPT.get(event, ())})
             return bool(handler(record))
 
     def end(self) -> None:
@@ -87,13 +101,10 @@ class NodeStatus:
 
     # -- events ------------------------------------------------------------------------------
     def _on_run_start(self, r: dict) -> bool:
-        self._update(r, host=r.get("host"), pid=r.get("pid"), device=r.get("device"),
-                     local_world_size=r.get("local_world_size"))
-        return True
+        return True   # the node's identity (KEPT) is news at once
 
     def _on_step(self, r: dict) -> bool:
-        self._update(r, step=r.get("step"), outer_step=r.get("outer_step"), loss=_finite(r.get("loss")),
-                     tokens=r.get("tokens"), tokens_per_s=r.get("tokens_per_s"), run_tokens=r.get("run_tokens"))
+        self._update(loss=_finite(r.get("loss")))
         if self._record.get("state") in ("joining", "recovering") and r.get("step"):
             self._record["state"] = "training"
         self._steps.append([r.get("time"), r.get("step"), _finite(r.get("loss")), r.get("tokens_per_s")])
@@ -101,15 +112,13 @@ class NodeStatus:
         return False
 
     def _on_eval(self, r: dict) -> bool:
-        self._update(r, eval_loss=_finite(r.get("loss")))
+        self._update(eval_loss=_finite(r.get("loss")))
         self._evals.append([r.get("time"), r.get("step"), _finite(r.get("loss"))])
         self.history_version += 1
         return False
 
     def _on_outer_step(self, r: dict) -> bool:
-        self._update(r, outer_step=r.get("outer_step"), step=r.get("step"), mesh_version=r.get("mesh_version"),
-                     world_size=r.get("global_world_size"), num_peers=r.get("num_peers"),
-                     allreduce_s=r.get("allreduce_s"), wire_mbps=r.get("wire_mbps"), wire_bytes=r.get("wire_bytes"))
+        self._update(world_size=r.get("global_world_size"))
         self._record["state"] = "training"
         self._outer.append([r.get("time"), r.get("outer_step"), r.get("allreduce_s"), r.get("wire_mbps"),
                             r.get("global_world_size")])
@@ -117,8 +126,7 @@ class NodeStatus:
         return True
 
     def _on_membership(self, r: dict) -> bool:
-        self._update(r, mesh_version=r.get("mesh_version"), world_size=r.get("global_world_size"),
-                     leader=r.get("leader"), global_rank=r.get("global_rank"))
+        self._update(world_size=r.get("global_world_size"))
         uid = self._record["uid"]
         # Admitted but in need of the run's state (it arrives at this outer step), or a member.
         self._record["state"] = "joining" if uid in (r.get("joined") or []) else "training"
@@ -138,7 +146,7 @@ class NodeStatus:
         self._record["state"] = "joining"          # the outer state is here; admission comes next
         return True
 
-    def _update(self, r: dict, **fields: Any) -> None:
+    def _update(self, **fields: Any) -> None:
         for name, value in fields.items():
             if value is not None:
                 self._record[name] = value

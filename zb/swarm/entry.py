@@ -9,14 +9,11 @@ machine `zb train @cfg.toml --swarm.stages 2 [--swarm.stage J]` against one `zb 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 
 import torch
 
-from zb import __version__
-from zb.config import fail, non_default_settings, source_of
+from zb.config import fail, source_of
 from zb.config_schema import Config, SwarmConfig
 from zb.errors import LeavingRun
 from zb.local_world import local_world
@@ -25,7 +22,9 @@ from zb.swarm.checkpoints import checkpointed_stage
 from zb.swarm.first import FirstStage
 from zb.swarm.later import LaterStage
 from zb.swarm.stages import split_blocks
-from zb.swarm.worker import UNSUPPORTED, Ended
+from zb.swarm.worker import UNSUPPORTED
+from zb.train.ledger import emit_run_start
+from zb.train.signals import Ended
 
 log = logging.getLogger("zb.swarm")
 
@@ -89,8 +88,7 @@ def run(cfg: Config) -> Ended:
     tokenizer = build_tokenizer(cfg.data.tokenizer, retries=cfg.data.retries)
     args, bounds = plan_stages(cfg, tokenizer.vocab_size)
     sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=True)
-    sink.log("run_start", version=__version__, host=socket.gethostname(), pid=os.getpid(), local_world_size=1,
-             device=cfg.train.device, settings={k: v for k, v, _ in non_default_settings(cfg)})
+    emit_run_start(sink, cfg, local_world_size=1, device=cfg.train.device)
     started = time.perf_counter()
     try:
         stage = pick_stage(cfg)

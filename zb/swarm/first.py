@@ -12,17 +12,18 @@ first-stage worker has finished it), and every diloco.inner_steps steps the stag
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from zb.events import Swarm, emit
 from zb.local_world import LocalWorld
 from zb.swarm import registry, wire
 from zb.swarm.client import Hops, to_wire
-from zb.swarm.worker import Ended, StageWorker
+from zb.swarm.worker import StageWorker
+from zb.train.signals import Ended
 
 log = logging.getLogger("zb.swarm")
 
@@ -32,7 +33,6 @@ class FirstStage(StageWorker):
         super().__init__(cfg, 0, bounds, args, sink, uid)
         self.tokenizer, self.num_stages = tokenizer, len(bounds)
         self.accum = cfg.optim.batch_size // cfg.train.micro_bs
-        self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
         from zb.train.progress import StepClock
 
         self.step_clock = StepClock()   # for the ETA of the step lines
@@ -64,19 +64,19 @@ class FirstStage(StageWorker):
             if position is not None:
                 self.train_loader.load_state_dict(position)
             self.resume()
-            me = registry.Worker(self.uid, "-", self.position.step, self.token)
+            me = registry.Worker(self.uid, "-", self.ledger.position.step, self.token)
             registry.register(self.link.client, 0, me)
             self.hops.refresh(force=True)
             self._loop(stop)
-            self.checkpoints.final(self.position.step)
+            self.checkpoints.final(self.ledger.position.step)
             if stop.requested:
-                return Ended(stop.signum, self.position.step)
-            if self.cfg.eval.interval >= 0 and self.position.step > 0:
+                return Ended(stop.signum, self.ledger.position.step)
+            if self.cfg.eval.interval >= 0 and self.ledger.position.step > 0:
                 self._evaluate()
-            return Ended(None, self.position.step)
+            return Ended(None, self.ledger.position.step)
         finally:
             if me is not None:
-                self.link.run(lambda store: registry.leave(store, me, self.position.step))
+                self.link.run(lambda store: registry.leave(store, me, self.ledger.position.step))
             if self.hops is not None:
                 self.hops.close()
             self.shutdown()
@@ -85,9 +85,9 @@ class FirstStage(StageWorker):
     def _loop(self, stop) -> None:
         cfg = self.cfg
         with ThreadPoolExecutor(self.sw.max_in_flight, thread_name_prefix="zb-swarm-mb") as pool:
-            while self.position.step < self.total and not stop.requested:
+            while self.ledger.position.step < self.total and not stop.requested:
                 t0 = time.perf_counter()
-                step = self.position.step
+                step = self.ledger.position.step
                 batches = [next(self.train_loader) for _ in range(self.accum)]
                 ids = [step * self.accum + i for i in range(self.accum)]
                 losses = list(pool.map(lambda a: self._micro_batch(step, *a), zip(ids, batches)))
@@ -102,10 +102,15 @@ class FirstStage(StageWorker):
                 self._log_step(sum(losses) / len(losses), lr, norm, dt, len(ids))
                 if self.outer_due():
                     self.outer_step_unless_stopping(stop, self.train_loader.state_dict())
-                self.checkpoints.maybe_save(self.position.step)
-                if cfg.eval.interval > 0 and self.position.step % cfg.eval.interval == 0 and \
-                        self.position.step < self.total:
+                self.checkpoints.maybe_save(self.ledger.position.step)
+                if cfg.eval.interval > 0 and self.ledger.position.step % cfg.eval.interval == 0 and \
+                        self.ledger.position.step < self.total:
                     self._evaluate()
+
+    def inner_step(self, count: int) -> float:
+        # The run's tokens of the step: this worker's times the first-stage workers training beside it.
+        self.ledger.nodes = self._owners()
+        return super().inner_step(count)
 
     def data_state(self) -> tuple[dict, bool]:
         return self.train_loader.state_dict(), self.train_loader.exact_resume
@@ -139,7 +144,7 @@ class FirstStage(StageWorker):
 
     @torch.no_grad()
     def _evaluate(self) -> float:
-        total, count, step = 0.0, 0, self.position.step
+        total, count, step = 0.0, 0, self.ledger.position.step
         it = iter(self.eval_loader())
         for i in range(self.cfg.eval.batches):
             batch = next(it, None)
@@ -158,36 +163,28 @@ class FirstStage(StageWorker):
             count += 1
         loss = total / count if count else float("nan")
         log.info("eval step %d | held-out loss %.4f", step, loss)
-        self.sink.log("eval", step=step, outer_step=self.position.outer_step, loss=loss,
-                      perplexity=math.inf if loss > 709 else math.exp(loss))
+        self.ledger.eval(loss)
         return loss
 
     def _log_step(self, loss: float, lr: float, norm: float, dt: float, micro_batches: int) -> None:
-        from zb.train.progress import format_step_line
-
-        p = self.position
-        self.position = type(p)(p.step, p.outer_step, p.tokens + self.tokens_per_step,
-                                p.run_tokens + self.tokens_per_step * max(1, self._owners()))
-        p, tps = self.position, self.tokens_per_step / dt
+        record = self.ledger.step(loss=loss, lr=lr, grad_norm=norm, z_loss=None, seconds=dt,
+                                  micro_batches=micro_batches)
         self.step_clock.add(dt)
-        if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
-            log.info(format_step_line(p.step, self.total, loss, lr, norm, tps, tps * self._owners(), p.run_tokens,
-                                      step_s=dt, eta_s=self.step_clock.eta(self.total - p.step)))
-        self.sink.log("step", step=p.step, outer_step=p.outer_step, loss=loss, lr=lr, grad_norm=norm, z_loss=None,
-                      tokens=p.tokens, tokens_per_s=round(tps, 1), run_tokens=p.run_tokens,
-                      run_tokens_per_s=round(tps * self._owners(), 1),
-                      perplexity=math.inf if loss > 709 else math.exp(loss), mfu=None, stage=0,
-                      micro_batches=micro_batches)
-        if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
-            routers = self.hops.routers
-            self.sink.log("swarm", step=p.step, stage=0, forward=len(self.counted), backward=len(self.counted),
-                          reissued=self.hops.reissued, not_ready=self.hops.not_ready,
-                          shares={str(j): dict(r.sent) for j, r in routers.items()},
-                          throughput={str(j): {u: round(v, 3) for u, v in r.throughputs().items() if v}
-                                      for j, r in routers.items()},
-                          pipeline_bytes_out=self.hops.bytes_out, pipeline_bytes_in=self.hops.bytes_in)
+        if record.step % self.cfg.train.log_interval == 0 or record.step == self.total:
+            log.info(self.ledger.step_line(record, self.total, seconds=dt,
+                                           eta_s=self.step_clock.eta(self.total - record.step)))
+            self._log_swarm(record.step)
             speed = self.accum / max(1e-9, dt)
             self.link.run(lambda store: registry.publish_speed(store, self.uid, speed))
+
+    def _log_swarm(self, step: int) -> None:
+        routers = self.hops.routers
+        emit(self.sink, Swarm(step=step, stage=0, forward=len(self.counted), backward=len(self.counted),
+                              reissued=self.hops.reissued, not_ready=self.hops.not_ready,
+                              shares={str(j): dict(r.sent) for j, r in routers.items()},
+                              throughput={str(j): {u: round(v, 3) for u, v in r.throughputs().items() if v}
+                                          for j, r in routers.items()},
+                              pipeline_bytes_in=self.hops.bytes_in, pipeline_bytes_out=self.hops.bytes_out))
 
     def _owners(self) -> int:
         return self.diloco.mesh.view.global_world_size if self.diloco and self.diloco.mesh.view else 1

@@ -11,13 +11,16 @@ serves evaluations until every first-stage worker has left.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 from zb.errors import EnvironmentFailure
+from zb.events import Swarm, emit
 from zb.swarm import registry
 from zb.swarm.server import StageServer
-from zb.swarm.worker import Ended, StageWorker
+from zb.swarm.worker import StageWorker
+from zb.train.signals import Ended
 
 log = logging.getLogger("zb.swarm")
 
@@ -45,28 +48,29 @@ class LaterStage(StageWorker):
             self.join_stage(vocab_size)
             self.liveness = registry.Liveness(self.link, self.cfg.elastic.heartbeat_timeout)
             self.resumed = self.resume()
-            self.server.open(self.position.step)
+            self.server.open(self.ledger.position.step)
             # Alone in its stage: if the run is further on, this worker restarts a stage that lost every worker
             # (from its checkpoint or the initial weights), and takes the run's step from the first request (with
             # workers beside it, it catches up through the step notices instead).
             self.server.adopt = self.diloco.mesh.view is not None and self.diloco.mesh.view.global_world_size == 1
             self.server.start()
-            me = registry.Worker(self.uid, self.server.address, self.position.step, self.token)
+            me = registry.Worker(self.uid, self.server.address, self.ledger.position.step, self.token)
             registry.register(self.link.client, self.index, me)
-            log.info("stage %d worker serving on %s from step %d", self.index, self.server.address, self.position.step)
-            while self.position.step < self.total and not stop.requested:
-                self._await_step_end(self.position.step, stop)
+            log.info("stage %d worker serving on %s from step %d", self.index, self.server.address,
+                     self.ledger.position.step)
+            while self.ledger.position.step < self.total and not stop.requested:
+                self._await_step_end(self.ledger.position.step, stop)
                 if stop.requested:
                     break
                 self._step(stop)
-            self.checkpoints.final(self.position.step)
+            self.checkpoints.final(self.ledger.position.step)
             if stop.requested:
-                return Ended(stop.signum, self.position.step)
+                return Ended(stop.signum, self.ledger.position.step)
             self._serve_until_owners_leave(stop)
-            return Ended(None, self.position.step)
+            return Ended(None, self.ledger.position.step)
         finally:
             if me is not None:
-                self.link.run(lambda store: registry.leave(store, me, self.position.step))
+                self.link.run(lambda store: registry.leave(store, me, self.ledger.position.step))
             self.server.close()
             self.shutdown()
             stop.restore()
@@ -82,9 +86,9 @@ class LaterStage(StageWorker):
 
     def _await_step_end(self, step: int, stop) -> None:
         while not stop.requested:
-            if self.server.adopted is not None and self.server.adopted > self.position.step:
+            if self.server.adopted is not None and self.server.adopted > self.ledger.position.step:
                 self._adopt(self.server.adopted)
-                step = self.position.step
+                step = self.ledger.position.step
             owners = self._owners(step)
             now = time.monotonic()
             done = self.server.finished_by(step)
@@ -105,18 +109,14 @@ class LaterStage(StageWorker):
             self.server.wait_change(POLL_S)
 
     def _adopt(self, step: int) -> None:
-        from zb.train.lr_schedule import set_schedule_position
-
         if self.resumed:
             log.warning("stage %d had no worker holding its state: this worker continues it from its checkpoint of "
                         "step %d at the run's step %d; what the stage learned in between is lost", self.index,
-                        self.position.step, step)
+                        self.ledger.position.step, step)
         else:
             log.warning("stage %d had no worker holding its state: this worker starts it afresh (initial weights) at "
                         "the run's step %d; what the stage had learned is lost", self.index, step)
-        self.position = type(self.position)(step, self.position.outer_step, self.position.tokens,
-                                            self.position.run_tokens)
-        set_schedule_position(self.scheduler, step)
+        self.ledger.move_to(dataclasses.replace(self.ledger.position, step=step))
         self.server.adopted = None
 
     def _step(self, stop) -> None:
@@ -128,21 +128,21 @@ class LaterStage(StageWorker):
             norm = self.inner_step(count)
             if self.outer_due():
                 self.outer_step_unless_stopping(stop, None)
-            self.checkpoints.maybe_save(self.position.step)
-        self.server.open(self.position.step)
+            self.checkpoints.maybe_save(self.ledger.position.step)
+        self.server.open(self.ledger.position.step)
         now = time.monotonic()
         dt, self._stepped_at = now - self._stepped_at, now
-        p = self.position
+        p = self.ledger.position
         if count:
             speed = count / max(dt, 1e-9)
             self.link.run(lambda store: registry.publish_speed(store, self.uid, speed))
         if p.step % self.cfg.train.log_interval == 0 or p.step == self.total:
             c = self.server.counts
-            self.sink.log("swarm", step=p.step, outer_step=p.outer_step, stage=self.index, micro_batches=count,
-                          forward=c["forward"], backward=c["backward"] + c["loss"], eval=c["eval"],
-                          not_ready=c["not_ready"], lr=lr, grad_norm=norm,
-                          loss=sum(losses) / len(losses) if losses else None,
-                          pipeline_bytes_in=self.server.bytes_in, pipeline_bytes_out=self.server.bytes_out)
+            emit(self.sink, Swarm(step=p.step, outer_step=p.outer_step, stage=self.index, micro_batches=count,
+                                  forward=c["forward"], backward=c["backward"] + c["loss"], eval=c["eval"],
+                                  not_ready=c["not_ready"], lr=lr, grad_norm=norm,
+                                  loss=sum(losses) / len(losses) if losses else None,
+                                  pipeline_bytes_in=self.server.bytes_in, pipeline_bytes_out=self.server.bytes_out))
             log.info("stage %d step %d/%d | micro-batches %d | grad %.3f | served fwd %d bwd %d", self.index, p.step,
                      self.total, count, norm, c["forward"], c["backward"] + c["loss"])
 

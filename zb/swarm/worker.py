@@ -11,7 +11,6 @@ import copy
 import logging
 import math
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,10 +21,10 @@ from zb.errors import LeavingRun
 from zb.fingerprint import fingerprint
 from zb.local_world import local_world
 from zb.models.loss import LossSpec
-from zb.position import RunPosition
 from zb.swarm import registry
 from zb.swarm.checkpoints import StageCheckpoints
 from zb.swarm.stages import Stage, build_stage, stage_signature
+from zb.train.ledger import Ledger
 
 if TYPE_CHECKING:
     from zb.diloco.node import DilocoNode
@@ -39,13 +38,6 @@ UNSUPPORTED = {"train.torch_compile": "stages run eagerly", "train.ac_ckpt": "a 
                "ckpt.live_recovery": "a joiner of a stage takes its state from a live worker of the stage at its next "
                "outer step (blocking join); turned off", "data.prefetch": "data is read between steps",
                "diloco.blocking_join": "a joiner of a stage always takes its state by blocking join"}
-
-
-@dataclass
-class Ended:
-    """What a worker's role returns to `zb train`: the signal that stopped the run early, if any."""
-    stop_signal: int | None = None
-    step: int = 0
 
 
 class StageWorker:
@@ -65,7 +57,9 @@ class StageWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.loss = LossSpec(cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0)
         self.total = cfg.train.max_steps or cfg.optim.total_steps
-        self.position = RunPosition()
+        # Only the first stage reads data: the tokens are counted there, a later stage counts none.
+        self.ledger = Ledger(sink, self.scheduler, stage=stage_index,
+                             tokens_per_step=cfg.optim.batch_size * cfg.data.seq_length if stage_index == 0 else 0)
         self._link: registry.StoreLink | None = None
         self._diloco: DilocoNode | None = None
         self.stage_cfg = copy.deepcopy(cfg)
@@ -114,7 +108,7 @@ class StageWorker:
         if self.diloco.joining:
             self.outer_step(None)
             log.info("joined stage %d at step %d with the state of a live worker of the stage", self.index,
-                     self.position.step)
+                     self.ledger.position.step)
         return slot
 
     # -- checkpoints ----------------------------------------------------------------------------
@@ -124,7 +118,7 @@ class StageWorker:
         from zb.config import to_dict
 
         data_state, exact = self.data_state()
-        return TrainState(self.stage, self.optimizer, self.scheduler, self.position, data_state=data_state,
+        return TrainState(self.stage, self.optimizer, self.scheduler, self.ledger.position, data_state=data_state,
                           outer=self.diloco.checkpoint_tensors(), config=to_dict(self.cfg),
                           fingerprint=self.fingerprint, data_exact=exact)
 
@@ -134,18 +128,15 @@ class StageWorker:
 
     def resume(self) -> bool:
         """Resume from this worker's checkpoint per ckpt.resume (zb.swarm.checkpoints); True when it did."""
-        from zb.train.lr_schedule import set_schedule_position
-
         loaded = self.checkpoints.resume(self.link, joining=self.diloco.joining)
         if loaded is None:
             return False
-        self.position = loaded.position
-        set_schedule_position(self.scheduler, loaded.position.step)
+        self.ledger.move_to(loaded.position, own_tokens=True)
         if loaded.outer:
             self.diloco.load_checkpoint_tensors(loaded.outer)
         self.load_data_state(loaded.data_state)
         log.info("stage %d resumed from %s at step %d (outer step %d)", self.index, loaded.path,
-                 self.position.step, self.position.outer_step)
+                 self.ledger.position.step, self.ledger.position.outer_step)
         return True
 
     def load_data_state(self, state: dict | None) -> None:
@@ -167,28 +158,19 @@ class StageWorker:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        self.position = RunPosition(self.position.step + 1, self.position.outer_step, self.position.tokens,
-                                    self.position.run_tokens)
+        self.ledger.inner_step()
         return norm
 
     def outer_due(self) -> bool:
-        return self.position.step % self.dcfg.inner_steps == 0 or self.position.step == self.total
+        step = self.ledger.position.step
+        return step % self.dcfg.inner_steps == 0 or step == self.total
 
     def outer_step(self, data_state: dict | None) -> None:
-        from zb.train.lr_schedule import set_schedule_position
-
-        report, received = self.diloco.outer_step(self.position, data_state)
+        report, received = self.diloco.outer_step(self.ledger.position, data_state)
         round_micro_batches, self.round_steps, self.round_micro_batches = self.round_micro_batches, 0, 0
-        if received is not None:
-            self.position = RunPosition(received.step, received.outer_step, self.position.tokens,
-                                        received.run_tokens)
-            set_schedule_position(self.scheduler, received.step)
-        self.position = RunPosition(self.position.step, self.position.outer_step + 1, self.position.tokens,
-                                    self.position.run_tokens)
-        self.sink.log("outer_step", outer_step=self.position.outer_step, step=self.position.step, stage=self.index,
-                      **report.event_fields(), round_micro_batches=round_micro_batches)
+        self.ledger.outer_step(report, received=received, round_micro_batches=round_micro_batches)
         log.info("stage %d outer step %d | workers %d (%d contributing) | mesh v%d | all-reduce %.2f s, %s bytes%s",
-                 self.index, self.position.outer_step, report.global_world_size, report.num_peers,
+                 self.index, self.ledger.position.outer_step, report.global_world_size, report.num_peers,
                  report.mesh_version, report.allreduce_s, f"{report.wire_bytes:,}",
                  "" if report.applied else " | " + (report.note or "NOT applied").strip(" |"))
 

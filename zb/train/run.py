@@ -8,21 +8,16 @@ Run: `zb train` (built-in default), `zb train @configs/debug/normal.toml`,
 from __future__ import annotations
 
 import logging
-import math
-import os
 import signal
-import socket
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from zb import __version__
 from zb.config import non_default_settings, to_dict
 from zb.config_schema import Config
 from zb.errors import InvalidInput, LeavingRun
+from zb.events import Refused, emit
 from zb.fingerprint import fingerprint
 from zb.local_world import LocalWorld, local_world
-from zb.position import RunPosition
 from zb.status.publisher import publish_status
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import (
@@ -33,40 +28,24 @@ from zb.train.device import (
     init_control_group,
     init_local_group,
 )
-from zb.train.lr_schedule import build_optimizer, build_scheduler, set_schedule_position
-from zb.train.progress import StepClock, TrainingDisplay, format_step_line
+from zb.train.ledger import Ledger, emit_run_start, perplexity
+from zb.train.lr_schedule import build_optimizer, build_scheduler
+from zb.train.progress import StepClock, TrainingDisplay
 from zb.train.setup import build_loaders, build_model, check_batch, node_identity, open_metrics, preflight
-from zb.train.signals import StopRequest
+from zb.train.signals import Ended, StopRequest
 from zb.train.step import StepResult, Trainer, take
 
 if TYPE_CHECKING:
     from zb.ckpt.durable.state import TrainState
     from zb.diloco.node import DilocoNode
+    from zb.events import OuterReport
 
 log = logging.getLogger("zb.train")
 
 SPIKE_FACTOR = 2.0  # a step loss this many times the running mean is logged as a spike
 
 
-@dataclass
-class Counters:
-    """The loop's running counters: the run position's fields (counted in place every step), plus
-    the node count and how the run ended."""
-
-    step: int = 0
-    outer_step: int = 0
-    tokens: int = 0
-    run_tokens: int = 0
-    num_nodes: int = 1
-    started: float = field(default_factory=time.perf_counter)
-    stop_signal: int | None = None  # set when a signal stopped the run early (exit code 128 + it)
-
-    @property
-    def position(self) -> RunPosition:
-        return RunPosition(self.step, self.outer_step, self.tokens, self.run_tokens)
-
-
-def run(cfg: Config) -> Counters:
+def run(cfg: Config) -> Ended:
     from zb.log import apply_log_config
 
     local = local_world()
@@ -82,11 +61,6 @@ def run(cfg: Config) -> Counters:
         close_local_group()
 
 
-def perplexity(loss: float) -> float:
-    """exp(mean cross-entropy); inf past what a float holds (metrics.jsonl writes it as a string)."""
-    return math.inf if loss > 709 else math.exp(loss)
-
-
 def _warn_unused(cfg: Config, local: LocalWorld, prefix: str, why: str) -> None:
     """Say so when settings were given that cannot have an effect, instead of ignoring them."""
     from zb.config import KEYS, source_of
@@ -100,8 +74,8 @@ def _warn_unused(cfg: Config, local: LocalWorld, prefix: str, why: str) -> None:
 class TrainingRun:
     """One node's training run from start to end: builds the model, optimizer and data, joins the
     other nodes (DiLoCo), resumes, loops over steps with outer steps, evaluations and checkpoints,
-    and stops cleanly on a signal. Owns the counters; `move_to` is the one way to take over a
-    position (a resume, a joiner, live recovery)."""
+    and stops cleanly on a signal. Its ledger (zb.train.ledger) holds the run position and writes the
+    step, eval and outer_step events."""
 
     def __init__(self, cfg: Config, local: LocalWorld, placement: Placement):
         from zb.data import build_tokenizer
@@ -124,15 +98,13 @@ class TrainingRun:
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
                                cfg.optim.z_loss_weight if cfg.optim.z_loss else 0.0, cfg.train.reduce_every_micro_batch,
                                num_chunks=cfg.optim.num_chunks, fused_linear_ce=cfg.train.fused_linear_ce)
-        self.counters = Counters()
+        self.started = time.perf_counter()
+        self.stop_signal: int | None = None  # set when a signal stopped the run early (exit code 128 + it)
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
         self.diloco: DilocoNode | None = None
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
-        # Where a run starts in a file that may hold several (every run of a log.dir appends to it).
-        self.sink.log("run_start", version=__version__, host=socket.gethostname(), pid=os.getpid(),
-                      local_world_size=local.world_size, device=placement.device.type,
-                      settings={key: value for key, value, _ in non_default_settings(cfg)})
+        emit_run_start(self.sink, cfg, local_world_size=local.world_size, device=placement.device.type)
         self.checkpoints = RunCheckpoints(cfg, node_id=cfg.elastic.unique_id, local_rank=local.rank,
                                           local_world_size=local.world_size, is_head=local.is_head, sink=self.sink,
                                           local_group=control_group(), state_of=self.checkpoint_state)
@@ -140,11 +112,10 @@ class TrainingRun:
         self.step_clock = StepClock()
         self._loss_mean: float | None = None
         # diloco.round_seconds: rounds end by time, at other steps on every node; the run's position after each
-        # comes from the check-in. Where the current round started (its run tokens and run step):
+        # comes from the check-in.
         self.adaptive = cfg.diloco is not None and cfg.diloco.round_seconds is not None
-        self._round_position = RunPosition()
         self._init_mfu()
-        self._round_start = (time.perf_counter(), 0)  # (time, tokens) where the current DiLoCo round began
+        self.ledger = Ledger(self.sink, self.scheduler, tokens_per_step=self.tokens_per_step, mfu=self._mfu)
 
     def _init_mfu(self) -> None:
         from zb.models.flops import flops_per_token
@@ -163,19 +134,19 @@ class TrainingRun:
         return None if mfu is None else round(mfu, 3)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def execute(self) -> Counters:
+    def execute(self) -> Ended:
         self.stop.install()  # before the mesh: its deathrattle chains to this handler
         try:
             if self.cfg.eval.only:
                 self._evaluate_only()
-                return self.counters
+                return self._ended()
             try:
                 data_rank, data_world = self._join_nodes()
             except LeavingRun:  # a signal arrived while this node was joining
                 self._stopped()
-                return self.counters
+                return self._ended()
             except InvalidInput as e:   # the run refused this node (settings that differ from the run's)
-                self.sink.log("refused", reason=str(e))
+                emit(self.sink, Refused(reason=str(e)))
                 raise
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
                                                                 data_world)
@@ -183,14 +154,14 @@ class TrainingRun:
             self._resume()
             if self.local.is_head and self.sink.path is not None:
                 log.info("metrics: %s", self.sink.path)
-            self._round_start = (time.perf_counter(), self.counters.tokens)
+            self.ledger.start_round()
             # A joiner takes part in the current outer step at once (the state arrives at its end).
             if self.diloco is None or not self.diloco.joining or self._outer_step():
-                with TrainingDisplay(self.total, self.counters.step, self.cfg.log.progress,
+                with TrainingDisplay(self.total, self.ledger.position.step, self.cfg.log.progress,
                                      enabled=self.local.is_head) as display:
                     self._loop(display)
             self._final_eval()
-            self.checkpoints.final(self.counters.step)
+            self.checkpoints.final(self.ledger.position.step)
         finally:
             if hasattr(getattr(self, "train_loader", None), "close"):
                 self.train_loader.close()  # the prefetch thread
@@ -200,7 +171,10 @@ class TrainingRun:
                 self.diloco.shutdown(graceful=True)
             self.stop.restore()
             self.sink.close()
-        return self.counters
+        return self._ended()
+
+    def _ended(self) -> Ended:
+        return Ended(self.stop_signal, self.ledger.position.step)
 
     def _evaluate_only(self) -> None:
         """eval.only: the checkpoint ckpt.resume names, on this node's held-out shard; nothing else."""
@@ -211,10 +185,10 @@ class TrainingRun:
         if loaded is None:
             raise InvalidInput(f"eval.only: ckpt.resume = '{cfg.ckpt.resume}' found no complete checkpoint under "
                                f"{cfg.ckpt.path}; see `zb ckpt ls {cfg.ckpt.path}`")
-        self.move_to(loaded.position, own_tokens=True)
+        self.ledger.move_to(loaded.position, own_tokens=True)
         loss = self._evaluate()
         log.info("eval.only: checkpoint %s (step %d): held-out loss %.4f, perplexity %.4g over %d micro batches "
-                 "per rank", loaded.path, self.counters.step, loss, perplexity(loss), cfg.eval.batches)
+                 "per rank", loaded.path, self.ledger.position.step, loss, perplexity(loss), cfg.eval.batches)
 
     def _join_nodes(self) -> tuple[int, int]:
         """With DiLoCo: join the elastic world and claim a data slot. Without: the configured shard."""
@@ -229,19 +203,10 @@ class TrainingRun:
         slot = self.diloco.start()
         view = self.diloco.mesh.view
         assert view is not None  # start() took the world
-        self.counters.num_nodes = view.global_world_size
+        self.ledger.nodes = view.global_world_size
         if self.diloco.recovered_position is not None:
-            self.move_to(self.diloco.recovered_position)
+            self.ledger.move_to(self.diloco.recovered_position)
         return slot, self.diloco.num_slots
-
-    def move_to(self, position: RunPosition, *, own_tokens: bool = False) -> None:
-        """Take over a position: the counters and the LR schedule. A joiner keeps its own token count
-        (the position came from another node); a resume (`own_tokens`) takes it back too."""
-        c = self.counters
-        c.step, c.outer_step, c.run_tokens = position.step, position.outer_step, position.run_tokens
-        if own_tokens:
-            c.tokens = position.tokens
-        set_schedule_position(self.scheduler, position.step)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def checkpoint_state(self) -> "TrainState":
@@ -252,7 +217,7 @@ class TrainingRun:
         gathered = unsharded_params(self.model)
         if gathered:  # a bug: something ran a forward and did not reshard (see zb.train.fsdp.reshard)
             raise RuntimeError(f"refusing to checkpoint a sharded model whose params are gathered: {gathered[:3]}")
-        return TrainState(self.model, self.optimizer, self.scheduler, self.counters.position,
+        return TrainState(self.model, self.optimizer, self.scheduler, self.ledger.position,
                           data_state=self.train_loader.state_dict(),
                           outer=self.diloco.checkpoint_tensors() if self.diloco is not None else None,
                           config=to_dict(self.cfg), fingerprint=self.fingerprint,
@@ -271,15 +236,15 @@ class TrainingRun:
                                          joining=diloco is not None and diloco.joining)
         if loaded is None:
             return
-        self.move_to(loaded.position, own_tokens=True)
+        self.ledger.move_to(loaded.position, own_tokens=True)
         if self.cfg.ckpt.skip_dataloader:
             log.info("ckpt.skip_dataloader: the data starts from the beginning of this node's shard")
         elif loaded.data_state is not None:   # None: written by another local rank count (said when resharded)
             self.train_loader.load_state_dict(loaded.data_state)
         if diloco is not None and loaded.outer:
             diloco.load_checkpoint_tensors(loaded.outer)
-        log.info("resumed from %s at step %d (outer step %d)", loaded.path, self.counters.step,
-                 self.counters.outer_step)
+        log.info("resumed from %s at step %d (outer step %d)", loaded.path, self.ledger.position.step,
+                 self.ledger.position.outer_step)
 
     def _restore_data_position(self) -> None:
         position = self.diloco.data_position() if self.diloco is not None else None
@@ -289,12 +254,11 @@ class TrainingRun:
 
     # -- the loop ------------------------------------------------------------------------------
     def _loop(self, display: TrainingDisplay) -> None:
-        cfg, c, stop = self.cfg, self.counters, self.stop
+        cfg, ledger, stop = self.cfg, self.ledger, self.stop
         debug = log.isEnabledFor(logging.DEBUG)
-        self._round_position = c.position
         if self.diloco is not None:
             self.diloco.begin_rounds()
-        while c.step < self.total:
+        while ledger.position.step < self.total:
             t0 = time.perf_counter()
             batches = take(self.train_loader, self.accum)
             t_data = time.perf_counter() - t0
@@ -303,20 +267,18 @@ class TrainingRun:
             self.step_clock.add(dt)
             if debug:
                 # Where a step's time goes: waiting for data vs computing (forward, backward, optimizer).
-                log.debug("step %d: data %.4f s, compute %.4f s, loss %.4f, grad %.3f, lr %.3e", c.step + 1, t_data,
-                          dt - t_data, result.loss, result.grad_norm, result.lr)
-            c.step += 1
-            c.tokens += self.tokens_per_step
-            c.run_tokens += self.tokens_per_step * c.num_nodes
+                log.debug("step %d: data %.4f s, compute %.4f s, loss %.4f, grad %.3f, lr %.3e",
+                          ledger.position.step + 1, t_data, dt - t_data, result.loss, result.grad_norm, result.lr)
+            step = ledger.inner_step().step
             self._watch_loss(result)
-            if c.step % cfg.train.log_interval == 0 or c.step == self.total:
+            if step % cfg.train.log_interval == 0 or step == self.total:
                 self._log_step(result, dt)
-            display.update(c.step, result.loss, self.tokens_per_step / dt)
+            display.update(step, result.loss, self.tokens_per_step / dt)
             # A stopping node skips the outer step: its deathrattle went out with the signal, so the
             # others no longer count on it.
-            round_start, outer_done = self._round_position, False
+            round_start, outer_done = ledger.round_start, False
             if self.diloco is not None and not result.stop:
-                launch, apply = self.diloco.sync_points(c.step)
+                launch, apply = self.diloco.sync_points(step)
                 if launch is not None:
                     self.diloco.launch_fragment(launch)  # streaming: the all-reduce runs behind the next steps
                 if apply is not None:
@@ -325,57 +287,50 @@ class TrainingRun:
                     outer_done = True
             if self.adaptive:
                 # Nodes stand at one step only right after an outer step: checkpoints are taken there.
-                saved = outer_done and self.checkpoints.maybe_save_crossing(round_start.step, c.step)
+                saved = outer_done and self.checkpoints.maybe_save_crossing(round_start.step, ledger.position.step)
             else:
-                saved = self.checkpoints.maybe_save(c.step)
+                saved = self.checkpoints.maybe_save(ledger.position.step)
             if saved or not self.checkpoints.periodic:
                 # The newest position a restart can resume from: streamed files behind it may be evicted.
                 self.train_loader.release(self.train_loader.state_dict())
-            if cfg.eval.interval > 0 and c.step < self.total and self._eval_due(round_start.step, outer_done):
+            if cfg.eval.interval > 0 and ledger.position.step < self.total and \
+                    self._eval_due(round_start.step, outer_done):
                 self._evaluate()
             if result.stop:
                 self._stopped()
                 break
-        if self.diloco is not None and c.step == cfg.optim.total_steps:
+        if self.diloco is not None and ledger.position.step == cfg.optim.total_steps:
             self._close_overlap()
 
     def _eval_due(self, round_start: int, outer_done: bool) -> bool:
         """Every eval.interval steps; with diloco.round_seconds right after the outer step that reached or passed
         a multiple (mid-round the nodes stand at different steps; after it, every node holds the run's params)."""
-        step, interval = self.counters.step, self.cfg.eval.interval
+        step, interval = self.ledger.position.step, self.cfg.eval.interval
         if self.adaptive:
             return outer_done and step // interval > round_start // interval
         return step % interval == 0
 
     def _stopped(self) -> None:
         # Another local rank may have received the signal: report SIGINT then.
-        self.counters.stop_signal = self.stop.signum or signal.SIGINT
-        log.warning("stopped at step %d on request", self.counters.step)
+        self.stop_signal = self.stop.signum or signal.SIGINT
+        log.warning("stopped at step %d on request", self.ledger.position.step)
 
     def _watch_loss(self, result: StepResult) -> None:
         if self._loss_mean is not None and result.loss > SPIKE_FACTOR * self._loss_mean:
-            log.warning("loss spike at step %d: %.4f against a running mean of %.4f", self.counters.step,
+            log.warning("loss spike at step %d: %.4f against a running mean of %.4f", self.ledger.position.step,
                         result.loss, self._loss_mean)
         self._loss_mean = result.loss if self._loss_mean is None else 0.9 * self._loss_mean + 0.1 * result.loss
 
     def _outer_step(self) -> bool:
         """One outer step; False when the node turned out to be leaving (a signal arrived after the
         step's local stop vote, and its deathrattle already told the others)."""
-        c = self.counters
         assert self.diloco is not None  # outer steps happen only with DiLoCo
         try:
-            report, received = self.diloco.outer_step(c.position, self.train_loader.state_dict())
+            report, received = self.diloco.outer_step(self.ledger.position, self.train_loader.state_dict())
         except LeavingRun:
             self._stopped()
             return False
-        if received is not None:
-            self.move_to(received)  # the run's position as of the start of this outer step
-        elif report.run_step is not None:
-            # An adaptive round: every node moves to the run's step (the LR schedule with it) and counts the
-            # tokens every node reported, instead of its estimate.
-            self.move_to(RunPosition(report.run_step, c.outer_step, c.tokens,
-                                     self._round_position.run_tokens + (report.round_tokens or 0)))
-        self._round_position = c.position
+        self.ledger.outer_step(report, received=received)
         self._log_outer(report, " | joined: state received" if received is not None else "")
         return True
 
@@ -384,28 +339,16 @@ class TrainingRun:
         shared params (see DilocoNode.close_run)."""
         assert self.diloco is not None  # only with DiLoCo
         try:
-            report = self.diloco.close_run(self.counters.position)
+            report = self.diloco.close_run(self.ledger.position)
         except LeavingRun:
             self._stopped()
             return
         if report is not None:
-            self._log_outer(report, " | run end: last average applied, model = shared params", closing=True)
+            self.ledger.outer_step(report, closing=True)
+            self._log_outer(report, " | run end: last average applied, model = shared params")
 
-    def _log_outer(self, report, note: str, **extra) -> None:
-        c = self.counters
-        c.outer_step += 1
-        c.num_nodes = report.global_world_size
-        # Prime's outer_tokens_per_second and outer_mfu: this node's tokens since the previous outer
-        # step over the wall time, all-reduce included (what DiLoCo costs against training alone).
-        now = time.perf_counter()
-        started, tokens_then = self._round_start
-        round_tps = (c.tokens - tokens_then) / max(now - started, 1e-9)
-        self._round_start = (now, c.tokens)
-        fields = dict(outer_step=c.outer_step, step=c.step, **report.event_fields(),
-                      outer_tokens_per_s=round(round_tps, 1), outer_mfu=self._mfu(round_tps), **extra)
-        if report.round_steps is not None:
-            fields["run_tokens"] = c.run_tokens
-        self.sink.log("outer_step", **fields)
+    def _log_outer(self, report: "OuterReport", note: str) -> None:
+        """The outer step's log line (its event went out from the ledger)."""
         note = note or report.note or ("" if report.applied else " | NOT applied")
         assert self.cfg.diloco is not None  # outer steps happen only with DiLoCo
         hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" if self.cfg.diloco.overlap != "none" else ""
@@ -415,29 +358,25 @@ class TrainingRun:
             steps = ", ".join(str(n) for n in report.round_steps.values())
             note = f" | round steps {steps} (weight {report.round_weight:.3f}){note}"
         log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s%s, %s bytes, %.1f Mbit/s%s",
-                 c.outer_step, report.global_world_size, report.num_peers, report.mesh_version, report.allreduce_s,
-                 hidden, f"{report.wire_bytes:,}", report.wire_mbps, note)
+                 self.ledger.position.outer_step, report.global_world_size, report.num_peers, report.mesh_version,
+                 report.allreduce_s, hidden, f"{report.wire_bytes:,}", report.wire_mbps, note)
 
     def _log_step(self, result: StepResult, dt: float) -> None:
-        c = self.counters
-        tps, run_tps = self.tokens_per_step / dt, self.tokens_per_step * c.num_nodes / dt
-        log.info(format_step_line(c.step, self.total, result.loss, result.lr, result.grad_norm, tps, run_tps,
-                                  c.run_tokens, step_s=dt, eta_s=self.step_clock.eta(self.total - c.step)))
-        self.sink.log("step", step=c.step, outer_step=c.outer_step, loss=result.loss, lr=result.lr,
-                      grad_norm=result.grad_norm, z_loss=result.z_loss, tokens=c.tokens,
-                      tokens_per_s=round(tps, 1), run_tokens=c.run_tokens, run_tokens_per_s=round(run_tps, 1),
-                      perplexity=perplexity(result.loss), mfu=self._mfu(tps))
+        record = self.ledger.step(loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, z_loss=result.z_loss,
+                                  seconds=dt)
+        log.info(self.ledger.step_line(record, self.total, seconds=dt,
+                                       eta_s=self.step_clock.eta(self.total - record.step)))
 
     def _evaluate(self) -> float:
-        c = self.counters
         loss = self.trainer.evaluate(self.eval_loader(), self.cfg.eval.batches)
-        log.info("eval step %d | held-out loss %.4f", c.step, loss)
-        self.sink.log("eval", step=c.step, outer_step=c.outer_step, loss=loss, perplexity=perplexity(loss))
+        log.info("eval step %d | held-out loss %.4f", self.ledger.position.step, loss)
+        self.ledger.eval(loss)
         return loss
 
     def _final_eval(self) -> None:
-        c = self.counters
+        position = self.ledger.position
         # A run stopped by a signal leaves promptly: launchers kill what lingers.
-        if self.cfg.eval.interval >= 0 and c.step > 0 and c.stop_signal is None:
+        if self.cfg.eval.interval >= 0 and position.step > 0 and self.stop_signal is None:
             self._evaluate()
-        log.info("done: %d steps, %s tokens in %.1f s", c.step, f"{c.tokens:,}", time.perf_counter() - c.started)
+        log.info("done: %d steps, %s tokens in %.1f s", position.step, f"{position.tokens:,}",
+                 time.perf_counter() - self.started)

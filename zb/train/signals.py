@@ -11,12 +11,21 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from dataclasses import dataclass
 
 from zb import stop_signals
 
 log = logging.getLogger("zb.train")
 
 SAME_REQUEST_WINDOW_S = 3.0
+
+
+@dataclass
+class Ended:
+    """What a training loop returns to `zb train` (both loops): the signal that stopped it early, if any
+    (the exit code is 128 + it), and the step it ended at."""
+    stop_signal: int | None = None
+    step: int = 0
 
 
 class StopRequest:

@@ -31,6 +31,7 @@ from zb.ckpt.format.catalog import check_quick
 from zb.ckpt.format.manifest import snapshot_name
 from zb.ckpt.format.snapshot import write_snapshot
 from zb.errors import InvalidInput
+from zb.events import Checkpoint, Upload, emit
 
 log = logging.getLogger("zb.ckpt")
 
@@ -221,8 +222,8 @@ class Worker:
         sent, error = retry(f"upload of step {job.step} to {url}", lambda: upload_part(src, url),
                             self.t.attempts, self.t.retry_delay)
         seconds = time.perf_counter() - t0
-        self.sink.log("upload", step=job.step, target=url, seconds=round(seconds, 3), bytes=sent or 0,
-                      ok=error is None)
+        emit(self.sink, Upload(step=job.step, target=url, seconds=round(seconds, 3), bytes=sent or 0,
+                               ok=error is None))
         if error is not None:
             log.error("upload of checkpoint step %d to %s failed for good: %s (training continues)", job.step,
                       url, error)
@@ -235,8 +236,9 @@ class Worker:
 
     def _report_checkpoint(self, job: Job, path: Path | None, nbytes: int) -> None:
         background = time.perf_counter() - job.started
-        self.sink.log("checkpoint", step=job.step, path=str(path) if path else None, blocking_s=round(job.blocking_s, 4),
-                      bytes=nbytes, background_s=round(background, 3), ok=path is not None, final=job.final)
+        emit(self.sink, Checkpoint(step=job.step, path=str(path) if path else None,
+                                   blocking_s=round(job.blocking_s, 4), bytes=nbytes,
+                                   background_s=round(background, 3), ok=path is not None, final=job.final))
         if path is not None:
             log.info("checkpoint step %d committed at %s: %s bytes, %.2f s blocking, %.1f s in the background",
                      job.step, path, f"{nbytes:,}", job.blocking_s, background)

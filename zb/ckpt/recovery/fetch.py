@@ -3,7 +3,7 @@
     result = fetch_snapshot(["10.0.0.1:7000", "10.0.0.2:7000"], token, Path("/dev/shm/zb/joined"),
                             files=["model.safetensors", "outer.safetensors"], fingerprint=run_fp)
     tensors, meta = load_snapshot(result.path, expect=...)
-    metrics.log("recovery", **result.metrics())
+    zb.events.emit(metrics, result.record())
 
 Steps: 1. ask every peer for its manifest (or the one of `expect_step`); 2. take the newest step and,
 per file, the peers that hold the same bytes (same sha256; the majority if they disagree); 3.
@@ -28,6 +28,7 @@ from zb.ckpt.recovery.peer import PeerClient, PeerError, parse_peer
 from zb.ckpt.recovery.progress import TransferProgress
 from zb.ckpt.recovery.ranged import DownloadFailed, FilePlan, download
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.events import Recovery
 
 log = logging.getLogger("zb.ckpt.fetch")
 
@@ -42,10 +43,10 @@ class FetchResult:
     seconds: float
     bytes_by_peer: dict[str, int]
 
-    def metrics(self) -> dict:
-        """Fields of the `recovery` metrics event."""
-        return {"outer_step": self.outer_step, "step": self.step, "peers": self.peers, "bytes": self.bytes,
-                "seconds": round(self.seconds, 3)}
+    def record(self) -> Recovery:
+        """The `recovery` metrics event."""
+        return Recovery(outer_step=self.outer_step, step=self.step, peers=self.peers, bytes=self.bytes,
+                        seconds=round(self.seconds, 3))
 
 
 class _SnapshotGone(Exception):
