@@ -165,7 +165,9 @@ def make_run_dir(run: TrainCluster, uid: str) -> Path:
 
 
 
-@pytest.mark.parametrize("drift_guard, overlap", [("true", "none"), ("false", "none"),
+# With the drift guard off only the readmission rule protects the run: that case runs by default; the
+# rule itself runs in-process (tests/test_node_inprocess.py, a node readmitted after an eviction).
+@pytest.mark.parametrize("drift_guard, overlap", [pytest.param("true", "none", marks=pytest.mark.soak), ("false", "none"),
                                                   pytest.param("true", "eager", marks=pytest.mark.soak)])
 def test_node_evicted_while_frozen_gets_the_state_before_it_contributes(make_run, drift_guard, overlap):
     """SIGSTOP a node past the heartbeat timeout, let the other train alone, SIGCONT it: it is

@@ -58,14 +58,16 @@ SLOW_TRANSFER = ["--diloco.bucket_mb", "0.002"]
 MODES = ["eager", "streaming"]  # streaming: 1 fragment, all-reduce behind 1 inner step, merge 0.5
 
 
-# The default suite runs one case of each guarantee per mode; the variants run under the soak marker.
+# The default suite runs one case of each guarantee here; the variants run under the soak marker. The
+# decision paths behind each (skip alike, the joiner's hand-over, the average in flight for a recovered
+# joiner, non-finite) run for both modes in-process, in seconds: tests/test_node_inprocess.py.
 SOAK = pytest.mark.soak
 
 
 @pytest.mark.parametrize("mode, sig, compression", [("eager", signal.SIGKILL, "int8"),
                                                      pytest.param("eager", signal.SIGSTOP, "none", marks=SOAK),
                                                      pytest.param("eager", signal.SIGTERM, "none", marks=SOAK),
-                                                     ("streaming", signal.SIGKILL, "int8"),
+                                                     pytest.param("streaming", signal.SIGKILL, "int8", marks=SOAK),
                                                      pytest.param("streaming", signal.SIGTERM, "none", marks=SOAK)])
 def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mode, sig, compression):
     """A peer killed, hung (SIGSTOP past the heartbeat timeout) or stopped (SIGTERM) while a
@@ -94,7 +96,7 @@ def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mod
     assert ("did not reach every node" in (run.tmp / "n0.log").read_text()) == bool(skipped)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), pytest.param("streaming", marks=SOAK)])
 def test_joiner_mid_run_ends_identical(make_run, mode):
     run = make_run(2)
     join_late(run, "--diloco.overlap", mode)
@@ -118,7 +120,7 @@ def test_live_recovery_joiner_takes_the_average_in_flight(make_run, mode):
     assert ("took the average in flight from rank" in log) != ("received the run's state from rank" in log)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), pytest.param("streaming", marks=SOAK)])
 def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run, mode):
     run = make_run(2)
     run.start_train("n0", "--optim.total_steps", "10", "--diloco.overlap", mode, rank=0)

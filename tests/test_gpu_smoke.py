@@ -47,9 +47,9 @@ def test_gpu_bench_throughput_runs_both_loops_on_the_cpu():
     import json
 
     proc = subprocess.run([sys.executable, BENCH, "throughput", "--cpu", "--model", "debug", "--compile", "off",
-                           "--steps", "4", "--warmup", "1", "--repeats", "2"], capture_output=True, text=True,
+                           "--steps", "4", "--warmup", "1", "--repeats", "1"], capture_output=True, text=True,
                           timeout=170, env=subprocess_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
-    assert len(row["plain_tokens_per_s"]) == len(row["zb_tokens_per_s"]) == 2
+    assert len(row["plain_tokens_per_s"]) == len(row["zb_tokens_per_s"]) == 1
     assert row["ratio"] > 0 and row["micro_bs"] == 8 and row["seq"] == 128

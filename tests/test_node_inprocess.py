@@ -242,3 +242,120 @@ def test_progress_is_published_after_the_store_client_was_dropped():
     node.diloco.store = None
     run_rounds(nodes, deltas(1, 1, TinyModel().flat().numel()))
     assert node.diloco.store is not None and read_progress(world.store) == {"outer_step": 1, "step": 4}
+
+
+# -- the overlapped algorithms' decision paths ----------------------------------------------------------
+EAGER = {"diloco.overlap": "eager"}
+STREAMING = {"diloco.overlap": "streaming", "diloco.fragments": "2", "diloco.fragment_delay": "1",
+             "diloco.fragment_alpha": "0.5"}
+
+
+def train_and_sync(nodes, moves_of_round, steps=(4,)):
+    """One round's moves, then each sync point: streaming launches at its step minus tau, applies at its
+    step (H = 4: fragment 0 launched after step 1, applied after step 2; fragment 1 after 3 and 4)."""
+    for node, move in zip(nodes, moves_of_round):
+        node.train(move)
+    reports = []
+    for step in steps:
+        def boundary(n, step=step):
+            launch, apply = n.diloco.sync_points(step)
+            if launch is not None:
+                n.diloco.launch_fragment(launch)
+            return n.outer_step() if apply is not None else None
+        reports.append(together(nodes, boundary))
+    return reports
+
+
+STREAM_STEPS = (1, 2, 3, 4)
+
+
+@pytest.mark.parametrize("flags, steps", [(EAGER, (4,)), (STREAMING, STREAM_STEPS)], ids=["eager", "streaming"])
+def test_overlap_a_non_finite_pseudo_gradient_is_skipped_everywhere(flags, steps):
+    world, nodes = start_world(["a", "b"], **flags)
+    numel = TinyModel().flat().numel()
+    moves = deltas(2, 3, numel)
+    moves[0][1] = torch.full((numel,), math.nan)     # b's first round is poisoned
+    reports = [r for rnd in moves for r in train_and_sync(nodes, rnd, steps) if r is not None and r[0] is not None]
+    assert all(torch.isfinite(n.model.flat()).all() for n in nodes), "the offender restarts from the outer params"
+    # The averages that carry b's NaN are skipped on every node alike; the shared params never diverge.
+    skipped = [rs for rs in reports if not rs[0].applied]
+    assert skipped and all(not r.applied for rs in skipped for r in rs)
+    assert all(rs[0].params_hash == rs[1].params_hash for rs in reports)
+    assert any(rs[0].applied for rs in reports[len(skipped):]), "later averages apply again"
+
+
+@pytest.mark.parametrize("flags, steps", [(EAGER, (4,)), (STREAMING, STREAM_STEPS)], ids=["eager", "streaming"])
+def test_overlap_an_average_that_failed_on_one_node_is_skipped_on_every_node(flags, steps):
+    """A transfer can end on some nodes and fail on others (a peer died mid-ring): nobody applies it."""
+    from zb.collectives import PeerFailure
+
+    world, nodes = start_world(["a", "b", "c"], **flags)
+    numel = TinyModel().flat().numel()
+    moves = deltas(3, 2, numel)
+    train_and_sync(nodes, moves[0], steps)
+    state = nodes[2].diloco.algorithm.state
+    real_wait = state.wait
+
+    def failed_wait():
+        arrival = real_wait()
+        if arrival is not None:
+            arrival.buffer, arrival.error = None, PeerFailure("the ring broke here (fake world)", rank=None)
+        return arrival
+
+    state.wait = failed_wait
+    hashes_before = {n.reports[-1].params_hash for n in nodes}
+    rounds = [r for r in train_and_sync(nodes, moves[1], steps) if r[0] is not None]
+    assert all(not r.applied for rs in rounds for r in rs)
+    assert len({n.reports[-1].params_hash for n in nodes}) == 1 and len(hashes_before) == 1
+
+
+@pytest.mark.parametrize("flags, steps", [(EAGER, (4,)), (STREAMING, STREAM_STEPS)], ids=["eager", "streaming"])
+def test_overlap_a_blocking_joiner_takes_the_shared_state(flags, steps):
+    from fake_world import make_node, node_config
+
+    world, nodes = start_world(["a", "b"], **flags)
+    numel = TinyModel().flat().numel()
+    moves = deltas(2, 2, numel)
+    train_and_sync(nodes, moves[0], steps)
+    world.set_world(["a", "b", "j"], joined=("j",))
+    joiner = make_node(world, "j", node_config(**flags), seed=7)
+    together([*nodes, joiner], lambda n: n.diloco.start() if n is joiner else n.diloco.mesh.resolve())
+    for n in nodes:
+        n.diloco._fresh_view = True
+    # The joiner takes part from its first outer step on (it sends zeros until it holds the state).
+    rounds = train_and_sync([*nodes, joiner], [*moves[1], torch.zeros(numel)], steps)
+    reports = [rs for rs in rounds if rs[0] is not None][-1]
+    assert len({r.params_hash for r in reports}) == 1 and joiner.diloco.roles.contributing
+    assert joiner.position.outer_step == nodes[0].position.outer_step
+    # The joiner holds the shared params, with no eager term or merge residue of its own.
+    assert torch.allclose(joiner.model.flat(), joiner.diloco.outer.flat.data, atol=1e-6)
+
+
+def test_eager_a_recovered_joiner_takes_the_average_in_flight_from_the_donor(caplog):
+    """A live-recovery joiner's snapshot predates the average launched at the last boundary: the donor
+    sends it that average, and from then on it holds the run's shared params."""
+    import logging
+
+    from fake_world import make_node, node_config
+
+    world, nodes = start_world(["a", "b"], **EAGER)
+    numel = TinyModel().flat().numel()
+    moves = deltas(2, 2, numel)
+    train_and_sync(nodes, moves[0])                  # round 1: its average is now in flight
+    world.set_world(["a", "b", "j"], joined=("j",))
+    joiner = make_node(world, "j", node_config(**EAGER), seed=7)
+    together([*nodes, joiner], lambda n: n.diloco.start() if n is joiner else n.diloco.mesh.resolve())
+    # What live recovery does (zb.diloco.live): the snapshot of the shared outer state, at the run's position.
+    joiner.diloco.outer.load_state_tensors(nodes[0].diloco.outer.state_tensors())
+    joiner.diloco.outer.push_to_model()
+    joiner.diloco.roles.joined(recovered=True)
+    joiner.position = nodes[0].position
+    for n in nodes:
+        n.diloco._fresh_view = True
+    for node, move in zip(nodes, moves[1]):
+        node.train(move)
+    with caplog.at_level(logging.INFO, logger="zb.diloco"):
+        reports = together([*nodes, joiner], lambda n: n.outer_step())
+    assert all(r.applied for r in reports) and len({r.params_hash for r in reports}) == 1
+    assert "took the average in flight from rank 0" in caplog.text
+    assert joiner.diloco.roles.contributing and joiner.position == nodes[0].position
