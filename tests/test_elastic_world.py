@@ -474,6 +474,8 @@ def test_a_beat_that_comes_late_is_measured_and_explains_an_eviction():
         time.sleep(0.02)
     beat.stop(5)
     gap = beat.take_worst_gap()
-    assert gap >= 0.6 and beat.take_worst_gap() == 0.0
+    assert gap >= 0.6 and beat.take_worst_gap() < 0.5     # forgotten: what is left is the silence since the stop
+    time.sleep(0.7)     # frozen: no beat since; a node woken now asks before its thread beats again
+    assert beat.take_worst_gap() >= 0.7
     assert "up to" in stall_hint(gap, 1.0) and "raise elastic.heartbeat_timeout" in stall_hint(gap, 1.0)
     assert stall_hint(0.1, 1.0) == ""

@@ -93,8 +93,10 @@ class Heartbeat(threading.Thread):
             self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
     def take_worst_gap(self) -> float:
-        """The longest gap between this node's beats since the last call (then forgotten)."""
-        gap, self.worst_gap_s = self.worst_gap_s, 0.0
+        """The longest gap between this node's beats since the last call (then forgotten), the silence
+        since the last beat included: a node woken from a freeze may ask before this thread beats again."""
+        silent = time.monotonic() - self._last_beat if self._last_beat is not None else 0.0
+        gap, self.worst_gap_s = max(self.worst_gap_s, silent), 0.0
         return gap
 
     def _beat(self) -> None:
