@@ -12,28 +12,28 @@ import pytest
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.judge import RoundDeadlines, judge
 from zb.elastic.probe import ProbeListener, check_peers
-from zb.elastic.store_state import CheckIn, Snapshot
+from zb.elastic.store_state import Answer, Snapshot
 from zb.elastic.world import JoinRequest, Observation, World, next_world
 from zb.errors import EnvironmentFailure
 from zb.testing.procs import free_port, subprocess_env, wait_until, zb_process
 
-W = World(version=3, round=7, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"}, join_cursor=2)
+W = World(version=3, resolution=7, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"}, join_cursor=2)
 DL = RoundDeadlines(suspect_grace=1.0, sync_deadline=10.0, stuck_after=25.0)
 
 
-def obs(checked=("a", "b", "c"), gone=(), excluded=(), joiners=(), failure=False) -> Observation:
-    return Observation(checked=set(checked), gone=set(gone), excluded=set(excluded), joiners=list(joiners),
+def obs(answered=("a", "b", "c"), gone=(), excluded=(), joiners=(), failure=False) -> Observation:
+    return Observation(answered=set(answered), gone=set(gone), excluded=set(excluded), joiners=list(joiners),
                        join_end=5, failure=failure)
 
 
-def test_unchanged_world_keeps_version_but_advances_round():
+def test_unchanged_world_keeps_version_but_advances_the_resolution():
     new = next_world(W, obs())
-    assert (new.version, new.round, new.nodes, new.join_cursor) == (3, 8, ["a", "b", "c"], 5)
+    assert (new.version, new.resolution, new.nodes, new.join_cursor) == (3, 8, ["a", "b", "c"], 5)
 
 
 def test_leave_death_and_join_compact_ranks():
     req = JoinRequest(uid="d", token="td", index=3)
-    new = next_world(W, obs(checked=("a", "c"), gone={("b", "tb")}, joiners=[req]))
+    new = next_world(W, obs(answered=("a", "c"), gone={("b", "tb")}, joiners=[req]))
     assert new.nodes == ["a", "c", "d"] and new.version == 4
     assert (new.left, new.died, new.joined) == (["b"], [], ["d"])
 
@@ -70,40 +70,40 @@ def test_world_roundtrip_and_garbage():
     assert World.decode(b"") is None and World.decode(b"[1]") is None and World.decode(b"{bad") is None
 
 
-def snap(checkins=(), gone=(), world: World = W) -> Snapshot:
-    return Snapshot(raw_world=world.encode().encode(), world=world, gone=set(gone), joins=[], checkins=list(checkins))
+def snap(answers=(), gone=(), world: World = W) -> Snapshot:
+    return Snapshot(raw_world=world.encode().encode(), world=world, gone=set(gone), joins=[], answers=list(answers))
 
 
 def test_judge_waits_for_members_then_settles():
     live = Liveness(timeout=5.0)
-    v = judge(W, snap([CheckIn("a", "ta")]), "a", live, since=0.5, dl=DL)
+    v = judge(W, snap([Answer("a", "ta")]), "a", live, since=0.5, dl=DL)
     assert v.acting_leader == "a" and not v.settled
-    v = judge(W, snap([CheckIn("a", "ta"), CheckIn("b", "tb"), CheckIn("c", "tc")]), "a", live, 0.5, DL)
+    v = judge(W, snap([Answer("a", "ta"), Answer("b", "tb"), Answer("c", "tc")]), "a", live, 0.5, DL)
     assert v.settled
 
 
 def test_judge_drops_blamed_suspect_after_grace_and_missed_sync_after_deadline():
     live = Liveness(timeout=5.0)
-    blamed = [CheckIn("a", "ta", failed=True, suspects=["c"]), CheckIn("b", "tb")]
+    blamed = [Answer("a", "ta", failed=True, suspects=["c"]), Answer("b", "tb")]
     assert not judge(W, snap(blamed), "a", live, 0.5, DL).settled
     v = judge(W, snap(blamed), "a", live, 1.5, DL)
     assert v.settled and v.observation.excluded == {"c"} and v.observation.failure
-    v = judge(W, snap([CheckIn("a", "ta"), CheckIn("b", "tb")]), "a", live, 10.5, DL)
+    v = judge(W, snap([Answer("a", "ta"), Answer("b", "tb")]), "a", live, 10.5, DL)
     assert v.settled and v.observation.excluded == {"c"}
 
 
 def test_next_in_line_leads_when_leader_is_dead_or_gone():
     live = Liveness(timeout=5.0)
     live.observe("a", b"1", now=time.monotonic() - 6)
-    assert judge(W, snap([CheckIn("b", "tb")]), "b", live, 0.5, DL).acting_leader == "b"
+    assert judge(W, snap([Answer("b", "tb")]), "b", live, 0.5, DL).acting_leader == "b"
     fresh = Liveness(timeout=5.0)
-    assert judge(W, snap([CheckIn("b", "tb")], gone={("a", "ta")}), "b", fresh, 0.1, DL).acting_leader == "b"
-    assert judge(W, snap([CheckIn("b", "tb")]), "b", fresh, 0.1, DL).acting_leader == "a"
+    assert judge(W, snap([Answer("b", "tb")], gone={("a", "ta")}), "b", fresh, 0.1, DL).acting_leader == "b"
+    assert judge(W, snap([Answer("b", "tb")]), "b", fresh, 0.1, DL).acting_leader == "a"
 
 
 def test_stuck_leader_is_passed_over():
     live = Liveness(timeout=5.0)
-    checked = [CheckIn("a", "ta"), CheckIn("b", "tb"), CheckIn("c", "tc")]
+    checked = [Answer("a", "ta"), Answer("b", "tb"), Answer("c", "tc")]
     assert judge(W, snap(checked), "b", live, 20.0, DL).acting_leader == "a"
     assert judge(W, snap(checked), "b", live, 26.0, DL).acting_leader == "b"
 
@@ -113,7 +113,7 @@ def test_leader_that_checked_in_and_then_died_is_passed_over_at_once():
     for it instead of the heartbeat timeout, the crash detection of members that had not checked in."""
     live = Liveness(timeout=5.0)
     live.observe("a", b"1", now=time.monotonic() - 6)
-    checked = [CheckIn("a", "ta"), CheckIn("b", "tb"), CheckIn("c", "tc")]
+    checked = [Answer("a", "ta"), Answer("b", "tb"), Answer("c", "tc")]
     v = judge(W, snap(checked), "b", live, 0.5, DL)
     assert v.acting_leader == "b" and v.observation.excluded == {"a"}
     live.condemn("c")                                   # its port refused: gone, checked in or not
@@ -125,7 +125,7 @@ def test_stuck_rule_passes_over_one_member_at_a_time():
     lower-ranked member at once, live ones waiting for the same stuck leader included; it then led a
     world of itself alone and the others were evicted. The next in line gets a window of its own."""
     live = Liveness(timeout=5.0)
-    checked = [CheckIn("a", "ta"), CheckIn("b", "tb"), CheckIn("c", "tc")]
+    checked = [Answer("a", "ta"), Answer("b", "tb"), Answer("c", "tc")]
     v = judge(W, snap(checked), "c", live, 26.0, DL)
     assert v.acting_leader == "b" and v.observation.excluded == {"a"}
     assert judge(W, snap(checked), "c", live, 51.0, DL).acting_leader == "c"
@@ -137,25 +137,25 @@ def test_two_members_that_cannot_reach_each_other_do_not_share_the_next_world():
     step then failed again (and their group builds stalled past the sync deadline, evicting both and
     re-admitting both together) until the cut healed. Their probe reports now drop one of the pair."""
     live = Liveness(timeout=5.0)
-    checked = [CheckIn("a", "ta", failed=True), CheckIn("b", "tb", failed=True, unreachable=["c"]),
-               CheckIn("c", "tc", failed=True, unreachable=["b"])]
+    checked = [Answer("a", "ta", failed=True), Answer("b", "tb", failed=True, unreachable=["c"]),
+               Answer("c", "tc", failed=True, unreachable=["b"])]
     for me in ("a", "b", "c"):                        # every node reaches the same verdict
         v = judge(W, snap(checked), me, live, 0.5, DL)
         assert v.acting_leader == "a" and v.settled and v.observation.excluded - {me} == {"c"} - {me}
     new = next_world(W, judge(W, snap(checked), "a", live, 0.5, DL).observation)
     assert new.nodes == ["a", "b"] and new.died == ["c"]
-    one_sided = [CheckIn("a", "ta"), CheckIn("b", "tb", unreachable=["c"])]   # c has not checked in yet
+    one_sided = [Answer("a", "ta"), Answer("b", "tb", unreachable=["c"])]   # c has not checked in yet
     assert judge(W, snap(one_sided), "a", live, 0.5, DL).observation.excluded == {"c"}
 
 
 def test_the_member_cut_off_from_all_is_the_one_dropped():
     from zb.elastic.judge import split_unreachable
 
-    w = World(version=1, round=1, nodes=["a", "b", "c", "d"], tokens={u: "t" for u in "abcd"})
-    lines = [CheckIn("a", "t", unreachable=["b", "c", "d"]), CheckIn("b", "t", unreachable=["a"]),
-             CheckIn("c", "t", unreachable=["a"]), CheckIn("d", "t")]
+    w = World(version=1, resolution=1, nodes=["a", "b", "c", "d"], tokens={u: "t" for u in "abcd"})
+    lines = [Answer("a", "t", unreachable=["b", "c", "d"]), Answer("b", "t", unreachable=["a"]),
+             Answer("c", "t", unreachable=["a"]), Answer("d", "t")]
     assert split_unreachable(w, lines) == {"a"}        # the leader's own link is down: it goes, not the rest
-    assert split_unreachable(w, [CheckIn("a", "t", unreachable=["zz", "a"])]) == set()   # not members
+    assert split_unreachable(w, [Answer("a", "t", unreachable=["zz", "a"])]) == set()   # not members
 
 
 def test_probe_reports_silence_not_refusal_as_unreachable():
@@ -186,7 +186,7 @@ def test_a_rejoin_waits_for_an_unreachable_member_instead_of_exiting(monkeypatch
     from zb.elastic import membership as mod
 
     cfg = ElasticConfig(store_timeout=30, heartbeat_interval=0.01)
-    world = World(version=2, round=3, nodes=["a", "b"], tokens={"a": "ta", "b": "tb"})
+    world = World(version=2, resolution=3, nodes=["a", "b"], tokens={"a": "ta", "b": "tb"})
     monkeypatch.setattr(mod, "read_snapshot", lambda store, round_: snap([], world=world))
     tries = []
 
@@ -199,7 +199,7 @@ def test_a_rejoin_waits_for_an_unreachable_member_instead_of_exiting(monkeypatch
     with pytest.raises(EnvironmentFailure):           # a first join: a misconfigured network, fail at once
         m._reachable_before_join(None, snap([], world=world))
     tries.clear()
-    m.world = World(version=1, round=1, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"})
+    m.world = World(version=1, resolution=1, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"})
     m._reachable_before_join(None, snap([], world=world))   # a rejoin: waits, then goes on
     assert len(tries) == 3
     tries.clear()

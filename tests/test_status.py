@@ -238,7 +238,7 @@ def _beat(store, *uids: str) -> None:
 
 
 def _world(store, nodes, **kw) -> World:
-    world = World(version=kw.pop("version", 3), round=5, nodes=list(nodes), tokens={u: "t-" + u for u in nodes}, **kw)
+    world = World(version=kw.pop("version", 3), resolution=5, nodes=list(nodes), tokens={u: "t-" + u for u in nodes}, **kw)
     store.set(keys.WORLD, world.encode())
     return world
 

@@ -28,12 +28,12 @@ Every local rank calls the same methods in the same order; local rank 0 decides 
 Waits and the config keys (section `elastic`) that bound them:
 - start: store connection `connect_timeout`; quorum of `world_size` nodes `start_timeout`;
   admission of a joiner `store_timeout`; an old node with the same id `heartbeat_timeout`.
-- resolve: a member that has not checked in `sync_deadline`; a silent one `heartbeat_timeout`;
+- resolve: a member that has not answered `sync_deadline`; a silent one `heartbeat_timeout`;
   one blamed by report_failure `heartbeat_interval`; a leader that does not write the next world
   2 x `sync_deadline` + `heartbeat_timeout`; building the global groups `pg_timeout`.
 - every collective on global_pg: `pg_timeout` (callers should bound each transfer tighter).
 - after a failed collective and before building the global groups: one connect to every member's
-  probe listener, min(2 s, `heartbeat_timeout` / 2); silent members are reported at check-in and
+  probe listener, min(2 s, `heartbeat_timeout` / 2); silent members are reported in its answer and
   the judge keeps no two nodes that cannot reach each other in one world; a rejoin waits for them
   up to `store_timeout`.
 

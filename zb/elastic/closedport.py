@@ -1,6 +1,6 @@
 """Telling a crashed peer from a slow one before the heartbeat timeout.
 
-A member (checked in or not) whose heartbeat has been silent for 2 x heartbeat_interval is
+A member (answered or not) whose heartbeat has been silent for 2 x heartbeat_interval is
 probed on its reachability listener (zb.elastic.probe); if its host refuses the connection, the
 process is gone (SIGKILL, OOM kill, crash) and the liveness table marks it dead at once. A hung or
 partitioned peer does not refuse, so it still gets the full heartbeat timeout.

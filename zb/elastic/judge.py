@@ -1,25 +1,25 @@
-"""Who is in, who is out, and who leads, for one round, as seen by one node.
+"""Who is in, who is out, and who leads, for one resolution, as seen by one node.
 
 Every node applies the same rules to what it reads from the store and to its own liveness table;
 the lowest-ranked member not excluded is the acting leader. Deadlines (all from ElasticConfig,
-measured from this node's own check-in on its own clock):
+measured from this node's own answer on its own clock):
 
 - a member that said goodbye is out at once;
 - a member whose heartbeat has been silent for `heartbeat_timeout` is dead, and so is one silent
   for 2 x `heartbeat_interval` whose port refuses connections (zb.elastic.closedport);
-- a member blamed for a failed collective (a suspect) that has not checked in within
+- a member blamed for a failed collective (a suspect) that has not answered within
   `heartbeat_interval` is out (its closed connection named it: no need to wait for the timeout);
-- a member that has not checked in within `sync_deadline` missed the sync and is out;
-- a member that checked in and is dead since (silent, or its port refuses) is out at once;
+- a member that has not answered within `sync_deadline` missed the sync and is out;
+- a member that answered and is dead since (silent, or its port refuses) is out at once;
 - two members that cannot connect to each other (one's probe timed out on the other after a failed
-  collective, reported at check-in: a partition, a firewall) cannot share a group: one of each such
+  collective, reported in its answer: a partition, a firewall) cannot share a group: one of each such
   pair is out, the one in the most pairs first (a node cut off from all), ties to the higher rank.
   Both still reach the store and beat, so no other rule drops either, and keeping both made every
   outer step fail until the cut healed; the one dropped rejoins once it can reach the members;
-- a lower-ranked member that checked in but has not written the next world within
+- a lower-ranked member that answered but has not written the next world within
   `stuck_after` (2 x sync_deadline + heartbeat_timeout) is stuck and is passed over, one at a time:
   the k-th live member in line is passed over after k x `stuck_after` (all at once, a node that
-  checked in early would pass over the live members waiting for the same stuck one, and lead alone).
+  answered early would pass over the live members waiting for the same stuck one, and lead alone).
 """
 
 from __future__ import annotations
@@ -47,14 +47,14 @@ class RoundDeadlines:
 @dataclass
 class Verdict:
     acting_leader: str | None
-    settled: bool               # every member checked in or is out: the leader may write
+    settled: bool               # every member answered or is out: the leader may write
     observation: Observation
 
 
 def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: float, dl: RoundDeadlines) -> Verdict:
-    """The verdict of round `world.round`, `since` seconds after this node checked in."""
-    lines = [c for c in snap.checkins if world.tokens.get(c.uid) == c.token]
-    checked = {c.uid for c in lines}
+    """The verdict of resolution `world.resolution`, `since` seconds after this node answered."""
+    lines = [c for c in snap.answers if world.tokens.get(c.uid) == c.token]
+    answered = {c.uid for c in lines}
     suspects = {s for c in lines for s in c.suspects}
     my_rank = world.nodes.index(me) if me in world.nodes else len(world.nodes)
     cut = split_unreachable(world, lines)
@@ -65,8 +65,8 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
         if m in cut:
             excluded.add(m)
             continue
-        if m in checked:
-            if liveness.is_dead(m):                 # checked in, then crashed: no need to wait it out
+        if m in answered:
+            if liveness.is_dead(m):                 # answered, then crashed: no need to wait it out
                 excluded.add(m)
             elif rank < my_rank and since > dl.stuck_after * (stuck + 1):
                 excluded.add(m)                     # one at a time: the next in line gets its own window
@@ -80,7 +80,7 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     acting = next((m for m in world.nodes if m not in excluded
                    and (m, world.tokens.get(m, "")) not in snap.gone), None)
     joiners = admissible_joiners(world, snap, liveness)
-    obs = Observation(checked=checked | {me}, gone=snap.gone, excluded=excluded, joiners=joiners,
+    obs = Observation(answered=answered | {me}, gone=snap.gone, excluded=excluded, joiners=joiners,
                       join_end=len(snap.joins), failure=any(c.failed for c in lines))
     return Verdict(acting_leader=acting, settled=settled, observation=obs)
 

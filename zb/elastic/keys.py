@@ -1,6 +1,6 @@
 """Every key zb writes in the global store, in one place.
 
-Lists (join requests, leave notices, check-ins) are single keys grown with the store's atomic
+Lists (join requests, leave notices, roll-call answers) are single keys grown with the store's atomic
 `append`, one JSON line or token line per entry, so one `get` reads all of them; counters use `add`.
 A restarted store is empty: every reader treats a missing key as "nothing yet".
 """
@@ -19,9 +19,10 @@ def heartbeat(uid: str) -> str:
     return f"{ROOT}/hb/{uid}"
 
 
-def checkin(round_: int) -> str:
-    """Append-only: one JSON line per node that reached the outer-step boundary of `round_`."""
-    return f"{ROOT}/checkin/{round_}"
+def roll_call(resolution: int) -> str:
+    """Append-only: one JSON line (its answer) per node that reached the outer-step boundary of resolution
+    `resolution`."""
+    return f"{ROOT}/roll_call/{resolution}"
 
 
 def probe(uid: str) -> str:

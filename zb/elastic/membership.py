@@ -1,16 +1,16 @@
-"""The membership protocol of one node (its local rank 0): join, check in, lead, accept.
+"""The membership protocol of one node (its local rank 0): join, answer the roll call, lead, accept.
 
 - join: append a request to keys.JOINS and wait until a world holds this node (uid and token).
   With no world in the store yet (a fresh or restarted store), any waiting node seeds one once the
   quorum is there or its deadline passed; with a world whose members are all gone or dead, a joiner
   seeds the next one itself. Bounded by elastic.store_timeout.
-- resolve (every outer step): append a check-in for the current round, then poll. The acting
+- resolve (every outer step): answer the roll call of the current resolution, then poll. The acting
   leader (see zb.elastic.judge) writes the next world with compare_set against the exact text it
   read, so a stale leader (frozen, then woken up) can never overwrite a newer world: it finds
   itself evicted and joins again as a new member.
 - a node whose own goodbye is in the store (its deathrattle fired on SIGTERM while it was still
-  finishing a step) raises LeavingRun instead of checking in or rejoining: the others drop it at
-  once, and waiting for a round without it, or for an admission it can never get, would hang it;
+  finishing a step) raises LeavingRun instead of answering or rejoining: the others drop it at
+  once, and waiting for a resolution without it, or for an admission it can never get, would hang it;
 - the store going away never raises out of resolve: the node keeps its current world, logs loudly
   and retries at the next call; a restarted (empty) store gets new clients, new requests, a new seed.
 """
@@ -144,14 +144,14 @@ class Membership:
     def _seed(self, world: World | None, snap: Snapshot) -> None:
         base = world or World(stripes=self.stripes)
         joiners = admissible_joiners(base, snap, self.liveness)
-        obs = Observation(checked=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
+        obs = Observation(answered=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
                           join_end=len(snap.joins))
         new = self._in_ring_order(base, next_world(base, obs))
         if self._write(snap.raw_world, new):
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
 
     def _write(self, expected: bytes, new: World) -> bool:
-        """compare_set against the exact text read: only one writer per round can win."""
+        """compare_set against the exact text read: only one writer per resolution can win."""
         text = new.encode()
         return self.store.compare_set(keys.WORLD, expected.decode(), text).decode() == text
 
@@ -177,7 +177,7 @@ class Membership:
             assert self.world is not None  # resolve follows a join, which set it (or raised)
             if snap.world.encode() != self.world.encode():
                 return self._rejoin("the world moved on without this node")
-            return self._round(self.world)
+            return self._roll_call(self.world)
         except store_errors() as e:
             raise self._drop_store(e) from None
 
@@ -188,19 +188,19 @@ class Membership:
         quorum = len(self.world.nodes) if self.world else 1
         return self.join(quorum=quorum, quorum_timeout=self.cfg.sync_deadline)
 
-    def _round(self, world: World) -> World:
-        self.store.append(keys.checkin(world.round), encode_line({
+    def _roll_call(self, world: World) -> World:
+        self.store.append(keys.roll_call(world.resolution), encode_line({
             "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
             "unreachable": sorted(self.unreachable)}))
         self.failed, self.suspects, self.unreachable = False, set(), set()
         t0 = time.monotonic()
         while True:
-            snap = read_snapshot(self.store, world.round)
+            snap = read_snapshot(self.store, world.resolution)
             self._check_not_leaving(snap)
             if snap.raw_world.decode() != world.encode():
                 return self._accept(snap.world)
             self._observe(snap, world)
-            # Members that checked in too: a leader can crash between its check-in and its write.
+            # Members that answered too: a leader can crash between its answer and its write.
             self.closed_ports.check(self.store, [m for m in world.nodes if m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
             if verdict.acting_leader == self.uid and verdict.settled:
@@ -227,7 +227,7 @@ class Membership:
     def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
         new = self._in_ring_order(world, next_world(world, obs))
         if self._write(snap.raw_world, new):
-            if world.round >= 2:
-                self.store.delete_key(keys.checkin(world.round - 2))
+            if world.resolution >= 2:
+                self.store.delete_key(keys.roll_call(world.resolution - 2))
         else:
-            log.info("another node wrote round %d first", new.round)
+            log.info("another node wrote resolution %d first", new.resolution)

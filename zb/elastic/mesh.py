@@ -203,8 +203,8 @@ class ElasticDeviceMesh:
 
     def _unreachable_members(self, world) -> set[str]:
         """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
-        down): probed after a failed collective for the check-in (the judge keeps no two such nodes in
-        one world) and before building the groups."""
+        down): probed after a failed collective, for the answer to the next roll call (the judge keeps no
+        two such nodes in one world), and before building the groups."""
         if world is None or self._membership is None or self._membership.store is None:
             return set()
         peers = [u for u in world.nodes if u != self._membership.uid]
@@ -215,7 +215,7 @@ class ElasticDeviceMesh:
         endpoints = {u: e.decode() for u, e in zip(peers, raw) if e}
         cut = unreachable_peers(endpoints, timeout=min(2.0, self.cfg.heartbeat_timeout / 2))
         if cut:
-            log.warning("cannot connect to %s on the gloo interface: reported at check-in", sorted(cut))
+            log.warning("cannot connect to %s on the gloo interface: reported in its answer", sorted(cut))
         return cut
 
     def _check_reachable(self, snap: Snapshot) -> None:
@@ -283,7 +283,7 @@ class ElasticDeviceMesh:
         # A member this node cannot connect to would hold gloo's full-mesh connect for its own connect
         # timeout (25 s measured, past the sync deadline: every member of the pair is then evicted as
         # late and they may come back together). Not building fails this round at once instead; the
-        # next check-in reports the cut and the judge drops one of the pair.
+        # next answer reports the cut and the judge drops one of the pair.
         cut = self._unreachable_members(view) if self.local_rank == 0 and view.global_world_size > 1 else set()
         if not localsync.all_ok(self.local_group, not cut):
             log.warning("not building global group v%d: %s unreachable", view.mesh_version, sorted(cut))

@@ -1,4 +1,4 @@
-"""One read of everything a resolution looks at: the world, goodbyes, join requests, check-ins.
+"""One read of everything a resolution looks at: the world, goodbyes, join requests, the answers to the roll call.
 
 Lines from peers are parsed as JSON with known fields only; anything malformed is skipped (a
 peer's bytes are never unpickled or trusted beyond their shape).
@@ -15,7 +15,9 @@ from zb.elastic.world import JoinRequest, World
 
 
 @dataclass
-class CheckIn:
+class Answer:
+    """A member's answer to a resolution's roll call: it reached the boundary, and what it saw."""
+
     uid: str
     token: str
     failed: bool = False                  # its last collective failed: groups must be rebuilt
@@ -29,15 +31,15 @@ class Snapshot:
     world: World | None
     gone: set[tuple[str, str]]
     joins: list[JoinRequest]
-    checkins: list[CheckIn]
+    answers: list[Answer]
 
 
-def read_snapshot(store, round_: int | None) -> Snapshot:
-    """World, goodbyes and joins, plus the check-ins of `round_` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS] + ([keys.checkin(round_)] if round_ is not None else [])
+def read_snapshot(store, resolution: int | None) -> Snapshot:
+    """World, goodbyes and joins, plus the answers to the roll call of `resolution` (none when None)."""
+    names = [keys.WORLD, keys.GONE, keys.JOINS] + ([keys.roll_call(resolution)] if resolution is not None else [])
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    checkins=_checkins(raw[3]) if len(raw) > 3 else [])
+                    answers=_answers(raw[3]) if len(raw) > 3 else [])
 
 
 def _lines(raw: bytes) -> list[str]:
@@ -78,13 +80,13 @@ def _joins(raw: bytes) -> list[JoinRequest]:
     return out
 
 
-def _checkins(raw: bytes) -> list[CheckIn]:
+def _answers(raw: bytes) -> list[Answer]:
     out = []
     for data in _json_lines(raw):
         if data is None:   # a malformed line
             continue
         try:
-            out.append(CheckIn(uid=str(data["uid"]), token=str(data["token"]), failed=bool(data.get("failed")),
+            out.append(Answer(uid=str(data["uid"]), token=str(data["token"]), failed=bool(data.get("failed")),
                                suspects=[str(s) for s in data.get("suspects", [])],
                                unreachable=[str(u) for u in data.get("unreachable", [])]))
         except (TypeError, KeyError, ValueError):

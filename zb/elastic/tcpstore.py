@@ -56,7 +56,7 @@ def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, nam
     """A client of the store at addr:port; EnvironmentFailure after `connect_timeout` s if unreachable.
 
     With a `namespace` (elastic.namespace) every key goes under that prefix: the membership, meshes and
-    check-ins of runs in different namespaces never meet, so one store can hold several runs (each stage
+    answers of runs in different namespaces never meet, so one store can hold several runs (each stage
     of a DiLoCo-SWARM run is one), with no key name changed anywhere else."""
     import torch.distributed as dist
 

@@ -14,10 +14,10 @@ class WorldView:
     global_rank: int               # this node's rank in its replica group (= node index)
     global_world_size: int         # nodes in the world
     nodes: list[str]               # unique ids, index = global rank
-    leader: str                    # unique id of the node that resolves the next round
-    joined: list[str] = field(default_factory=list)   # admitted last round and in need of state
-    left: list[str] = field(default_factory=list)     # left with a goodbye last round
-    died: list[str] = field(default_factory=list)     # removed last round: silent, late or blamed
+    leader: str                    # unique id of the node that writes the next resolution
+    joined: list[str] = field(default_factory=list)   # admitted in the last resolution and in need of state
+    left: list[str] = field(default_factory=list)     # left with a goodbye in the last resolution
+    died: list[str] = field(default_factory=list)     # removed in the last resolution: silent, late or blamed
     is_joiner: bool = False        # this node is new (or came back) and must receive state
     changed: bool = False          # the global groups were rebuilt by this resolution
     store_ok: bool = True          # False: the store was unreachable, this is the previous world

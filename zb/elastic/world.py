@@ -2,7 +2,7 @@
 
 A World is what the store holds under keys.WORLD: the members in rank order (rank = index), each
 member's incarnation token, the mesh version (bumps whenever the global groups must be rebuilt)
-and the round (bumps at every resolution, so compare_set never sees the same text twice). The
+and the resolution number (bumps at every resolution, so compare_set never sees the same text twice). The
 rule is a pure function of the old world and what the acting leader observed, so it is easy to test
 and any node can apply it: there is no special node.
 """
@@ -16,12 +16,12 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class World:
     version: int = 0                       # mesh version: global groups live under this prefix
-    round: int = 0                         # resolutions so far (store-local; restarts at 0 with the store)
+    resolution: int = 0                    # resolutions so far (store-local; restarts at 0 with the store)
     nodes: list[str] = field(default_factory=list)        # unique ids, index = global rank
     tokens: dict[str, str] = field(default_factory=dict)  # unique id -> incarnation token
     join_cursor: int = 0                   # join requests consumed (lines of keys.JOINS)
     stripes: int = 1                       # replica groups (diloco.stripes); every node has at least as many local ranks
-    joined: list[str] = field(default_factory=list)   # new this round and in need of state
+    joined: list[str] = field(default_factory=list)   # new in this resolution and in need of state
     left: list[str] = field(default_factory=list)     # said goodbye (deathrattle)
     died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
     ring_mbps: float | None = None         # slowest hop of the ring when nodes are in measured ring order (zb.elastic.ring)
@@ -67,20 +67,20 @@ class JoinRequest:
 
 @dataclass
 class Observation:
-    """What the acting leader saw for one round."""
+    """What the acting leader saw in one resolution."""
 
-    checked: set[str]                  # members that checked in (with their current token)
+    answered: set[str]                 # members that answered the roll call (with their current token)
     gone: set[tuple[str, str]]         # (uid, token) pairs that sent a deathrattle
     excluded: set[str]                 # dead, missed the sync, or stuck: removed as died
     joiners: list[JoinRequest]         # live requests past the cursor
     join_end: int                      # new cursor
-    failure: bool = False              # a check-in reported a failed collective: rebuild groups
+    failure: bool = False              # an answer reported a failed collective: rebuild groups
 
 
 def next_world(old: World, obs: Observation) -> World:
     """The world after one resolution; version bumps when members change or groups failed."""
     left = [m for m in old.nodes if (m, old.tokens.get(m, "")) in obs.gone]
-    keep = [m for m in old.nodes if m in obs.checked and m not in obs.excluded and m not in left]
+    keep = [m for m in old.nodes if m in obs.answered and m not in obs.excluded and m not in left]
     died = [m for m in old.nodes if m not in keep and m not in left]
     admitted = _admissible(obs.joiners, obs.gone)
     for req in admitted:
@@ -92,7 +92,7 @@ def next_world(old: World, obs: Observation) -> World:
     nodes = keep + [r.uid for r in admitted]
     newest = max([old.version] + [r.last_version for r in admitted])
     changed = nodes != old.nodes or tokens != old.tokens or obs.failure or newest > old.version
-    return World(version=newest + 1 if changed else old.version, round=old.round + 1, nodes=nodes,
+    return World(version=newest + 1 if changed else old.version, resolution=old.resolution + 1, nodes=nodes,
                  tokens=tokens, join_cursor=obs.join_end, stripes=old.stripes,
                  joined=_needs_state(keep, admitted), left=left, died=died)
 
