@@ -85,7 +85,7 @@ def measure(args) -> dict:
                 self.events.append(fields)
 
     sink = Sink()
-    manager = CheckpointManager(cfg.ckpt, node_id="bench", local_rank=0, local_world_size=1, sink=sink)
+    manager = CheckpointManager(cfg.ckpt, uid="bench", local_rank=0, local_world_size=1, sink=sink)
     train(trainer, loader, 2)  # optimizer state exists from here on
     outer.step()
     state = TrainState(model, opt, sched, RunPosition(), data_state=loader.state_dict(), outer=outer.state_tensors(),

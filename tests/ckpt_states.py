@@ -46,7 +46,7 @@ def small_state(seed: int = 0, width: int = 64) -> TrainState:
 def manager(tmp_path: Path, sink=None, **kw) -> CheckpointManager:
     remote = RemoteConfig(path=kw.pop("remote", None))
     cfg = CkptConfig(interval=1, path=str(tmp_path / "disk"), ram_dir=str(tmp_path / "ram"), remote=remote, **kw)
-    return CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=sink or Recorder(),
+    return CheckpointManager(cfg, uid="n0", local_rank=0, local_world_size=1, sink=sink or Recorder(),
                              retry_delay=0.01)
 
 

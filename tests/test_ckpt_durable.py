@@ -251,7 +251,7 @@ def test_resume_from_a_named_remote_step(tmp_path):
 
 def test_incomplete_multi_rank_checkpoint_is_not_listed(tmp_path):
     m = CheckpointManager(CkptConfig(interval=1, path=str(tmp_path / "disk"), ram_dir=str(tmp_path / "ram")),
-                          node_id="n0", local_rank=0, local_world_size=2, sink=Recorder())
+                          uid="n0", local_rank=0, local_world_size=2, sink=Recorder())
     save_steps(m, small_state(), [5])
     assert m.committed_steps() == []  # rank-1's part is missing
     m.close()

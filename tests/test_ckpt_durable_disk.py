@@ -23,7 +23,7 @@ from zb.errors import EnvironmentFailure, InvalidInput
 def on(tmp_path, path, sink=None) -> CheckpointManager:
     """A manager whose ckpt.path is `path` (RAM staging under tmp_path)."""
     cfg = CkptConfig(interval=1, path=str(path), ram_dir=str(tmp_path / "ram"))
-    return CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=sink or Recorder(),
+    return CheckpointManager(cfg, uid="n0", local_rank=0, local_world_size=1, sink=sink or Recorder(),
                              retry_delay=0.01)
 
 
@@ -149,11 +149,11 @@ def test_ram_copies_of_dead_runs_are_removed_at_start_and_live_ones_kept(tmp_pat
 
 def test_without_ckpt_path_the_ram_copies_are_the_checkpoints_and_stay(tmp_path):
     cfg = CkptConfig(interval=1, path=None, ram_dir=str(tmp_path / "ram"), live_recovery=True)
-    m = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder(), retry_delay=0.01)
+    m = CheckpointManager(cfg, uid="n0", local_rank=0, local_world_size=1, sink=Recorder(), retry_delay=0.01)
     save_steps(m, small_state(), [1])
     m.close()
     assert os.listdir(tmp_path / "ram" / "n0") == [snapshot_name(1)]  # no owner file: no sweep takes it
     cfg.resume = "latest"
-    again = CheckpointManager(cfg, node_id="n0", local_rank=0, local_world_size=1, sink=Recorder())
+    again = CheckpointManager(cfg, uid="n0", local_rank=0, local_world_size=1, sink=Recorder())
     assert again.resume(small_state(seed=1)).position.step == 1
     again.close()

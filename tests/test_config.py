@@ -170,9 +170,9 @@ def test_unique_id_that_is_not_a_plain_name_is_refused(uid, run_zb):
 
 def test_generated_and_usual_unique_ids_are_accepted():
     from zb.config import NODE_ID
-    from zb.elastic.identity import new_unique_id
+    from zb.elastic.identity import new_uid
 
-    for uid in (new_unique_id(), "node-1", "gpu_box.eu-west", "A" * 64):
+    for uid in (new_uid(), "node-1", "gpu_box.eu-west", "A" * 64):
         assert load_config(environ={"GLOBAL_UNIQUE_ID": uid}).elastic.unique_id == uid
         assert NODE_ID.fullmatch(uid)
 

@@ -25,9 +25,9 @@ class _IdentityFilter(logging.Filter):
         return True
 
 
-def set_node_id(node_id: str) -> None:
+def set_uid(uid: str) -> None:
     """Called once the node's unique id is known (it may be generated after logging starts)."""
-    _IdentityFilter.node = node_id
+    _IdentityFilter.node = uid
 
 
 _verbosity = 0  # -v/-q as given: they beat log.level

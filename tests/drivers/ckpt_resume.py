@@ -102,7 +102,7 @@ def main() -> None:
                           fingerprint=fingerprint(cfg, local.world_size, vocab), data_exact=loader.exact_resume)
 
     sink = MetricsSink(f"{ckpt_dir}/log-{mode}", f"node-{local.rank}", enabled=True)
-    manager = CheckpointManager(cfg.ckpt, node_id="node", local_rank=local.rank, local_world_size=local.world_size,
+    manager = CheckpointManager(cfg.ckpt, uid="node", local_rank=local.rank, local_world_size=local.world_size,
                                 sink=sink, retry_delay=0.05)
     end, save_at = 2 * steps, steps
     if mode == "resume":

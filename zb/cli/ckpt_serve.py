@@ -27,7 +27,7 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
               help="File holding the shared secret (else env ZB_CKPT_TOKEN).")
 @click.option("--publish", "store_addr", type=TEXT, metavar="HOST:PORT", default=None,
               help="Global store (`zb store`) to write this sidecar's address into, under ckpt_serve/<node id>.")
-@click.option("--node-id", envvar="GLOBAL_UNIQUE_ID", default=None, type=NodeId(),
+@click.option("--node-id", "uid", envvar="GLOBAL_UNIQUE_ID", default=None, type=NodeId(),
               help="Node id for --publish. [env: GLOBAL_UNIQUE_ID]")
 @click.option("--advertise", type=TEXT, envvar="ZERO_BAND_LIVE_RECO_ADDR", default=None,
               help="Address peers should use (default: --host, or the interface toward the store). "
@@ -40,13 +40,13 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
               help="Seconds to keep trying to reach the store of --publish.")
 @click.option("--json", "as_json", is_flag=True, help="Print {address, dir} as one JSON line on stdout once listening.")
 def ckpt_serve(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
-               node_id: str | None, advertise: str | None, client_timeout: float, max_connections: int,
+               uid: str | None, advertise: str | None, client_timeout: float, max_connections: int,
                connect_timeout: float, as_json: bool) -> None:
     """Serve committed snapshots to joining nodes (live recovery) until SIGINT/SIGTERM."""
     from zb.ckpt.sidecar.process import open_sidecar, run_until_signal
     from zb.cli.terminal import print_json, stderr
 
-    sidecar = open_sidecar(root, host, port, token_file, store_addr, node_id, advertise, client_timeout,
+    sidecar = open_sidecar(root, host, port, token_file, store_addr, uid, advertise, client_timeout,
                            connect_timeout, max_connections)
     if as_json:
         print_json({"address": sidecar.address, "dir": str(sidecar.server.root), "published": sidecar.key})

@@ -43,13 +43,13 @@ MAX_PARALLEL = 128
               help="Seconds to wait for the store, for a rank at a barrier, or for a silent socket.")
 @click.option("--connect-timeout", type=FiniteFloatRange(min=0, min_open=True), default=5.0, show_default=True,
               help="Seconds a sender waits for a TCP connection before calling the link unreachable.")
-@click.option("--node-id", type=TEXT, default=None, envvar="GLOBAL_UNIQUE_ID", show_envvar=True,
+@click.option("--node-id", "uid", type=TEXT, default=None, envvar="GLOBAL_UNIQUE_ID", show_envvar=True,
               help="With --store: this host's unique id in the training run, written into the JSON's `nodes`, so "
                    "elastic.link_matrix finds its row by id (without it, by address).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def iperf_mesh(world_size: int, store: str | None, rank: int | None, duration: float, parallel: int, serial: bool,
                bind: str, port: int | None, advertise: str | None, timeout: float, connect_timeout: float,
-               node_id: str | None, as_json: bool) -> None:
+               uid: str | None, as_json: bool) -> None:
     """Measure TCP bandwidth (Mbit/s, timed by the receiver) and round-trip time between every ordered
     pair of nodes, to find slow or asymmetric links and unreachable peers before a run.
 
@@ -62,7 +62,7 @@ def iperf_mesh(world_size: int, store: str | None, rank: int | None, duration: f
     _check_addresses(store, advertise, parse_host_port)
     cfg = MeshConfig(duration_s=duration, parallel=parallel, serial=serial, timeout_s=timeout,
                      connect_timeout_s=connect_timeout, bind=bind, port=port or 0, advertise=advertise,
-                     node_id=node_id if store is not None else None)
+                     uid=uid if store is not None else None)
     with _Progress(world_size) as progress:
         report = _run(world_size, store, rank, cfg, progress.on_link)
     if as_json:

@@ -20,7 +20,7 @@ from zb.errors import EnvironmentFailure
 log = logging.getLogger("zb.elastic")
 
 
-def new_unique_id() -> str:
+def new_uid() -> str:
     """A readable id for nodes started without GLOBAL_UNIQUE_ID: host name plus random suffix."""
     host = socket.gethostname().split(".")[0][:24] or "node"
     return f"{host}-{secrets.token_hex(3)}"

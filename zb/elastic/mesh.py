@@ -19,7 +19,7 @@ from zb import events
 from zb.elastic import keys, localsync
 from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
-from zb.elastic.identity import ensure_unique, new_token, new_unique_id
+from zb.elastic.identity import ensure_unique, new_token, new_uid
 from zb.elastic.judge import renewed_members
 from zb.elastic.membership import Membership
 from zb.elastic.probe import ProbeListener, check_peers, gloo_address, reachable, unreachable_peers
@@ -142,10 +142,10 @@ class ElasticDeviceMesh:
 
     def _start_head(self) -> dict[str, Any]:
         cfg = self.cfg
-        uid, token = cfg.unique_id or new_unique_id(), new_token()
-        from zb.log import set_node_id
+        uid, token = cfg.unique_id or new_uid(), new_token()
+        from zb.log import set_uid
 
-        set_node_id(uid)
+        set_uid(uid)
         matrix = check_link_matrix(cfg.link_matrix, uid, gloo_address()) if cfg.link_matrix else None
         self.host_store_if_asked()
         store = self._connect()

@@ -43,7 +43,7 @@ class MeshConfig:
     bind: str = "0.0.0.0"
     port: int = 0  # 0: a free port
     advertise: str | None = None  # ADDR or ADDR:PORT peers should dial; None: found from the store route
-    node_id: str | None = None  # the run's unique id of this host, so elastic.link_matrix can name its row
+    uid: str | None = None  # the run's unique id of this host, so elastic.link_matrix can name its row
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
@@ -146,7 +146,7 @@ def run_rank(store_addr: str, rank: int, world: int, cfg: MeshConfig,
         mesh = Mesh(connect_store(store_host, store_port, rank, world, cfg.timeout_s), rank, world,
                     cfg.timeout_s, store_addr)
         addr, port = advertised_address(cfg, store_host, server.port)
-        mesh.set(f"host/{rank}", {"addr": addr, "port": port, "node": cfg.node_id})
+        mesh.set(f"host/{rank}", {"addr": addr, "port": port, "node": cfg.uid})
         mesh.barrier("start", "the start")
         hosts = {r: mesh.get(f"host/{r}") for r in range(world)}
         links = _measure(mesh, server, hosts, cfg, on_link)

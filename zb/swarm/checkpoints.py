@@ -65,7 +65,7 @@ class StageCheckpoints:
 
     def __init__(self, cfg: "Config", *, stage_index: int, uid: str, sink, state_of: "Callable[[], TrainState]"):
         self.cfg, self.index = cfg, stage_index
-        self.run = RunCheckpoints(cfg, node_id=uid, local_rank=0, local_world_size=1, is_head=True, sink=sink,
+        self.run = RunCheckpoints(cfg, uid=uid, local_rank=0, local_world_size=1, is_head=True, sink=sink,
                                   local_group=None, state_of=state_of)
 
     def resume(self, link: registry.StoreLink, *, joining: bool) -> "Resumed | None":

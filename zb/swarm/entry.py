@@ -74,7 +74,7 @@ def warn_unsupported(cfg: Config) -> None:
 def run(cfg: Config) -> Ended:
     """The dispatch from `zb train`: build this worker's stage and run its role to the end."""
     from zb.data import build_tokenizer
-    from zb.log import apply_log_config, set_node_id
+    from zb.log import apply_log_config, set_uid
     from zb.train.setup import node_identity, open_metrics
 
     local = local_world()
@@ -84,7 +84,7 @@ def run(cfg: Config) -> Ended:
     warn_unsupported(cfg)
     torch.manual_seed(cfg.train.seed)
     cfg.elastic.unique_id = node_identity(cfg, local)
-    set_node_id(cfg.elastic.unique_id)
+    set_uid(cfg.elastic.unique_id)
     tokenizer = build_tokenizer(cfg.data.tokenizer, retries=cfg.data.retries)
     args, bounds = plan_stages(cfg, tokenizer.vocab_size)
     sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=True)

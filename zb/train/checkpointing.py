@@ -26,7 +26,7 @@ class RunCheckpoints:
     (the TrainState to save, or to fill in place at a resume) and hands back what it loaded, so the
     run applies it; without any ckpt setting it does nothing."""
 
-    def __init__(self, cfg: Config, *, node_id: str, local_rank: int, local_world_size: int, is_head: bool,
+    def __init__(self, cfg: Config, *, uid: str, local_rank: int, local_world_size: int, is_head: bool,
                  sink, local_group, state_of: Callable[[], "TrainState"]):
         self.cfg, self.state_of = cfg, state_of
         self.manager = None
@@ -37,8 +37,8 @@ class RunCheckpoints:
             if ckpt.remote.path and source_of(cfg, "elastic.unique_id") == "default" and is_head:
                 log.warning("ckpt.remote.path is set but this node's id was generated (%s): set GLOBAL_UNIQUE_ID "
                             "so that a restarted node finds its remote checkpoints under %s/<node id>",
-                            node_id, ckpt.remote.path.rstrip("/"))
-            self.manager = CheckpointManager(ckpt, node_id=node_id, local_rank=local_rank,
+                            uid, ckpt.remote.path.rstrip("/"))
+            self.manager = CheckpointManager(ckpt, uid=uid, local_rank=local_rank,
                                              local_world_size=local_world_size, sink=sink, local_group=local_group)
 
     def resume(self, *, store=None, scope: str = "", joining: bool = False,
@@ -56,9 +56,9 @@ class RunCheckpoints:
         if store is not None and self.cfg.ckpt.resume == "latest":
             from zb.ckpt.durable.agree import agree_on_latest
 
-            node_id = self.cfg.elastic.unique_id
-            assert node_id is not None  # the run named its node (node_identity) before anything resumes
-            agreed = agree_on_latest(store, node_id, self.manager.committed_steps(),
+            uid = self.cfg.elastic.unique_id
+            assert uid is not None  # the run named its node (node_identity) before anything resumes
+            agreed = agree_on_latest(store, uid, self.manager.committed_steps(),
                                      quorum=quorum or self.cfg.elastic.world_size, timeout=self.cfg.elastic.start_timeout,
                                      scope=scope)
             if agreed is None:

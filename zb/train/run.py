@@ -79,12 +79,12 @@ class TrainingRun:
 
     def __init__(self, cfg: Config, local: LocalWorld, placement: Placement):
         from zb.data import build_tokenizer
-        from zb.log import set_node_id
+        from zb.log import set_uid
 
         self.cfg, self.local, self.placement = cfg, local, placement
         self.accum = check_batch(cfg, local)
         cfg.elastic.unique_id = node_identity(cfg, local)
-        set_node_id(cfg.elastic.unique_id)
+        set_uid(cfg.elastic.unique_id)
         self.sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=local.is_head)
         # DiLoCo nodes also publish a status record for `zb status` (a thread; never blocks a step).
         self.sink = publish_status(self.sink, cfg, is_head=local.is_head)
@@ -105,7 +105,7 @@ class TrainingRun:
         self.diloco: DilocoNode | None = None
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
         emit_run_start(self.sink, cfg, local_world_size=local.world_size, device=placement.device.type)
-        self.checkpoints = RunCheckpoints(cfg, node_id=cfg.elastic.unique_id, local_rank=local.rank,
+        self.checkpoints = RunCheckpoints(cfg, uid=cfg.elastic.unique_id, local_rank=local.rank,
                                           local_world_size=local.world_size, is_head=local.is_head, sink=self.sink,
                                           local_group=control_group(), state_of=self.checkpoint_state)
         self.stop = StopRequest()

@@ -1,6 +1,6 @@
 """Durable checkpoints that never stall training: the API the training loop calls.
 
-    manager = CheckpointManager(cfg.ckpt, node_id=uid, local_rank=r, local_world_size=n, sink=sink)
+    manager = CheckpointManager(cfg.ckpt, uid=uid, local_rank=r, local_world_size=n, sink=sink)
     resumed = manager.resume(state)            # in place; a Resumed (position, data_state, outer) or None
     ... if manager.due(step): manager.save(step, state)
     manager.save(step, state, final=True); manager.wait(cfg.ckpt.grace_period); manager.close()
@@ -104,14 +104,14 @@ class CheckpointManager:
     complete, verified checkpoint (or the named one), loads it in place and returns the rest;
     `check_durable` turns checkpoints that never reached disk into a failed run, not a quiet one."""
 
-    def __init__(self, cfg: CkptConfig, *, node_id: str, local_rank: int, local_world_size: int, sink: Any,
+    def __init__(self, cfg: CkptConfig, *, uid: str, local_rank: int, local_world_size: int, sink: Any,
                  local_group: Any = None, attempts: int = 3, retry_delay: float = 1.0):
-        self.cfg, self.node_id, self.sink, self.group = cfg, node_id, sink, local_group
+        self.cfg, self.uid, self.sink, self.group = cfg, uid, sink, local_group
         self.attempts, self.retry_delay = attempts, retry_delay
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.disk_root = Path(cfg.path) if cfg.path else None
-        self.ram_root = Path(cfg.ram_dir) / node_id if cfg.ram_dir else None
-        self.remote = f"{cfg.remote.path.rstrip('/')}/{node_id}" if cfg.remote.path else None
+        self.ram_root = Path(cfg.ram_dir) / uid if cfg.ram_dir else None
+        self.remote = f"{cfg.remote.path.rstrip('/')}/{uid}" if cfg.remote.path else None
         if cfg.path:
             check_writable_dir(cfg.path)  # at start: a path that can never work is exit 2, not a quiet run
         if cfg.remote.path:
@@ -159,7 +159,7 @@ class CheckpointManager:
             live[OUTER] = state.outer
         staged = self._staging.fill(live)
         meta = {**json_meta(state), "local_world_size": self.local_world_size, "local_rank": self.local_rank,
-                "node_id": self.node_id, "shared_files": [OUTER] if state.outer is not None else [],
+                "node_id": self.uid, "shared_files": [OUTER] if state.outer is not None else [],
                 "final": final}
         # One event per job: an older job finishing must not free the buffers a queued one still reads.
         self._free = threading.Event()

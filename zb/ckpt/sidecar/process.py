@@ -24,16 +24,16 @@ class Sidecar:
     server: SnapshotServer
     address: str                # advertised "host:port"
     store: Any = None
-    node_id: str | None = None
+    uid: str | None = None
     key: str | None = None      # the store key it is published under
 
 
 def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
-                 node_id: str | None, advertise: str | None, client_timeout: float,
+                 uid: str | None, advertise: str | None, client_timeout: float,
                  connect_timeout: float = STORE_CONNECT_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> Sidecar:
     """Check the inputs, bind the port, publish the address if asked; every failure is one clear line."""
     token = read_token(token_file)
-    if store_addr is not None and not node_id:
+    if store_addr is not None and not uid:
         raise InvalidInput("--publish needs a node id: pass --node-id or set GLOBAL_UNIQUE_ID")
     store_host = parse_peer(store_addr)[0] if store_addr else None
     server = make_server(root, token, host, port, client_timeout, max_connections)
@@ -41,8 +41,8 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
     if store_addr is not None:
         try:
             sidecar.store = _connect_store(store_addr, connect_timeout)
-            assert node_id  # checked above: publishing needs a node id
-            sidecar.node_id, sidecar.key = node_id, publish_address(sidecar.store, node_id, sidecar.address)
+            assert uid  # checked above: publishing needs a node id
+            sidecar.uid, sidecar.key = uid, publish_address(sidecar.store, uid, sidecar.address)
         except BaseException:
             server.server_close()
             raise
@@ -97,6 +97,6 @@ def run_until_signal(sidecar: Sidecar) -> None:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        if sidecar.store is not None and sidecar.node_id is not None:   # open_sidecar sets both
-            unpublish_address(sidecar.store, sidecar.node_id)
+        if sidecar.store is not None and sidecar.uid is not None:   # open_sidecar sets both
+            unpublish_address(sidecar.store, sidecar.uid)
         sidecar.server.server_close()

@@ -17,32 +17,32 @@ KEY_PREFIX = "ckpt_serve/"
 _WILDCARDS = ("", "0.0.0.0", "::", "[::]")
 
 
-def address_key(node_id: str) -> str:
-    return f"{KEY_PREFIX}{node_id}"
+def address_key(uid: str) -> str:
+    return f"{KEY_PREFIX}{uid}"
 
 
-def publish_address(store: Any, node_id: str, address: str) -> str:
+def publish_address(store: Any, uid: str, address: str) -> str:
     """Write this node's sidecar address ("host:port"); returns the key."""
-    key = address_key(node_id)
+    key = address_key(uid)
     store.set(key, address)
     return key
 
 
-def unpublish_address(store: Any, node_id: str) -> None:
+def unpublish_address(store: Any, uid: str) -> None:
     """Best effort: a store that is already gone is fine at shutdown."""
     try:
-        store.delete_key(address_key(node_id))
+        store.delete_key(address_key(uid))
     except Exception as e:  # noqa: BLE001 - any store failure here only means there is nothing to clean
-        log.debug("could not remove %s from the store: %s", address_key(node_id), e)
+        log.debug("could not remove %s from the store: %s", address_key(uid), e)
 
 
-def peer_addresses(store: Any, node_ids: list[str]) -> dict[str, str]:
+def peer_addresses(store: Any, uids: list[str]) -> dict[str, str]:
     """{node id: address} of the nodes that published one (without blocking on the others)."""
     found = {}
-    for node_id in node_ids:
-        key = address_key(node_id)
+    for uid in uids:
+        key = address_key(uid)
         if store.check([key]):
-            found[node_id] = store.get(key).decode()
+            found[uid] = store.get(key).decode()
     return found
 
 
