@@ -104,7 +104,7 @@ def test_joiner_mid_run_ends_identical(make_run, mode):
     assert "received the run's state from rank" in (run.tmp / "late.log").read_text()
 
 
-@pytest.mark.parametrize("mode", ["eager", pytest.param("streaming", marks=SOAK)])
+@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), pytest.param("streaming", marks=SOAK)])
 def test_live_recovery_joiner_takes_the_average_in_flight(make_run, mode):
     """The snapshot a joiner downloads predates the average in flight: the donor sends it that
     average at its first outer step, and from then on it holds the run's shared params."""

@@ -8,10 +8,13 @@ module was imported from, so children started with subprocess_env import that sa
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -72,10 +75,19 @@ def wait_listening(port: int, timeout: float = 60.0, what: str = "zb store") -> 
     wait_until(lambda: _accepts(port), timeout, f"{what} listening on port {port}", poll=0.1)
 
 
+# The RAM staging directory of this test process's children (ckpt.ram_dir): one per process, so two
+# pytest workers never share one (two tests' nodes named n0 would otherwise clear each other's copies).
+# Removed when this process exits.
+RAM_DIR = str(Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()) / f"zb-tests-{os.getpid()}")
+atexit.register(shutil.rmtree, RAM_DIR, ignore_errors=True)
+
+
 def subprocess_env(**extra: str) -> dict[str, str]:
-    """Environment for child processes: the repo importable even without an editable install."""
+    """Environment for child processes: the repo importable even without an editable install, and
+    this test process's own ckpt.ram_dir (a test's --ckpt.ram_dir still wins)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ZB_", "GLOBAL_", "ZERO_BAND_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["ZB_CKPT_RAM_DIR"] = RAM_DIR
     env.update(extra)
     return env
 
