@@ -26,6 +26,7 @@ USED_WITHOUT_IMPORT = {
     "ninja": "torch.utils.cpp_extension runs it to build zb/csrc",
     "numpy": "Tensor.numpy() (zb.diloco.drift, zb.ckpt.format.tensorfile) needs it; torch does not require it",
     "pytest-timeout": "the timeout option in [tool.pytest.ini_options]",
+    "pytest-xdist": "the -n 2 workers of the README's test command (docs/architecture.md, Test tiers)",
     "ruff": "the lint .ci/run runs before the tests (configured in pyproject.toml)",
     "mypy": "the type check .ci/run runs before the tests (configured in pyproject.toml)",
 }

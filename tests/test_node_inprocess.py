@@ -359,3 +359,38 @@ def test_eager_a_recovered_joiner_takes_the_average_in_flight_from_the_donor(cap
     assert all(r.applied for r in reports) and len({r.params_hash for r in reports}) == 1
     assert "took the average in flight from rank 0" in caplog.text
     assert joiner.diloco.roles.contributing and joiner.position == nodes[0].position
+
+
+def test_streaming_a_recovered_joiner_takes_the_fragment_in_flight_from_the_donor(caplog):
+    """Streaming: the joiner is admitted at a fragment's outer step while that fragment's average is in
+    flight; the donor sends the average and names the fragment, and the joiner applies it with the run."""
+    import logging
+
+    from fake_world import make_node, node_config
+
+    world, nodes = start_world(["a", "b"], **STREAMING)
+    numel = TinyModel().flat().numel()
+    moves = deltas(2, 2, numel)
+    train_and_sync(nodes, moves[0], STREAM_STEPS)          # a whole round: nothing in flight at its end
+    for node, move in zip(nodes, moves[1]):
+        node.train(move)
+    together(nodes, lambda n: n.diloco.launch_fragment(n.diloco.sync_points(1)[0]))   # fragment 0 in flight
+    world.set_world(["a", "b", "j"], joined=("j",))
+    joiner = make_node(world, "j", node_config(**STREAMING), seed=7)
+    snapshot, position = nodes[0].diloco.outer.state_tensors(), nodes[0].position
+
+    def recover_and_step(n):
+        if n is not joiner:
+            return n.outer_step()                 # step 2: fragment 0's outer step
+        n.diloco.start()                          # admitted at this resolution
+        # What live recovery does (zb.diloco.live): the snapshot of the shared outer state, the run's position.
+        n.diloco.outer.load_state_tensors(snapshot)
+        n.diloco.outer.push_to_model()
+        n.diloco.roles.joined(recovered=True)
+        n.position = position
+        return n.outer_step()
+
+    with caplog.at_level(logging.INFO, logger="zb.diloco"):
+        reports = together([*nodes, joiner], recover_and_step)
+    assert all(r.applied and r.fragment == 0 for r in reports) and len({r.params_hash for r in reports}) == 1
+    assert "took the average in flight from rank 0" in caplog.text and joiner.diloco.roles.contributing
