@@ -14,6 +14,20 @@ from click.testing import CliRunner
 
 from zb.testing.procs import REPO
 
+# Tests of whole runs (several processes, tens of seconds each) go first: the workers of `-n 2 --dist
+# worksteal` then end on the short tests instead of one waiting for the other's last long test.
+WHOLE_RUN_FIXTURES = {"make_run", "cluster"}
+WHOLE_RUN_FILES = {"test_swarm_checkpoints", "test_swarm_run", "test_train_resume", "test_train_ckpt_end",
+                   "test_status_live", "test_simulator", "test_wheel", "test_diloco_mixed_ranks", "test_diloco_adaptive",
+                   "test_diloco_outer"}
+
+
+def pytest_collection_modifyitems(items):
+    def whole_run(item) -> bool:
+        return bool(WHOLE_RUN_FIXTURES & set(getattr(item, "fixturenames", ()))) or \
+            item.module.__name__.rsplit(".", 1)[-1] in WHOLE_RUN_FILES
+    items.sort(key=lambda item: not whole_run(item))   # stable: each group keeps its order
+
 
 @pytest.fixture(autouse=True)
 def _quiet_env(monkeypatch):
