@@ -394,3 +394,32 @@ def test_streaming_a_recovered_joiner_takes_the_fragment_in_flight_from_the_dono
         reports = together([*nodes, joiner], recover_and_step)
     assert all(r.applied and r.fragment == 0 for r in reports) and len({r.params_hash for r in reports}) == 1
     assert "took the average in flight from rank 0" in caplog.text and joiner.diloco.roles.contributing
+
+
+# -- the eager rule's closed forms (issue 24: eager, found out) ------------------------------------------
+def test_eager_with_one_node_is_blocking_diloco():
+    """M = 1: D~(r) = Dbar(r-1) + D(r) - D(r-1) = D(r), the blocking update, round after round."""
+    start = TinyModel().flat()
+    moves = deltas(1, 4, start.numel())
+    finals = []
+    for flags in ({}, EAGER):
+        world, nodes = start_world(["a"], **flags)
+        run_rounds(nodes, moves)
+        finals.append(nodes[0].model.flat())
+    assert torch.allclose(finals[0], finals[1], rtol=0, atol=1e-6), (finals[0] - finals[1]).abs().max()
+
+
+def test_eager_with_outer_lr_1_and_no_momentum_has_the_closed_form():
+    """Outer lr 1, momentum 0: after R rounds node m holds theta0 - sum_{r<R} Dbar(r) - D_m(R)/M, every
+    round, and each round's inner steps start from there (the outer step's result, not the trained weights)."""
+    flags = {**EAGER, "diloco.outer_lr": "1.0", "diloco.outer_momentum": "0"}
+    world, nodes = start_world(["a", "b", "c"], **flags)
+    start = TinyModel().flat()
+    moves = deltas(3, 4, start.numel())
+    averages = []
+    for r, round_moves in enumerate(moves):
+        run_rounds(nodes, [round_moves])
+        for m, node in enumerate(nodes):
+            expected = start - sum(averages, torch.zeros_like(start)) - round_moves[m] / 3
+            assert torch.allclose(node.model.flat(), expected, atol=1e-6), (r, m)
+        averages.append(torch.stack(round_moves).mean(0))
