@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from zb.collectives import PeerFailure
-from zb.diloco.algorithm import Boundary, CheckIn
+from zb.diloco.algorithm import Boundary, CheckIn, OuterAlgorithm
 from zb.diloco.background import Arrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import OuterState
@@ -35,6 +35,37 @@ class InFlight(Protocol):
     def part_in_flight(self) -> int: ...
 
     def adopt_part(self, part: int) -> None: ...
+
+
+class OverlappedAlgorithm(OuterAlgorithm):
+    """An algorithm whose all-reduce runs behind the inner steps (eager, streaming): each outer step is a
+    boundary that agrees on the average in flight, and the run's end waits for the last one and leaves
+    the model at the shared params (the consensus model, no node's own term or merge residue)."""
+
+    state: Any   # the algorithm's buffers and the job in flight (EagerOverlap, StreamingOverlap)
+
+    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
+        return self._boundary(position, data_state, closing=False)
+
+    def close_run(self, position: RunPosition) -> OuterReport | None:
+        if self.state.job is None:
+            self.outer.push_to_model()
+            return None
+        return self._boundary(position, None, closing=True)[0]
+
+    def close(self, grace_s: float) -> None:
+        self.state.close(grace_s)
+
+    def _boundary(self, position: RunPosition, data_state: dict | None,
+                  closing: bool) -> tuple[OuterReport, RunPosition | None]:
+        raise NotImplementedError
+
+    def _arrive(self, position: RunPosition) -> tuple[Arrival | None, OuterReport, CheckIn]:
+        """The average in flight arrives (the wait is the stall), and the check-in agrees on what every
+        node holds of it."""
+        arrival = self.state.wait()
+        report, done = agree_on_arrival(self.node, position, arrival)
+        return arrival, report, done
 
 
 def agree_on_arrival(node: Boundary, position: RunPosition, arrival: Arrival | None) -> tuple[OuterReport, CheckIn]:

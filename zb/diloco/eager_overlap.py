@@ -28,8 +28,8 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
-from zb.diloco.algorithm import Boundary, OuterAlgorithm, log_skipped, run_position, warn_non_finite_own
-from zb.diloco.arrival import agree_on_arrival, apply_arrived
+from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_non_finite_own
+from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
 from zb.diloco.outer import OuterState
@@ -41,7 +41,7 @@ from zb.position import RunPosition
 log = logging.getLogger("zb.diloco")
 
 
-class EagerAlgorithm(OuterAlgorithm):
+class EagerAlgorithm(OverlappedAlgorithm):
     """The eager rule at each round boundary; the check-in also says who holds the average launched at
     the last boundary: it is applied only when every contributor does."""
 
@@ -52,22 +52,10 @@ class EagerAlgorithm(OuterAlgorithm):
         self.state = EagerOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect)
         self.extra_bytes = self.state.extra_bytes
 
-    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
-        return self._boundary(position, data_state, closing=False)
-
-    def close_run(self, position: RunPosition) -> OuterReport | None:
-        """Wait for the last average, apply it on every node alike, and leave the model at the shared
-        params: the consensus model, with no node's eager term."""
-        if self.state.job is None:
-            self.outer.push_to_model()
-            return None
-        return self._boundary(position, None, closing=True)[0]
-
     def _boundary(self, position: RunPosition, data_state: dict | None,
                   closing: bool) -> tuple[OuterReport, RunPosition | None]:
         node, ov = self.node, self.state
-        arrival = ov.wait()
-        report, done = agree_on_arrival(node, position, arrival)
+        arrival, report, done = self._arrive(position)
         view, plan = done.view, done.plan
         if plan is None:
             if not closing:
@@ -107,8 +95,6 @@ class EagerAlgorithm(OuterAlgorithm):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.state.load_state_tensors(tensors)
 
-    def close(self, grace_s: float) -> None:
-        self.state.close(grace_s)
 
 
 class EagerOverlap:

@@ -30,8 +30,8 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
-from zb.diloco.algorithm import Boundary, OuterAlgorithm, log_skipped, run_position, warn_non_finite_own
-from zb.diloco.arrival import agree_on_arrival, apply_arrived
+from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_non_finite_own
+from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD
 from zb.diloco.outer import OuterState, local_shard
@@ -60,7 +60,7 @@ def fragment_of_params(names: list[str], numels: list[int], fragments: int) -> l
     return out
 
 
-class StreamingAlgorithm(OuterAlgorithm):
+class StreamingAlgorithm(OverlappedAlgorithm):
     """A fragment's outer step: the average launched tau steps ago, applied on every node or on none,
     then the merge; joiners are admitted and handed the state here (nothing is in flight). Nothing of
     the node's own is checkpointed beside the shared outer state: periodic checkpoints fall where
@@ -85,22 +85,10 @@ class StreamingAlgorithm(OuterAlgorithm):
         self.state.launch(fragment, node.mesh.view, node.mesh.global_pg, node.roles.contributing)
         log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.state.numel(fragment))
 
-    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
-        return self._boundary(position, data_state, closing=False)
-
-    def close_run(self, position: RunPosition) -> OuterReport | None:
-        """Wait for the fragment in flight, apply it on every node alike, and leave the model at the
-        shared params (no merge residue)."""
-        if self.state.job is None:
-            self.outer.push_to_model()
-            return None
-        return self._boundary(position, None, closing=True)[0]
-
     def _boundary(self, position: RunPosition, data_state: dict | None,
                   closing: bool) -> tuple[OuterReport, RunPosition | None]:
         node, ov = self.node, self.state
-        arrival = ov.wait()
-        report, done = agree_on_arrival(node, position, arrival)
+        arrival, report, done = self._arrive(position)
         view, plan = done.view, done.plan
         if plan is None:
             log_skipped(done.attempts)
@@ -128,8 +116,6 @@ class StreamingAlgorithm(OuterAlgorithm):
         node.after_step(report, view, received or position, data_state)
         return report, received
 
-    def close(self, grace_s: float) -> None:
-        self.state.close(grace_s)
 
 
 class StreamingOverlap:
