@@ -24,6 +24,7 @@ from zb.collectives import PeerFailure
 from zb.config import load_config
 from zb.config_schema import Config
 from zb.diloco.node import DilocoNode
+from zb.diloco.rounds import RoundWork
 from zb.elastic.view import WorldView
 from zb.local_world import LocalWorld
 from zb.position import RunPosition
@@ -182,14 +183,15 @@ class FakeNode:
         return report
 
 
-def make_node(world: FakeWorld, uid: str, cfg: Config, seed: int = 0) -> FakeNode:
-    """A node with the model every node starts from (the same seed: DiLoCo's identical start)."""
+def make_node(world: FakeWorld, uid: str, cfg: Config, seed: int = 0, work: RoundWork | None = None) -> FakeNode:
+    """A node with the model every node starts from (the same seed: DiLoCo's identical start). `work`:
+    what it reports training in every round (its steps and tokens), so the average weighs it."""
     model = TinyModel(seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg.elastic.unique_id = uid
     mesh = FakeMesh(world, uid)
     node = DilocoNode(cfg, model, optimizer, LocalWorld(rank=0, world_size=1), ListSink(), {"stripes": 1, "run": "fake"},
-                      mesh=mesh, connect=lambda: world.store)
+                      mesh=mesh, connect=lambda: world.store, work_source=(lambda: work) if work is not None else None)
     return FakeNode(uid, model, optimizer, node, mesh)
 
 
@@ -217,10 +219,11 @@ def together(nodes: list[FakeNode], fn: Callable[[FakeNode], Any], timeout: floa
     return results
 
 
-def start_world(uids: list[str], **flags: str) -> tuple[FakeWorld, list[FakeNode]]:
-    """A world of fresh nodes that start together (nobody is a joiner)."""
+def start_world(uids: list[str], work: dict[str, RoundWork] | None = None,
+                **flags: str) -> tuple[FakeWorld, list[FakeNode]]:
+    """A world of fresh nodes that start together (nobody is a joiner); `work` by node id, see make_node."""
     world = FakeWorld()
     world.set_world(uids)
-    nodes = [make_node(world, uid, node_config(**flags)) for uid in uids]
+    nodes = [make_node(world, uid, node_config(**flags), work=(work or {}).get(uid)) for uid in uids]
     together(nodes, lambda n: n.diloco.start())
     return world, nodes

@@ -138,11 +138,10 @@ def test_a_budget_shorter_than_one_step_is_refused_early_and_tolerated_later(cap
 
 
 # -- refusals -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("overlap", ["eager", "streaming"])
-def test_round_seconds_with_overlap_is_refused_in_one_line(overlap):
-    r = zb_process("train", *TINY, "--diloco.round_seconds", "5", "--diloco.overlap", overlap, timeout=60)
+def test_round_seconds_with_streaming_is_refused_in_one_line():
+    r = zb_process("train", *TINY, "--diloco.round_seconds", "5", "--diloco.overlap", "streaming", timeout=60)
     assert r.returncode == 2, r.stderr
-    assert "diloco.round_seconds" in r.stderr and f"diloco.overlap = {overlap}" in r.stderr
+    assert "diloco.round_seconds" in r.stderr and "diloco.overlap = streaming" in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
@@ -155,12 +154,14 @@ def test_round_seconds_config_checks():
 
 # -- real nodes ---------------------------------------------------------------------------------------
 def _check_agreement(run: TrainCluster, uids: list[str], batch: dict[str, int], seq: int) -> list[list[dict]]:
-    events = [[e for e in run.metrics(u, "outer_step")] for u in uids]
+    """Every node's outer steps agree (params, steps, tokens, weights). Under eager the first outer step has
+    no average yet, and the run's close (the last average) is its own event."""
+    events = [[e for e in run.metrics(u, "outer_step") if not e.get("closing")] for u in uids]
     assert len(events[0]) >= 2 and all(len(e) == len(events[0]) for e in events), [len(e) for e in events]
     previous = 0
-    for per_node in zip(*events):
+    for i, per_node in enumerate(zip(*events)):
         first = per_node[0]
-        assert all(e["applied"] for e in per_node)
+        assert all(e["applied"] for e in per_node) or (i == 0 and not any(e["applied"] for e in per_node))
         assert len({e["params_hash"] for e in per_node}) == 1, per_node          # the same params everywhere
         assert all(e["step"] == first["step"] and e["round_steps"] == first["round_steps"] for e in per_node)
         steps = first["round_steps"]
@@ -173,15 +174,17 @@ def _check_agreement(run: TrainCluster, uids: list[str], batch: dict[str, int], 
     return events
 
 
-def test_nodes_of_unlike_speed_train_the_steps_that_fit_and_agree(tmp_path):
+@pytest.mark.parametrize("overlap", ["none", "eager"])
+def test_nodes_of_unlike_speed_train_the_steps_that_fit_and_agree(tmp_path, overlap):
     """Two nodes whose steps take honestly different times (4x the batch), one budget: the light node
-    trains more steps per round, both agree on the params at every outer step."""
+    trains more steps per round, both agree on the params at every outer step (under eager: the shared
+    params, each share weighted by its round's tokens; the math is held in-process against a reference)."""
     run = TrainCluster(tmp_path, 2)
     batch = {"n0": 8, "n1": 2}
     try:
         for i, uid in enumerate(batch):
             run.start_train(uid, "--optim.total_steps", "400", "--diloco.round_seconds", "0.5",
-                            "--optim.batch_size", str(batch[uid]), rank=i)
+                            "--optim.batch_size", str(batch[uid]), "--diloco.overlap", overlap, rank=i)
         for uid in batch:
             assert run.finish(uid) == 0, run.log(uid)
         events = _check_agreement(run, list(batch), batch, seq=32)

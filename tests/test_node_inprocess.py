@@ -423,3 +423,36 @@ def test_eager_with_outer_lr_1_and_no_momentum_has_the_closed_form():
             expected = start - sum(averages, torch.zeros_like(start)) - round_moves[m] / 3
             assert torch.allclose(node.model.flat(), expected, atol=1e-6), (r, m)
         averages.append(torch.stack(round_moves).mean(0))
+
+
+def eager_weighted_reference(start: torch.Tensor, moves: list[list[torch.Tensor]],
+                             weights: list[float]) -> list[torch.Tensor]:
+    """The eager rule with token-weighted shares (diloco.round_seconds): node m applies
+    D~_m(r) = sum_k w_k D_k(r-1) + w_m D_m(r) - w_m D_m(r-1) with its own whole outer optimizer."""
+    m = len(moves[0])
+    thetas = [torch.nn.Parameter(start.clone()) for _ in range(m)]
+    opts = [outer_sgd(t) for t in thetas]
+    previous = [torch.zeros_like(start) for _ in range(m)]
+    for round_moves in moves:
+        average = sum((w * p for w, p in zip(weights, previous)), torch.zeros_like(start))
+        for i in range(m):
+            thetas[i].grad = average + weights[i] * round_moves[i] - weights[i] * previous[i]
+            opts[i].step()
+        previous = list(round_moves)
+    return [t.detach() for t in thetas]
+
+
+def test_eager_weighs_each_share_by_the_work_of_its_round():
+    """Eager composes with rounds of unlike work (diloco.round_seconds, the swarm's micro-batches): each
+    node's share is weighted by its tokens, in the eager term and in the average alike."""
+    from zb.diloco.rounds import RoundWork
+
+    work = {"a": RoundWork(2, 100), "b": RoundWork(6, 300)}
+    world, nodes = start_world(["a", "b"], work=work, **EAGER)
+    start = TinyModel().flat()
+    moves = deltas(2, 3, start.numel())
+    run_rounds(nodes, moves)
+    expected = eager_weighted_reference(start, moves, [0.25, 0.75])
+    for node, theta in zip(nodes, expected):
+        assert torch.allclose(node.model.flat(), theta, atol=1e-5)
+    assert len({n.reports[-1].params_hash for n in nodes}) == 1

@@ -35,7 +35,8 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
     if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
         yield "elastic.link_probe_seconds", "has no effect without elastic.measure_links"
-    if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.optim.total_steps % cfg.diloco.inner_steps:
+    if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.diloco.round_seconds is None and \
+            cfg.optim.total_steps % cfg.diloco.inner_steps:
         yield "optim.total_steps", (f"is not a multiple of diloco.inner_steps ({cfg.diloco.inner_steps}): with "
                                     "diloco.overlap the run ends on the shared params, so the inner steps after the "
                                     "last outer step are dropped from the final model")
@@ -67,10 +68,10 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and not adaptive and cfg.ckpt.interval is not None and \
             cfg.ckpt.interval % cfg.diloco.inner_steps:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
-    if adaptive and cfg.diloco is not None and cfg.diloco.overlap != "none":   # adaptive: diloco is set
-        yield "diloco.round_seconds", (f"cannot be combined with diloco.overlap = {cfg.diloco.overlap} (its all-reduce "
-                                       "schedule is counted in inner steps); use diloco.overlap = none, or fixed rounds "
-                                       "of diloco.inner_steps")
+    if adaptive and cfg.diloco is not None and cfg.diloco.overlap == "streaming":   # adaptive: diloco is set
+        yield "diloco.round_seconds", ("cannot be combined with diloco.overlap = streaming yet (its fragments launch "
+                                       "and apply at inner steps counted from the round's start); use "
+                                       "diloco.overlap = eager or none, or fixed rounds of diloco.inner_steps")
     if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
         yield from _streaming_problems(cfg.diloco)
     if cfg.eval.only and not cfg.ckpt.resume:

@@ -11,12 +11,13 @@ new algorithm is one module with a subclass of `OuterAlgorithm` and one line in 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ClassVar, Protocol, overload
 
 import torch
 
 from zb.config_schema import Config, DilocoConfig
+from zb.diloco import rounds
 from zb.diloco.checkin import Plan
 from zb.diloco.outer import OuterState
 from zb.diloco.roles import RoleKeeper
@@ -127,6 +128,39 @@ def log_skipped(attempts: int) -> None:
 def warn_non_finite_own() -> None:
     log.warning("this node's pseudo-gradient is non-finite: its params restart from the outer params, its inner "
                 "optimizer state is cleared, and every node skips the average it poisons")
+
+
+@overload
+def adaptive_plan(node: Boundary, plan: Plan, position: RunPosition) -> tuple[Plan, RunPosition]: ...
+@overload
+def adaptive_plan(node: Boundary, plan: Plan | None, position: RunPosition) -> tuple[Plan | None, RunPosition]: ...
+def adaptive_plan(node: Boundary, plan: Plan | None, position: RunPosition) -> tuple[Plan | None, RunPosition]:
+    """diloco.round_seconds: the run's step after a round is the furthest contributor's (zb.diloco.rounds),
+    and a joiner receives that step, not the donor's."""
+    if node.rounds is None or plan is None or not plan.contributors:
+        return plan, position
+    plan = replace(plan, run_step=rounds.run_step(plan.steps, plan.contributors))
+    return plan, replace(position, step=plan.run_step)
+
+
+def end_round(node: Boundary, report: OuterReport, view: Any, plan: Plan | None) -> None:
+    """diloco.round_seconds: the round's figures in the report, and the next round starts now (the outer
+    step ended together on every node)."""
+    if node.rounds is None:
+        return
+    if plan is not None:
+        report.run_step = plan.run_step
+        report.round_steps = {uid: plan.round_steps[r] for r, uid in enumerate(view.nodes) if r in plan.contributors}
+        report.round_tokens = sum(plan.round_tokens[r] for r in plan.contributors)
+        report.round_weight = round(rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank), 6)
+    furthest = max((plan.round_steps[r] for r in plan.contributors), default=0) if plan is not None else 0
+    node.rounds.start(plan.run_step if plan is not None else None, furthest)
+
+
+def share_weight(node: Boundary, plan: Plan, rank: int) -> float | None:
+    """This rank's weight in the average when contributors weigh by their round's work (tokens, or the
+    swarm's micro-batches); None for the plain mean over the contributors."""
+    return rounds.token_weight(plan.round_tokens, plan.contributors, rank) if node.weighted else None
 
 
 def run_position(plan: Plan, position: RunPosition) -> RunPosition:

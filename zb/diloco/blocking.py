@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 
 import torch
 
-from zb.diloco import rounds
-from zb.diloco.algorithm import OuterAlgorithm, log_skipped, run_position
+from zb.diloco.algorithm import OuterAlgorithm, adaptive_plan, end_round, log_skipped, run_position, share_weight
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import local_shard
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
@@ -32,33 +30,24 @@ class BlockingAlgorithm(OuterAlgorithm):
         done = node.check_in(position, Arrived.NONE, sync=self._sync)
         view, plan = done.view, done.plan
         was_recovered = node.roles.recovered
-        if node.rounds is not None and plan is not None and plan.contributors:
-            # The run's step after an adaptive round is the furthest contributor's (zb.diloco.rounds).
-            plan = replace(plan, run_step=rounds.run_step(plan.steps, plan.contributors))
-            position = replace(position, step=plan.run_step)  # a joiner receives the run's step, not the donor's
+        plan, position = adaptive_plan(node, plan, position)
         report = self._apply(view, plan, done.stats, done.attempts)
         received = node.hand_over_state(view, plan, position) if plan is not None else None
         if was_recovered and report.applied:
             assert plan is not None  # applied under a plan
             received = run_position(plan, position)
         report.stall_s = report.allreduce_s
-        if node.rounds is not None and plan is not None:
-            _report_round(report, view, plan)
         node.after_step(report, view, received or position, data_state)
-        if node.rounds is not None:   # the outer step ended together on every node: the next round starts now
-            furthest = max((plan.round_steps[r] for r in plan.contributors), default=0) if plan is not None else 0
-            node.rounds.start(plan.run_step if plan is not None else None, furthest)
+        end_round(node, report, view, plan)
         return report, received
 
     def _sync(self, view, plan: Plan) -> SyncStats:
         node = self.node
         streams = node.streams.for_view(view, node.store)
-        weight = None
-        if node.weighted:   # the weights sum to 1: the SUM is the update
-            weight = rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank)
+        # Weighted, the weights sum to 1: the SUM is the update.
         return sync_pseudo_gradient(self.outer, node.mesh.global_pg, node.dcfg, streams,
                                     zeros=view.global_rank not in plan.contributors, scale=len(plan.contributors),
-                                    weight=weight)
+                                    weight=share_weight(node, plan, view.global_rank))
 
     def _apply(self, view, plan: Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
         node = self.node
@@ -106,10 +95,3 @@ class BlockingAlgorithm(OuterAlgorithm):
             self.outer.push_to_model()
             self.node.optimizer.state.clear()
 
-
-def _report_round(report: OuterReport, view, plan: Plan) -> None:
-    """diloco.round_seconds: the run's step, each contributor's steps and tokens, this node's weight."""
-    report.run_step = plan.run_step
-    report.round_steps = {uid: plan.round_steps[r] for r, uid in enumerate(view.nodes) if r in plan.contributors}
-    report.round_tokens = sum(plan.round_tokens[r] for r in plan.contributors)
-    report.round_weight = round(rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank), 6)

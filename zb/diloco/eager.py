@@ -160,12 +160,14 @@ def shared_step(shared: torch.Tensor, shared_momentum: Optional[torch.Tensor],
 
 
 @torch.no_grad()
-def own_step(own: OwnTerm, fresh: torch.Tensor, world_size: int, opt: OuterSGD) -> None:
+def own_step(own: OwnTerm, fresh: torch.Tensor, world_size: int, opt: OuterSGD, *,
+             weight: float | None = None) -> None:
     """Step the node's own term (in place) with d_m(r) = D_m(r)/M_r - D_m(r-1)/M_(r-1): the fresh
     share applied eagerly, the stale share (now inside the shared params, or lost with its average)
-    withdrawn. `world_size` is M_r, the size of the all-reduce that carries `fresh`. Afterwards
-    own.last_share = D_m(r)/M_r."""
-    share = fresh / world_size
+    withdrawn. `world_size` is M_r, the size of the all-reduce that carries `fresh`. With `weight`
+    (rounds of unlike work: the node's tokens over the contributors' total) the share is w_m(r) D_m(r)
+    instead, as it is inside the weighted average. Afterwards own.last_share is the share."""
+    share = fresh * weight if weight is not None else fresh / world_size
     d = share - own.last_share
     opt.step(own.offset, own.momentum, d)
     own.last_share = share

@@ -28,7 +28,15 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
-from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_non_finite_own
+from zb.diloco.algorithm import (
+    Boundary,
+    adaptive_plan,
+    end_round,
+    log_skipped,
+    run_position,
+    share_weight,
+    warn_non_finite_own,
+)
 from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
@@ -60,14 +68,17 @@ class EagerAlgorithm(OverlappedAlgorithm):
         if plan is None:
             if not closing:
                 log_skipped(done.attempts)   # nobody could be reached: the next check-in finds where this node stands
+                end_round(node, report, view, None)
                 return report, None
             log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
                       "shared params without it", done.attempts)
             ov.reset_own()
             self.outer.push_to_model()
             return report, None
+        plan, position = adaptive_plan(node, plan, position)
         me = view.global_rank
         contributing = me in plan.contributors
+        weight = share_weight(node, plan, me)
         finite = localsync.all_ok(node.local_group, ov.take_fresh(contributing and not closing))
         was_recovered = node.roles.recovered
         report.applied = apply_arrived(node, self.outer, ov, view, plan, arrival)
@@ -75,7 +86,7 @@ class EagerAlgorithm(OverlappedAlgorithm):
             if not finite:
                 warn_non_finite_own()   # push_start below restarts the params from the outer ones
                 node.optimizer.state.clear()
-            ov.own_step(len(plan.contributors), finite)
+            ov.own_step(finite, world_size=len(plan.contributors), weight=weight)
         received = node.hand_over_state(view, plan, position)
         if received is not None or me in plan.receivers or closing:
             ov.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
@@ -84,9 +95,10 @@ class EagerAlgorithm(OverlappedAlgorithm):
             node.roles.caught_up()
         if closing:
             return node.close_on_shared(report), received
-        ov.launch(view, node.mesh.global_pg, max(1, len(plan.contributors)))
+        ov.launch(view, node.mesh.global_pg, world_size=max(1, len(plan.contributors)), weight=weight)
         ov.push_start()
         node.after_step(report, view, received or position, data_state)
+        end_round(node, report, view, plan)
         return report, received
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -151,12 +163,14 @@ class EagerOverlap:
 
     # -- 4. the node's own term ---------------------------------------------------------------------------
     @torch.no_grad()
-    def own_step(self, world_size: int, finite: bool) -> None:
-        """Apply the fresh share eagerly, withdraw the stale one. A non-finite pseudo-gradient is not
-        applied here (it still travels, so every node skips that average, as the blocking path does)."""
+    def own_step(self, finite: bool, *, world_size: int, weight: float | None = None) -> None:
+        """Apply the fresh share eagerly, withdraw the stale one. The share is fresh / world_size, or
+        fresh * weight when the average weighs nodes by their round's work. A non-finite pseudo-gradient
+        is not applied here (it still travels, so every node skips that average, as the blocking path does)."""
         # Non-finite: the stale share is still withdrawn, and the last share becomes zero (nothing of
         # this node's enters the average, which every node skips).
-        own_step(self.own, self.fresh if finite else torch.zeros_like(self.fresh), world_size, self.opt)
+        own_step(self.own, self.fresh if finite else torch.zeros_like(self.fresh), world_size, self.opt,
+                 weight=weight)
 
     def average_numel(self, part: int = -1) -> int:
         """Values in an average (what a late joiner receives from the donor): all params."""
@@ -173,9 +187,10 @@ class EagerOverlap:
         self.own = OwnTerm.zeros_like(self.outer.flat.data, self.opt)
 
     # -- 5. launch ---------------------------------------------------------------------------------------
-    def launch(self, view, global_pg, scale: int) -> None:
-        """Start the all-reduce of `fresh` (SUM / scale) in the background, on the overlap's groups
-        (built for this world in the thread, over a store client of the overlap's own)."""
+    def launch(self, view, global_pg, *, world_size: int, weight: float | None = None) -> None:
+        """Start the all-reduce of `fresh` in the background (SUM / world_size; weighted: the SUM of each
+        node's fresh * weight), on the overlap's groups (built for this world in the thread, over a
+        store client of the overlap's own)."""
         def groups():
             if view.global_world_size == 1:
                 return [global_pg]  # nothing travels
@@ -187,9 +202,11 @@ class EagerOverlap:
                 raise
 
         buffer = self.fresh
+        if weight is not None:
+            buffer.mul_(weight)   # the weights sum to 1 over the contributors: the SUM is the average
         self.fresh = self.spare if self.spare is not None else torch.zeros_like(buffer)
         self.spare = None  # back with the arrival
-        self.job = BackgroundAllReduce(buffer, groups, self.cfg, scale)
+        self.job = BackgroundAllReduce(buffer, groups, self.cfg, world_size if weight is None else 1)
 
     # -- 6. where the next round starts -----------------------------------------------------------------
     @torch.no_grad()
