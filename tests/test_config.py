@@ -263,3 +263,16 @@ def test_messages_show_values_as_a_config_file_writes_them():
     with pytest.raises(ConfigError, match=r"^data.fake = true \(from flag --data.fake\): conflicts"):
         load_config([], {"data.fake": "true", "data.dataset_name_or_paths": "x.jsonl"}, environ={})
     assert [toml_value(v) for v in (None, False, "it's", [1, "a"])] == ["unset", "false", '"it\'s"', "[1, 'a']"]
+
+
+def test_eager_with_outer_momentum_is_warned_about_with_the_measured_reason():
+    """BENCHMARKS.md, "Eager across the regime": momentum made eager far worse than blocking here."""
+    from zb.config_checks import advisories
+
+    eager = load_config([], {"diloco.overlap": "eager"}, environ={})
+    (found,) = [m for k, m in advisories(eager) if k == "diloco.outer_momentum"]
+    assert "set diloco.outer_momentum = 0" in found and "Eager across the regime" in found
+    plain = load_config([], {"diloco.overlap": "eager", "diloco.outer_momentum": "0"}, environ={})
+    assert not [k for k, _ in advisories(plain) if k == "diloco.outer_momentum"]
+    assert not [k for k, _ in advisories(load_config([], {"diloco.inner_steps": "10"}, environ={}))
+                if k == "diloco.outer_momentum"]

@@ -33,6 +33,11 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and cfg.diloco.round_seconds is not None and \
             cfg.diloco.inner_steps != DilocoConfig().inner_steps:
         yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
+    if cfg.diloco is not None and cfg.diloco.overlap == "eager" and cfg.diloco.outer_momentum > 0:
+        yield "diloco.outer_momentum", ("with diloco.overlap = eager, outer momentum made eager 84-99% worse than "
+                                        "blocking DiLoCo in our sweep, where momentum 0 with diloco.outer_lr 0.7 was "
+                                        "eager's best (BENCHMARKS.md, \"Eager across the regime\"): set "
+                                        "diloco.outer_momentum = 0")
     if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
         yield "elastic.link_probe_seconds", "has no effect without elastic.measure_links"
     if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.diloco.round_seconds is None and \
