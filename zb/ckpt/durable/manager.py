@@ -195,7 +195,9 @@ class CheckpointManager:
             "no checkpoint is complete on ckpt.path yet"
         if job is None or self.disk_root is None:
             return safe
-        if self.ram_root is not None and job.release.is_set() and not job.final:   # its RAM copy is committed
+        # Its RAM copy is committed: read from the directory, the truth, not from the worker's flag, which the
+        # worker sets a moment after the commit (an abort in between called a safe copy lost).
+        if self.ram_root is not None and not job.final and job.step in complete_steps(self.ram_root):
             return (f"step {job.step} is complete in RAM at {self.ram_root / snapshot_name(job.step)} and its copy to "
                     f"ckpt.path is unfinished; the next start with the same ckpt.path and ckpt.ram_dir finishes it; "
                     f"{safe}")
