@@ -134,12 +134,12 @@ def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run, mode):
     assert run.hashes("n0") == {} or run.hashes("n0") == run.hashes("bad")
 
 
-@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), "streaming"])   # eager: a minute
-def test_checkpoint_resumes_each_node_where_it_stood(make_run, mode):
-    """Eager: a checkpoint holds the shared outer state and the node's own eager term, not the
-    average in flight: after a whole-run restart the first round trains exactly as the
-    uninterrupted run did, and the lost average is skipped on every node. Streaming: checkpoints
-    fall where nothing is in flight, so the restarted run is the uninterrupted one, bit for bit."""
+@pytest.mark.parametrize("mode, stop", [pytest.param("eager", 10, marks=SOAK), ("streaming", 9)])  # eager: a minute
+def test_a_checkpoint_with_an_average_in_flight_resumes_into_the_uninterrupted_run(make_run, mode, stop):
+    """The nodes stop (train.max_steps) right after launching an all-reduce: eager at its outer step 10,
+    streaming (H = 5, one fragment, tau 1) at step 9. The final checkpoint waits for that average and
+    keeps it beside the shared outer state (and eager's own term), so after a whole-run restart the
+    next boundary applies it as the uninterrupted run did: every later step is that run's, bit for bit."""
     def ck(uid):
         return ["--ckpt.path", str(run.tmp / "ckpt" / uid), "--ckpt.interval", "5", "--ckpt.ram_dir",
                 str(run.tmp / "shm"), "--diloco.overlap", mode, "--optim.total_steps", "20"]
@@ -152,7 +152,7 @@ def test_checkpoint_resumes_each_node_where_it_stood(make_run, mode):
     whole.close()
     run = make_run(2)
     for i in range(2):
-        run.start_train(f"n{i}", *ck(f"n{i}"), "--train.max_steps", "10", rank=i)
+        run.start_train(f"n{i}", *ck(f"n{i}"), "--train.max_steps", str(stop), rank=i)
     for i in range(2):
         assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
     run.close()
@@ -160,14 +160,14 @@ def test_checkpoint_resumes_each_node_where_it_stood(make_run, mode):
     restart.tmp = run.tmp
     for i in range(2):
         restart.start_train(f"n{i}", *ck(f"n{i}"), "--ckpt.resume", "latest", rank=i)
-    same_until = 15 if mode == "eager" else 20
     for i in range(2):
         assert restart.finish(f"n{i}") == 0, restart.log(f"n{i}")
-        steps = {e["step"]: e["loss"] for e in restart.metrics(f"n{i}", "step")}
+        steps = {e["step"]: e["loss"] for e in restart.metrics(f"n{i}", "step")}   # the restart's last
         reference = {e["step"]: e["loss"] for e in whole.metrics(f"w{i}", "step")}
-        # The steps after the checkpoint start from it: bit for bit the uninterrupted run's.
-        assert [steps[s] for s in range(11, same_until + 1)] == [reference[s] for s in range(11, same_until + 1)]
-    events = restart.metrics("n0", "outer_step")
-    resumed = [e for e in events if e["step"] == 15][-1]
-    assert resumed["applied"] == (mode == "streaming"), "eager: the average in flight at the checkpoint is lost"
-    assert restart.hashes("n0") == restart.hashes("n1")
+        assert [steps[s] for s in range(stop + 1, 21)] == [reference[s] for s in range(stop + 1, 21)]
+        assert "resumed with the average that was in flight" in (restart.tmp / f"n{i}.log").read_text()
+    resumed = [e for e in restart.metrics("n0", "outer_step") if e["step"] > stop][0]
+    assert resumed["applied"] and resumed["step"] == (15 if mode == "eager" else 10)
+    resumed_hashes, reference_hashes = restart.hashes("n0"), whole.hashes("w0")
+    assert resumed_hashes == restart.hashes("n1") and resumed_hashes
+    assert resumed_hashes == {k: reference_hashes[k] for k in resumed_hashes}

@@ -486,3 +486,56 @@ def test_swarm_with_overlap_or_a_round_budget_is_refused(flag):
 
     with pytest.raises(InvalidInput, match="swarm.stages .*needs diloco.overlap = none and no diloco.round_seconds"):
         load_config([], {"swarm.stages": "2", "diloco.inner_steps": "5", flag[0][2:]: flag[1]}, environ={})
+
+
+def _load_flat(model, flat: torch.Tensor) -> None:
+    with torch.no_grad():
+        offset = 0
+        for p in model.parameters():
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def test_a_checkpoint_keeps_the_average_in_flight_and_a_restart_applies_it():
+    """Eager: after round 1 the average is in flight. The checkpoint waits for it and keeps it; fresh
+    nodes that load the checkpoint (model params, shared state, own term, that average) and train round
+    2 end on exactly the uninterrupted nodes' params."""
+    flags = {"diloco.overlap": "eager", "diloco.outer_momentum": "0"}
+    world, nodes = start_world(["a", "b"], **flags)
+    moves = deltas(2, 2, TinyModel().flat().numel())
+    run_rounds(nodes, moves[:1])
+    saved = together(nodes, lambda n: (n.model.flat(), n.position,   # copies, as the checkpoint's staging takes
+                                       {k: v.clone() for k, v in n.diloco.checkpoint_tensors().items()}))
+    for _, _, tensors in saved:
+        assert int(tensors["inflight/part"][0]) == -1
+        assert torch.allclose(tensors["inflight/average"], torch.stack(moves[0]).mean(0), atol=1e-7)
+    run_rounds(nodes, moves[1:])
+    _, restarted = start_world(["a", "b"], **flags)
+    for node, (params, position, tensors) in zip(restarted, saved):
+        _load_flat(node.model, params)
+        node.position = position
+        node.diloco.load_checkpoint_tensors(tensors)
+    run_rounds(restarted, moves[1:])
+    assert all(r.reports[-1].applied for r in restarted)
+    for node, resumed in zip(nodes, restarted):
+        assert torch.equal(node.model.flat(), resumed.model.flat())
+
+
+def test_an_average_in_flight_that_does_not_fit_the_run_is_dropped_alike(caplog):
+    """A streaming checkpoint's fragment average loaded by an eager run (another diloco.overlap): one line
+    says it is dropped, and the next boundary has nothing to apply on any node."""
+    _, nodes = start_world(["a", "b"], **{"diloco.overlap": "eager"})
+    fragment = {"inflight/average": torch.zeros(3), "inflight/part": torch.tensor([1])}
+    for node in nodes:
+        node.diloco.load_checkpoint_tensors({**node.diloco.checkpoint_tensors(), **fragment})
+    assert "does not fit this run's diloco settings" in caplog.text
+    run_rounds(nodes, deltas(2, 1, TinyModel().flat().numel()))
+    assert not any(n.reports[-1].applied for n in nodes)
+
+
+def test_blocking_drops_what_an_overlapped_checkpoint_kept_with_one_line(caplog):
+    _, (node,) = start_world(["a"])
+    node.diloco.load_checkpoint_tensors({**node.diloco.checkpoint_tensors(), "own/offset": torch.zeros(1),
+                                         "inflight/average": torch.zeros(1)})
+    lines = [r.getMessage() for r in caplog.records if "it is dropped" in r.getMessage()]
+    assert len(lines) == 2 and "eager term" in lines[0] and "average in flight" in lines[1]

@@ -108,14 +108,25 @@ class OuterAlgorithm:
         return {}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        if any(k.startswith("own/") for k in tensors):
-            log.warning("the checkpoint holds this node's eager term (diloco.overlap = eager); with overlap = %s "
-                        "it is dropped: the node resumes from its model params and the shared outer params",
-                        self.name)
+        warn_dropped(tensors, self.name, ("own/", "inflight/"))
 
     def close(self, grace_s: float) -> None:
         """The node leaves: stop what runs in the background."""
         return None
+
+
+_KEPT_BY = {"own/": ("this node's eager term", "eager"),
+            "inflight/": ("the average in flight", "eager or streaming")}
+
+
+def warn_dropped(tensors: dict[str, torch.Tensor], overlap: str, prefixes: tuple[str, ...]) -> None:
+    """One line for each part of a checkpoint that this algorithm has no use for (written under another
+    diloco.overlap): the node resumes from its model params and the shared outer params without it."""
+    for prefix in prefixes:
+        if any(k.startswith(prefix) for k in tensors):
+            what, writer = _KEPT_BY[prefix]
+            log.warning("the checkpoint holds %s (diloco.overlap = %s); with overlap = %s it is dropped: the node "
+                        "resumes from its model params and the shared outer params", what, writer, overlap)
 
 
 def log_skipped(attempts: int) -> None:

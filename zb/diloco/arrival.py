@@ -13,7 +13,7 @@ import torch
 
 from zb.collectives import PeerFailure
 from zb.diloco.algorithm import Boundary, CheckIn, OuterAlgorithm
-from zb.diloco.background import Arrival
+from zb.diloco.background import Arrival, HeldArrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import OuterState
 from zb.diloco.transfer import StateTransfer
@@ -36,6 +36,15 @@ class InFlight(Protocol):
 
     def adopt_part(self, part: int) -> None: ...
 
+    def own_tensors(self) -> dict[str, torch.Tensor]: ...
+
+    def load_own_tensors(self, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+# The average in flight in a checkpoint: its values and which part of the model it averages (a streaming
+# fragment; -1: the whole model).
+AVERAGE, PART = "inflight/average", "inflight/part"
+
 
 class OverlappedAlgorithm(OuterAlgorithm):
     """An algorithm whose all-reduce runs behind the inner steps (eager, streaming): each outer step is a
@@ -55,6 +64,35 @@ class OverlappedAlgorithm(OuterAlgorithm):
 
     def close(self, grace_s: float) -> None:
         self.state.close(grace_s)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """This node's own state and the average in flight. A checkpoint waits for that average (the stall
+        of what is left of one transfer) and keeps it, so a restarted run applies it at the boundary where
+        the uninterrupted run does; one that failed is kept as nothing, and every node skips it alike."""
+        out = self.state.own_tensors()
+        if self.state.job is None:
+            return out
+        if not isinstance(self.state.job, HeldArrival):
+            self.state.job = HeldArrival(self.state.job.wait())
+            log.debug("checkpoint: the average in flight arrived (%.3f s stall)", self.state.job.arrival.stall_s)
+        arrival = self.state.job.arrival
+        if arrival.ok:
+            out[AVERAGE] = arrival.buffer
+            out[PART] = torch.tensor([self.state.part_in_flight()])
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.state.load_own_tensors(tensors)
+        if AVERAGE not in tensors:
+            return
+        average, part = tensors[AVERAGE], int(tensors[PART].reshape(-1)[0]) if PART in tensors else -1
+        if average.dtype != torch.float32 or average.numel() != self.state.average_numel(part):
+            log.warning("the checkpoint's average in flight (%d values, part %d) does not fit this run's diloco "
+                        "settings: it is dropped, and every node skips it alike", average.numel(), part)
+            return
+        self.state.adopt_part(part)
+        self.state.job = HeldArrival(Arrival(average.clone(), None))
+        log.info("resumed with the average that was in flight at the checkpoint: it is applied at the next boundary")
 
     def _boundary(self, position: RunPosition, data_state: dict | None,
                   closing: bool) -> tuple[OuterReport, RunPosition | None]:

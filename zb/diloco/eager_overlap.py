@@ -38,7 +38,7 @@ from zb.diloco.algorithm import (
     warn_non_finite_own,
 )
 from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
-from zb.diloco.background import Arrival, BackgroundAllReduce
+from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
 from zb.diloco.outer import OuterState
 from zb.diloco.streams import StreamGroups
@@ -101,13 +101,6 @@ class EagerAlgorithm(OverlappedAlgorithm):
         end_round(node, report, view, plan)
         return report, received
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        return self.state.state_tensors()
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.state.load_state_tensors(tensors)
-
-
 
 class EagerOverlap:
     """This rank's eager state: its own term, the two CPU buffers (one in flight, one free) and the
@@ -122,7 +115,7 @@ class EagerOverlap:
         self.fresh = torch.zeros_like(outer.flat.data)
         self.spare: torch.Tensor | None = outer.flat.grad  # the blocking path's gradient buffer, reused
         self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
-        self.job: BackgroundAllReduce | None = None
+        self.job: BackgroundAllReduce | HeldArrival | None = None
 
     @property
     def extra_bytes(self) -> int:
@@ -216,7 +209,7 @@ class EagerOverlap:
         self.outer.push_to_model(self.fresh)
 
     # -- checkpoints ------------------------------------------------------------------------------------
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def own_tensors(self) -> dict[str, torch.Tensor]:
         """The own term, for this node's checkpoint (never for joiners or snapshots: it is per node)."""
         out = {"own/offset": self.own.offset, "own/last_share": self.own.last_share}
         if self.own.momentum is not None:
@@ -224,9 +217,8 @@ class EagerOverlap:
         return out
 
     @torch.no_grad()
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Resume the own term; the average that was in flight when the checkpoint was taken is lost
-        (every node resumes with nothing in flight and skips it alike)."""
+    def load_own_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Resume the own term (the average in flight is zb.diloco.arrival's)."""
         if "own/offset" not in tensors:
             log.warning("the checkpoint holds no eager term (it was written with diloco.overlap = none): "
                         "this node resumes from the shared outer params")

@@ -18,7 +18,9 @@ The shared outer params and momentum are the same bits on every node (stepped on
 so the check-in digest, params_hash, snapshots and joiners work on them as for blocking DiLoCo.
 The models differ by the merge residue alpha * (model - shared), which enters the fragment's next
 pseudo-gradient. Between one fragment's sync and the next launch nothing is in flight (tau < H/P):
-joiners are admitted and checkpoints are taken there. tau = 0 syncs each fragment blocking.
+joiners are admitted there. tau = 0 syncs each fragment blocking. A checkpoint taken while a fragment
+is in flight waits for its average and keeps it (zb.diloco.arrival): the restarted run applies it where
+the uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
-from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_non_finite_own
+from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_dropped, warn_non_finite_own
 from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
-from zb.diloco.background import Arrival, BackgroundAllReduce
+from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD
 from zb.diloco.outer import OuterState, local_shard
 from zb.diloco.streams import StreamGroups
@@ -62,10 +64,8 @@ def fragment_of_params(names: list[str], numels: list[int], fragments: int) -> l
 
 class StreamingAlgorithm(OverlappedAlgorithm):
     """A fragment's outer step: the average launched tau steps ago, applied on every node or on none,
-    then the merge; joiners are admitted and handed the state here (nothing is in flight). Nothing of
-    the node's own is checkpointed beside the shared outer state: periodic checkpoints fall where
-    nothing is in flight, and one taken on a signal mid-flight loses that fragment's average (every
-    node resumes with nothing in flight and skips it alike)."""
+    then the merge; joiners are admitted and handed the state here (nothing is in flight). A checkpoint
+    holds the shared outer state and the fragment's average in flight, if any (zb.diloco.arrival)."""
 
     name = "streaming"
 
@@ -134,7 +134,7 @@ class StreamingOverlap:
         self.per = cfg.inner_steps // cfg.fragments
         self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
         self._store: Any = None           # a torch Store client, made on the first launch over several nodes
-        self.job: BackgroundAllReduce | None = None
+        self.job: BackgroundAllReduce | HeldArrival | None = None
         self.fragment: int | None = None   # the fragment in flight (or last launched)
         self.non_finite = False            # this node's launched pseudo-gradient was non-finite
 
@@ -241,8 +241,15 @@ class StreamingOverlap:
         return self.fragment
 
     def adopt_part(self, part: int) -> None:
-        """A live-recovery joiner launched nothing: the donor said which fragment's average it sent."""
+        """A live-recovery joiner launched nothing: the donor said which fragment's average it sent (or a
+        checkpoint did)."""
         self.fragment = part
+
+    def own_tensors(self) -> dict[str, torch.Tensor]:
+        return {}   # the merge residue lives in the model's params, which the checkpoint holds
+
+    def load_own_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        warn_dropped(tensors, "streaming", ("own/",))
 
     def _gather(self, fragment: int, flat: torch.Tensor, out: torch.Tensor) -> None:
         offset = 0

@@ -5,7 +5,9 @@ A rank's checkpoint part holds these safetensors files (names are part of the fo
     model.safetensors   "<param name>": the rank's local shard (FSDP2) or the whole tensor
     optim.safetensors   "<param name>/<state key>": inner optimizer state (AdamW: step, exp_avg, exp_avg_sq)
     rng.safetensors     "rng/cpu" (+ "rng/cuda"): generator states as uint8 tensors
-    outer.safetensors   "outer/params", "outer/momentum": the DiLoCo outer state (identical on every node)
+    outer.safetensors   "outer/params", "outer/momentum": the DiLoCo outer state (identical on every node);
+                        with diloco.overlap also "own/..." (eager: this node's term) and "inflight/average",
+                        "inflight/part" (the average in flight at the save, kept for the restart)
 
 Numbers (counters, scheduler, optimizer hyperparameters, data position) go in the manifest as JSON.
 `Staging` preallocates CPU buffers once and refills them at every save: the only blocking work.
