@@ -1,15 +1,21 @@
-"""Overlapped outer steps: compute utilization of blocking DiLoCo against diloco.overlap = eager,
-on emulated hosts with shaped links (network namespaces, tbf; needs root).
+"""Overlapped outer steps on shaped links: utilization measured from outside zb, and what a boundary
+costs besides the transfer (network namespaces, tbf; needs root).
 
-Each mode is a real run: `zb store` and one `zb train` node per host (one thread each), the same
-model, data, seed and H. Per node, from its metrics:
-  utilization = time in inner steps / wall time (first step's start to the last outer step's end),
-where a step's time is batch tokens / its tokens_per_s (data + compute). Blocking's share of wall
-time in the all-reduce is printed beside it; eager's `stall_s` and `hidden_s` say how much of the
-transfer it waited for and how much ran behind compute. Bytes on the wire and the nodes' agreement
-on params_hash are reported for both. Prints a table on stderr and one JSON line on stdout.
+Every row is a real run: `zb store` and one `zb train` node per host (one thread each), the same
+model, data, seed and H, for each mode one after the other on the same topology. Two figures:
 
-Run:  sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_overlap.py --rate-mbit 5 --inner-steps 10
+- Utilization, from outside zb's own accounting: the same run with no sync inside it (`nosync`:
+  blocking DiLoCo with H = the run's steps, so its only outer step comes after the last step event)
+  against each mode: utilization = wall(nosync) / wall(mode), wall = first to last step event of a
+  node, averaged over the nodes. The nosync run goes first and last (the machine's load drifts); both
+  and their spread are printed. `none` (blocking) shows how much of its wall time the sync takes.
+- Control overhead per sync: what an outer step cost on a node besides waiting for the transfer
+  (`boundary_s - stall_s` of its outer_step event: the roll call, the check-in, applying, hand-overs,
+  store writes). The minimum over the nodes of one sync is its cost without waiting for a slower
+  node (the last to arrive waits for nobody); the mean over the nodes includes that wait.
+
+Run:  PYTHONPATH=$PWD .venv/bin/python scripts/bench_overlap.py --rates 10,1 --inner-steps 20,60 --steps 240
+Prints a table on stderr and one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -26,22 +33,30 @@ from zb.metrics import read_metrics
 from zb.net.netns import emulated_hosts, netns_unavailable
 
 PORT = 29611
+NOSYNC = "nosync"
 
 
-def node_args(args: argparse.Namespace, mode: str, log_dir: Path) -> list[str]:
+def node_args(args: argparse.Namespace, mode: str, h: int, log_dir: Path) -> list[str]:
+    overlap = "none" if mode == NOSYNC else mode
     return ["--model.name", args.model, "--data.seq_length", str(args.seq), "--optim.batch_size", str(args.batch),
             "--train.micro_bs", str(args.batch), "--optim.total_steps", str(args.steps), "--optim.lr", "3e-3",
-            "--optim.warmup_steps", "20", "--eval.interval", "0", "--eval.batches", "8", "--train.seed", str(args.seed),
+            "--optim.warmup_steps", "20", "--eval.interval", "0", "--train.seed", str(args.seed),
             "--train.log_interval", "1", "--log.progress", "plain", "--train.device", "cpu", "--log.dir", str(log_dir),
-            "--diloco.inner_steps", str(args.inner_steps), "--diloco.compression", args.compression,
+            "--diloco.inner_steps", str(args.steps if mode == NOSYNC else h), "--diloco.compression", args.compression,
             "--diloco.outer_lr", str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum),
-            "--diloco.overlap", mode, "--train.log_model_hash", "--diloco.min_bandwidth_mbps", "1",
-            *(["--diloco.fragments", str(args.fragments), "--diloco.fragment_delay", str(args.fragment_delay)]
+            "--diloco.overlap", overlap, "--train.log_model_hash", "--diloco.min_bandwidth_mbps", "0.5",
+            *(["--diloco.fragments", str(args.fragments), "--diloco.fragment_delay", str(tau(args, h))]
               if mode == "streaming" else [])]
 
 
-def run_mode(net, mode: str, args: argparse.Namespace, work: Path) -> list[dict]:
+def tau(args: argparse.Namespace, h: int) -> int:
+    """Streaming's fragment delay: --fragment-delay, or by default the most a fragment allows (H/P - 1)."""
+    return args.fragment_delay if args.fragment_delay is not None else h // args.fragments - 1
+
+
+def run_mode(net, mode: str, h: int, args: argparse.Namespace, work: Path) -> list[dict]:
     """One run of `mode` on every host; returns per-node summaries."""
+    work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOBAL_ADDR=net.hosts[0].addr, GLOBAL_PORT=str(PORT),
                GLOBAL_WORLD_SIZE=str(len(net.hosts)))
     py = sys.executable
@@ -52,7 +67,7 @@ def run_mode(net, mode: str, args: argparse.Namespace, work: Path) -> list[dict]
     try:
         for i, host in enumerate(net.hosts):
             node_env = dict(env, GLOBAL_UNIQUE_ID=f"node{i}", GLOBAL_RANK=str(i))
-            procs.append(host.popen([py, "-m", "zb", "train", *node_args(args, mode, work / mode / f"node{i}")],
+            procs.append(host.popen([py, "-m", "zb", "train", *node_args(args, mode, h, work / mode / f"node{i}")],
                                     env=node_env, stdout=open(os.devnull, "w"),
                                     stderr=open(work / f"{mode}-node{i}.log", "w")))
         for i, p in enumerate(procs):
@@ -63,65 +78,96 @@ def run_mode(net, mode: str, args: argparse.Namespace, work: Path) -> list[dict]
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return [summarize(work / mode / f"node{i}" / "metrics.jsonl", args) for i in range(len(net.hosts))]
+    return [summarize(work / mode / f"node{i}" / "metrics.jsonl") for i in range(len(net.hosts))]
 
 
-def summarize(path: Path, args: argparse.Namespace) -> dict:
+def summarize(path: Path) -> dict:
     steps = read_metrics(path, "step")
     outer = read_metrics(path, "outer_step")
-    evals = read_metrics(path, "eval")
-    tokens = args.batch * args.seq
-    dts = [tokens / e["tokens_per_s"] for e in steps]
-    start = steps[0]["time"] - dts[0]
-    wall = outer[-1]["time"] - start
-    inner = sum(dts)
-    return dict(wall_s=round(wall, 2), inner_s=round(inner, 2), utilization=inner / wall,
-                allreduce_s=round(sum(e["allreduce_s"] for e in outer), 2),
-                stall_s=round(sum(e["stall_s"] for e in outer), 2), hidden_s=round(sum(e["hidden_s"] for e in outer), 2),
-                wire_bytes=sum(e["wire_bytes"] for e in outer), transfers=sum(e["wire_bytes"] > 0 for e in outer),
-                peak_sync_bytes=max(e["wire_bytes"] for e in outer),
-                final_hash=outer[-1].get("params_hash"), loss=evals[-1]["loss"] if evals else None)
+    syncs = [e for e in outer if not e.get("closing")]   # the run's end (overlap) comes after the last step
+    return dict(wall_s=steps[-1]["time"] - steps[0]["time"],
+                allreduce_s=round(sum(e["allreduce_s"] for e in syncs), 2),
+                stall_s=round(sum(e["stall_s"] for e in syncs), 2), hidden_s=round(sum(e["hidden_s"] for e in syncs), 2),
+                control=[max(0.0, e["boundary_s"] - e["stall_s"]) for e in syncs],
+                resolve=[e["resolve_s"] for e in syncs], checkin=[e["checkin_s"] for e in syncs],
+                wire_bytes=sum(e["wire_bytes"] for e in outer), final_hash=outer[-1].get("params_hash"))
+
+
+def control_per_sync(nodes: list[dict]) -> dict:
+    """Per sync: the cheapest node's control seconds (no wait for a slower node) and the nodes' mean."""
+    n = min(len(x["control"]) for x in nodes)
+    if n == 0:
+        return dict(syncs=0)
+    cheapest = [min(x["control"][k] for x in nodes) for k in range(n)]
+    mean = [statistics.mean(x["control"][k] for x in nodes) for k in range(n)]
+    resolve = [min(x["resolve"][k] for x in nodes) for k in range(n)]
+    checkin = [min(x["checkin"][k] for x in nodes) for k in range(n)]
+    q = statistics.quantiles(cheapest, n=10)[-1] if n >= 2 else cheapest[0]
+    return dict(syncs=n, cheapest_median_ms=round(1e3 * statistics.median(cheapest), 1), cheapest_p90_ms=round(1e3 * q, 1),
+                mean_median_ms=round(1e3 * statistics.median(mean), 1),
+                roll_call_median_ms=round(1e3 * statistics.median(resolve), 1),
+                checkin_median_ms=round(1e3 * statistics.median(checkin), 1))
+
+
+def one_rate(rate: float, h: int, args: argparse.Namespace, work: Path) -> dict:
+    modes = [m for m in args.modes.split(",") if m]
+    order = [NOSYNC, *modes, NOSYNC]
+    walls: dict[str, list[float]] = {}
+    rows: dict[str, dict] = {}
+    with emulated_hosts(args.hosts, rate_mbit=rate) as net:
+        for i, mode in enumerate(order):
+            nodes = run_mode(net, mode, h, args, work / f"{rate:g}mbit" / f"{i}")
+            wall = statistics.mean(x["wall_s"] for x in nodes)
+            walls.setdefault(mode, []).append(wall)
+            if mode != NOSYNC:
+                rows[mode] = dict(wall_s=round(wall, 2), control=control_per_sync(nodes),
+                                  allreduce_s=round(statistics.mean(x["allreduce_s"] for x in nodes), 2),
+                                  stall_s=round(statistics.mean(x["stall_s"] for x in nodes), 2),
+                                  hidden_s=round(statistics.mean(x["hidden_s"] for x in nodes), 2),
+                                  wire_bytes=sum(x["wire_bytes"] for x in nodes),
+                                  agree=len({x["final_hash"] for x in nodes}) == 1)
+    base = statistics.mean(walls[NOSYNC])
+    for row in rows.values():
+        row["utilization"] = round(base / row["wall_s"], 4)
+    return dict(rate_mbit=rate, inner_steps=h, nosync_wall_s=[round(w, 2) for w in walls[NOSYNC]],
+                nosync_spread=round(abs(walls[NOSYNC][0] - walls[NOSYNC][1]) / base, 4), modes=rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hosts", type=int, default=3)
-    p.add_argument("--rate-mbit", type=float, default=5.0, help="tbf rate of every host's link, both directions.")
+    p.add_argument("--rates", default="10,1", help="tbf rate of every host's link, both directions (Mbit/s), per run.")
+    p.add_argument("--inner-steps", default="20,60", help="H per rate (one value: the same for every rate).")
     p.add_argument("--model", default="debug")
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--inner-steps", type=int, default=10, help="H.")
+    p.add_argument("--steps", type=int, default=240)
     p.add_argument("--compression", default="int8", choices=("none", "int8"))
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=1.0)
+    p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--modes", default="none,eager,streaming")
+    p.add_argument("--modes", default="none,eager,streaming", help="Modes besides the nosync baseline.")
     p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of the streaming row.")
-    p.add_argument("--fragment-delay", type=int, default=1, help="diloco.fragment_delay of the streaming row.")
+    p.add_argument("--fragment-delay", type=int, default=None, help="tau of the streaming row (default: H/P - 1).")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--keep", metavar="DIR", help="Keep logs and metrics under DIR.")
     args = p.parse_args(argv)
+    rates = [float(r) for r in args.rates.split(",")]
+    hs = [int(h) for h in args.inner_steps.split(",")]
+    hs = hs * len(rates) if len(hs) == 1 else hs
+    if len(hs) != len(rates):
+        p.error(f"--inner-steps gives {len(hs)} values for {len(rates)} rates: give one, or one per rate")
+    for h in hs:
+        if args.steps % h or h % args.fragments or not 0 <= tau(args, h) < h // args.fragments:
+            p.error(f"H = {h} must divide --steps {args.steps} and be a multiple of --fragments {args.fragments} "
+                    f"with the fragment delay below H / fragments")
     reason = netns_unavailable()
     if reason:
         raise SystemExit(f"cannot run: {reason}")
     work = Path(args.keep or tempfile.mkdtemp(prefix="zb-overlap-"))
-    work.mkdir(parents=True, exist_ok=True)
-    results = {}
-    with emulated_hosts(args.hosts, rate_mbit=args.rate_mbit) as net:
-        for mode in args.modes.split(","):
-            results[mode] = run_mode(net, mode, args, work)
-    doc = dict(bench="overlap_utilization", hosts=args.hosts, rate_mbit=args.rate_mbit, model=args.model,
-               steps=args.steps, inner_steps=args.inner_steps, compression=args.compression, seed=args.seed,
-               modes={m: dict(nodes=r, utilization=sum(n["utilization"] for n in r) / len(r),
-                              agree=len({n["final_hash"] for n in r}) == 1) for m, r in results.items()})
-    for mode in [m for m in results if m != "none" and "none" in results]:
-        base = doc["modes"]["none"]
-        doc[f"{mode}_vs_none"] = dict(
-            utilization=round(doc["modes"][mode]["utilization"] / base["utilization"], 3),
-            wall=round(sum(n["wall_s"] for n in results[mode]) / sum(n["wall_s"] for n in results["none"]), 3),
-            bytes=round(sum(n["wire_bytes"] for n in results[mode]) / sum(n["wire_bytes"] for n in results["none"]), 4),
-            loss=round(sum(n["loss"] for n in results[mode]) / sum(n["loss"] for n in results["none"]), 4))
+    doc = dict(bench="overlap_utilization", hosts=args.hosts, model=args.model, steps=args.steps,
+               compression=args.compression, seed=args.seed, fragments=args.fragments,
+               rates=[one_rate(rate, h, args, work) for rate, h in zip(rates, hs)])
     print_table(doc)
     print(json.dumps(doc))
     return doc
@@ -131,18 +177,23 @@ def print_table(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{doc['hosts']} hosts, tbf {doc['rate_mbit']:g} Mbit/s, {doc['model']}, H={doc['inner_steps']}, "
-                    f"{doc['compression']}, {doc['steps']} steps")
-    for col in ("mode", "node", "utilization", "wall s", "inner s", "all-reduce s", "stall s", "hidden s",
-                "wire MB", "peak sync MB", "transfers", "held-out loss", "agree"):
+    t = Table(title=f"{doc['hosts']} hosts, {doc['model']}, {doc['compression']}, {doc['steps']} steps: utilization "
+                    "= wall(no sync) / wall(mode)")
+    for col in ("Mbit/s", "H", "mode", "utilization", "wall s", "all-reduce s", "stall s", "hidden s",
+                "control/sync ms (cheapest: median, p90)", "roll call ms", "check-in ms", "mean node ms", "agree"):
         t.add_column(col, justify="right")
-    for mode, m in doc["modes"].items():
-        for i, n in enumerate(m["nodes"]):
-            t.add_row(mode, str(i), f"{n['utilization']:.1%}", f"{n['wall_s']:.1f}", f"{n['inner_s']:.1f}",
-                      f"{n['allreduce_s']:.1f}", f"{n['stall_s']:.1f}", f"{n['hidden_s']:.1f}",
-                      f"{n['wire_bytes'] / 1e6:.2f}", f"{n['peak_sync_bytes'] / 1e6:.3f}", str(n["transfers"]),
-                      f"{n['loss']:.4f}" if n["loss"] is not None else "-", "yes" if m["agree"] else "NO")
-    Console(stderr=True, width=170).print(t)
+    for r in doc["rates"]:
+        for mode, m in r["modes"].items():
+            c = m["control"]
+            t.add_row(f"{r['rate_mbit']:g}", str(r["inner_steps"]), mode, f"{m['utilization']:.1%}", f"{m['wall_s']:.1f}",
+                      f"{m['allreduce_s']:.1f}", f"{m['stall_s']:.1f}", f"{m['hidden_s']:.1f}",
+                      f"{c.get('cheapest_median_ms', 0):.0f}, {c.get('cheapest_p90_ms', 0):.0f}",
+                      f"{c.get('roll_call_median_ms', 0):.0f}", f"{c.get('checkin_median_ms', 0):.0f}",
+                      f"{c.get('mean_median_ms', 0):.0f}", "yes" if m["agree"] else "NO")
+        t.add_row(f"{r['rate_mbit']:g}", str(r["inner_steps"]), NOSYNC, "100%",
+                  " / ".join(f"{w:.1f}" for w in r["nosync_wall_s"]), "", "", "", f"spread {r['nosync_spread']:.1%}",
+                  "", "", "", "")
+    Console(stderr=True, width=200).print(t)
 
 
 if __name__ == "__main__":

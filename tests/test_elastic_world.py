@@ -479,3 +479,43 @@ def test_a_beat_that_comes_late_is_measured_and_explains_an_eviction():
     assert beat.take_worst_gap() >= 0.7
     assert "up to" in stall_hint(gap, 1.0) and "raise elastic.heartbeat_timeout" in stall_hint(gap, 1.0)
     assert stall_hint(0.1, 1.0) == ""
+
+
+def test_a_roll_call_ends_when_its_last_answer_lands_not_at_the_next_poll():
+    """The nodes wait on the store for the roll call's next event (an answer, the next world) instead of
+    sleeping elastic.polling_interval: with a 30 s interval, three resolutions of two members still end
+    at once (a sleeping waiter would take 30 s each and miss the 20 s limit below). The leader deletes
+    the roll calls every member has moved past."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.config_schema import ElasticConfig
+    from zb.elastic import keys
+    from zb.elastic.membership import Membership
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=5))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+    cfg = ElasticConfig(store_timeout=120, polling_interval=0.02, sync_deadline=60, heartbeat_interval=0.5,
+                        heartbeat_timeout=60)
+    members = [Membership(cfg, uid, f"tok-{uid}", 1, Liveness(cfg.heartbeat_timeout), client) for uid in "ab"]
+
+    def together(fn) -> None:
+        threads = [threading.Thread(target=fn, args=(m,), daemon=True) for m in members]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads), "a roll call did not end when its last answer landed"
+
+    together(lambda m: m.join(2, 10.0))
+    first = members[0].world.resolution
+    cfg.polling_interval = 30.0
+    for _ in range(3):
+        together(lambda m: m.resolve())
+    assert {m.world.resolution for m in members} == {first + 3}
+    assert not store.check([keys.roll_call(first)]) and not store.check([keys.roll_call_events(first)])
+    assert not store.check([f"{keys.roll_call_events(first)}/1"])
+    assert store.check([keys.roll_call_events(first + 2)])

@@ -259,7 +259,7 @@ class ElasticConfig:
     host_store: bool = knob(False, "This node hosts the store itself (Prime style; a single point of failure).")
     store_timeout: float = knob(300.0, "Seconds before a global store operation times out; also the most a joiner waits for admission.",
                                 env="ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS", check="positive")
-    polling_interval: float = knob(0.1, "Seconds between polls of the store while waiting.",
+    polling_interval: float = knob(0.1, "Seconds between polls of the store while waiting (a roll call also wakes at once on its next answer or world).",
                                    env="ZERO_BAND_GLOBAL_STORE_POLLING_INTERVAL_SECONDS", check="positive")
     heartbeat_interval: float = knob(2.0, "Seconds between heartbeats; also the grace a peer blamed for a failed collective has to check in.",
                                      env="ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS", check="positive")

@@ -167,6 +167,9 @@ class OuterReport:
     d2h_s: float = 0.0           # blocking: seconds copying the pseudo-gradient to the host
     reduce_s: float = 0.0        # blocking: seconds reducing buckets (overlaps d2h_s inside allreduce_s)
     h2d_s: float = 0.0           # blocking: seconds copying the outer params back into the model
+    resolve_s: float = 0.0       # seconds resolving the world (the store's roll call, waiting for every node)
+    checkin_s: float = 0.0       # seconds of the check-in collective (waiting for the slowest node included)
+    boundary_s: float = 0.0      # seconds of the whole outer step on this node; minus stall_s: what it cost besides the transfer
     params_hash: str | None = optional()     # train.log_model_hash: a digest of the params after the step
     fragment: int | None = optional()        # streaming: the fragment this outer step synced
     round_steps: dict[str, int] | None = optional()     # diloco.round_seconds: each node's inner steps in the round

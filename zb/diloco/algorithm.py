@@ -40,6 +40,14 @@ class CheckIn:
     stats: SyncStats | None
     attempts: int
     ok: bool
+    resolve_s: float = 0.0  # resolving the world (the store's roll call), every attempt
+    checkin_s: float = 0.0  # the check-in collective, waiting for the slowest node included
+
+    def report(self) -> OuterReport:
+        """The outer step's report as far as the check-in knows it."""
+        return OuterReport(mesh_version=self.view.mesh_version, global_world_size=self.view.global_world_size,
+                           num_peers=len(self.plan.contributors) if self.plan else 0, attempts=self.attempts,
+                           resolve_s=round(self.resolve_s, 4), checkin_s=round(self.checkin_s, 4))
 
 
 class Boundary(Protocol):

@@ -116,8 +116,7 @@ def agree_on_arrival(node: Boundary, position: RunPosition, arrival: Arrival | N
     done = node.check_in(position, arrived)
     if not done.ok:
         done.plan = None
-    report = OuterReport(mesh_version=done.view.mesh_version, global_world_size=done.view.global_world_size,
-                         num_peers=len(done.plan.contributors) if done.plan else 0, attempts=done.attempts)
+    report = done.report()
     if arrival is None:
         report.note = " | no average in flight yet"
     else:

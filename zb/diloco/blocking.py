@@ -11,7 +11,15 @@ import time
 
 import torch
 
-from zb.diloco.algorithm import OuterAlgorithm, adaptive_plan, end_round, log_skipped, run_position, share_weight
+from zb.diloco.algorithm import (
+    CheckIn,
+    OuterAlgorithm,
+    adaptive_plan,
+    end_round,
+    log_skipped,
+    run_position,
+    share_weight,
+)
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import local_shard
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
@@ -31,7 +39,7 @@ class BlockingAlgorithm(OuterAlgorithm):
         view, plan = done.view, done.plan
         was_recovered = node.roles.recovered
         plan, position = adaptive_plan(node, plan, position)
-        report = self._apply(view, plan, done.stats, done.attempts)
+        report = self._apply(done, plan)
         received = node.hand_over_state(view, plan, position) if plan is not None else None
         if was_recovered and report.applied:
             assert plan is not None  # applied under a plan
@@ -49,14 +57,14 @@ class BlockingAlgorithm(OuterAlgorithm):
                                     zeros=view.global_rank not in plan.contributors, scale=len(plan.contributors),
                                     weight=share_weight(node, plan, view.global_rank))
 
-    def _apply(self, view, plan: Plan | None, stats: SyncStats | None, attempts: int) -> OuterReport:
-        node = self.node
+    def _apply(self, done: CheckIn, plan: Plan | None) -> OuterReport:
+        """`plan`: the check-in's, with diloco.round_seconds' run step."""
+        node, view, stats = self.node, done.view, done.stats
         assert stats is None or plan is not None  # check_in returns stats only with the plan it synced under
-        report = OuterReport(mesh_version=view.mesh_version, global_world_size=view.global_world_size,
-                             num_peers=len(plan.contributors) if plan else 0, attempts=attempts)
+        report = done.report()
         if stats is None:
             # Inner params stay as they are: the next outer step's pseudo-gradient covers these steps too.
-            log_skipped(attempts)
+            log_skipped(done.attempts)
             return report
         assert plan is not None
         report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(stats.seconds, 4), stats.wire_bytes,

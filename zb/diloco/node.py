@@ -264,7 +264,10 @@ class DilocoNode:
     def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
         """Run one outer step from `position` (this node's, before it). Returns its report and, for a
         node that took over the run's state, the run's position before the step."""
-        return self._algorithm.outer_step(position, data_state)
+        t0 = time.perf_counter()
+        report, received = self._algorithm.outer_step(position, data_state)
+        report.boundary_s = round(time.perf_counter() - t0, 4)
+        return report, received
 
     def sync_points(self, step: int) -> tuple[int | None, int | None]:
         """(fragment to launch, fragment to apply) after inner step `step`; applying is the outer step."""
@@ -320,10 +323,12 @@ class DilocoNode:
         work = self.rounds.work() if self.rounds is not None else \
             self.work_source() if self.work_source is not None else rounds.RoundWork(0, 0)
         view = plan = stats = None
-        attempts = 0
+        attempts, resolve_s, checkin_s = 0, 0.0, 0.0
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
+            t0 = time.perf_counter()
             view = self.mesh.view if self._fresh_view else self._resolve()
             assert view is not None  # a fresh view is the one start() just took
+            resolve_s += time.perf_counter() - t0
             self._fresh_view = False
             filled_s = 0.0
             if sync is not None and not self._layout.identity:
@@ -333,10 +338,12 @@ class DilocoNode:
             try:
                 plan = stats = None
                 if self._layout.owner:
+                    t0 = time.perf_counter()
                     plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size,
                                             self.roles.role, outer_step=position.outer_step, step=position.step,
                                             deadline_s=_deadline(self.cfg), digest=digest, arrived=arrived,
                                             round_steps=work.steps, round_tokens=work.tokens)
+                    checkin_s += time.perf_counter() - t0
                     self._note_lagging(view, plan, position.outer_step)
                     stats = sync(view, plan) if sync is not None else None
                 elif sync is not None:
@@ -351,9 +358,9 @@ class DilocoNode:
             if not self._layout.identity:
                 plan = self._plan_of_head(plan)
             if localsync.all_ok(self.local_group, ok):
-                return CheckIn(view, plan, stats, attempts, True)
+                return CheckIn(view, plan, stats, attempts, True, resolve_s, checkin_s)
             stats = None
-        return CheckIn(view, plan, None, attempts, False)
+        return CheckIn(view, plan, None, attempts, False, resolve_s, checkin_s)
 
     def _plan_of_head(self, plan: checkin.Plan | None) -> checkin.Plan | None:
         """Local rank 0's plan on every local rank (on a node with more local ranks than stripes, not every

@@ -25,6 +25,13 @@ def roll_call(resolution: int) -> str:
     return f"{ROOT}/roll_call/{resolution}"
 
 
+def roll_call_events(resolution: int) -> str:
+    """Counter (`add`) of what happened in the roll call of `resolution`: an answer, or the next world
+    written. Event n also sets `<this key>/<n>`, which the nodes waiting for the roll call to end `wait`
+    for instead of polling (zb.elastic.membership)."""
+    return f"{ROOT}/roll_call/{resolution}/events"
+
+
 def probe(uid: str) -> str:
     """"ip:port" of the node's reachability listener on its gloo interface."""
     return f"{ROOT}/probe/{uid}"

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Callable
+
+from torch.distributed import DistStoreError
 
 from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
@@ -149,6 +152,16 @@ class Membership:
         new = self._in_ring_order(base, next_world(base, obs))
         if self._write(snap.raw_world, new):
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
+            # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
+            # each read of the snapshot down the slow path of read_many, a round trip per key.
+            self.store.append(keys.GONE, "")
+
+    def _forget(self, resolution: int) -> None:
+        """Delete a finished roll call's keys (every member has moved past it)."""
+        events = keys.roll_call_events(resolution)
+        count = self.store.add(events, 0)
+        for key in [keys.roll_call(resolution), events, *(f"{events}/{n}" for n in range(1, count + 1))]:
+            self.store.delete_key(key)
 
     def _write(self, expected: bytes, new: World) -> bool:
         """compare_set against the exact text read: only one writer per resolution can win."""
@@ -192,6 +205,7 @@ class Membership:
         self.store.append(keys.roll_call(world.resolution), encode_line({
             "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
             "unreachable": sorted(self.unreachable)}))
+        self._announce(world.resolution)
         self.failed, self.suspects, self.unreachable = False, set(), set()
         t0 = time.monotonic()
         while True:
@@ -206,7 +220,23 @@ class Membership:
             if verdict.acting_leader == self.uid and verdict.settled:
                 self._lead(world, snap, verdict.observation)
                 continue
-            time.sleep(self.cfg.polling_interval)
+            self._wait_event(world.resolution, snap.events)
+
+    def _announce(self, resolution: int) -> None:
+        """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
+        n = self.store.add(keys.roll_call_events(resolution), 1)
+        self.store.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
+
+    def _wait_event(self, resolution: int, seen: int) -> None:
+        """Until the roll call's next event, or elastic.polling_interval: the judge also decides on time
+        alone (a silent member's deadline), so the loop looks again either way. Waiting on the store instead
+        of sleeping ends the roll call as soon as its last answer or its next world lands."""
+        try:
+            self.store.wait([f"{keys.roll_call_events(resolution)}/{seen + 1}"],
+                            timedelta(seconds=self.cfg.polling_interval))
+        except DistStoreError as e:
+            if "timeout" not in str(e):
+                raise
 
     def _check_not_leaving(self, snap: Snapshot) -> None:
         if (self.uid, self.token) in snap.gone:
@@ -227,7 +257,8 @@ class Membership:
     def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
         new = self._in_ring_order(world, next_world(world, obs))
         if self._write(snap.raw_world, new):
+            self._announce(world.resolution)
             if world.resolution >= 2:
-                self.store.delete_key(keys.roll_call(world.resolution - 2))
+                self._forget(world.resolution - 2)
         else:
             log.info("another node wrote resolution %d first", new.resolution)

@@ -32,14 +32,24 @@ class Snapshot:
     gone: set[tuple[str, str]]
     joins: list[JoinRequest]
     answers: list[Answer]
+    events: int = 0    # events of the roll call read (keys.roll_call_events): what a waiter waits past
 
 
 def read_snapshot(store, resolution: int | None) -> Snapshot:
     """World, goodbyes and joins, plus the answers to the roll call of `resolution` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS] + ([keys.roll_call(resolution)] if resolution is not None else [])
+    names = [keys.WORLD, keys.GONE, keys.JOINS]
+    if resolution is not None:
+        names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[3]) if len(raw) > 3 else [])
+                    answers=_answers(raw[3]) if len(raw) > 3 else [], events=_count(raw[4]) if len(raw) > 4 else 0)
+
+
+def _count(raw: bytes) -> int:
+    try:
+        return int(raw or b"0")
+    except ValueError:
+        return 0
 
 
 def _lines(raw: bytes) -> list[str]:

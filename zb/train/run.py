@@ -357,9 +357,14 @@ class TrainingRun:
         if report.round_steps is not None:
             steps = ", ".join(str(n) for n in report.round_steps.values())
             note = f" | round steps {steps} (weight {report.round_weight:.3f}){note}"
-        log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s%s, %s bytes, %.1f Mbit/s%s",
+        # What the boundary cost besides waiting for the transfer: the roll call, the check-in (waiting for the
+        # slowest node included), applying, hand-overs and the store writes after the step.
+        control = max(0.0, report.boundary_s - report.stall_s)
+        log.info("outer step %d | nodes %d (%d contributing) | mesh v%d | all-reduce %.2f s%s, %s bytes, %.1f Mbit/s | "
+                 "control %.2f s (roll call %.2f, check-in %.2f)%s",
                  self.ledger.position.outer_step, report.global_world_size, report.num_peers, report.mesh_version,
-                 report.allreduce_s, hidden, f"{report.wire_bytes:,}", report.wire_mbps, note)
+                 report.allreduce_s, hidden, f"{report.wire_bytes:,}", report.wire_mbps, control, report.resolve_s,
+                 report.checkin_s, note)
 
     def _log_step(self, result: StepResult, dt: float) -> None:
         record = self.ledger.step(loss=result.loss, lr=result.lr, grad_norm=result.grad_norm, z_loss=result.z_loss,
