@@ -12,13 +12,8 @@ import signal
 
 import pytest
 
-from zb.testing.cluster import RUN_FLAGS, agree_with_joiner, join_late, reference_losses, worst_relative
+from zb.testing.cluster import RUN_FLAGS, STREAMING, agree_with_joiner, join_late, reference_losses, worst_relative
 from zb.testing.procs import TINY
-
-# Streaming: 2 fragments (one block each, plus embeddings and output spread), each all-reduce behind
-# 1 inner step, merge 0.5; H = 6 so that the fragments divide it.
-STREAMING = ["--diloco.inner_steps", "6", "--diloco.fragments", "2", "--diloco.fragment_delay", "1",
-             "--diloco.fragment_alpha", "0.5"]
 
 
 def _rule_flags(rule: str) -> list[str]:

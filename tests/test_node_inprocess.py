@@ -459,26 +459,6 @@ def test_eager_weighs_each_share_by_the_work_of_its_round():
 
 
 # -- combinations that stay refused (README, "What overlap combines with") --------------------------------
-@pytest.mark.parametrize("overlap", ["eager", "streaming"])
-def test_overlap_on_a_node_with_more_local_ranks_than_stripes_is_refused(overlap):
-    from fake_world import FakeMesh, FakeWorld, ListSink, node_config
-
-    from zb.diloco.node import DilocoNode
-    from zb.errors import InvalidInput
-    from zb.local_world import LocalWorld
-
-    world = FakeWorld()
-    world.set_world(["a"])
-    flags = STREAMING if overlap == "streaming" else EAGER
-    cfg = node_config(**flags)
-    cfg.elastic.unique_id = "a"
-    model = TinyModel()
-    node = DilocoNode(cfg, model, torch.optim.AdamW(model.parameters()), LocalWorld(rank=0, world_size=2), ListSink(),
-                      {"stripes": 1, "run": "fake"}, mesh=FakeMesh(world, "a"), connect=lambda: world.store)
-    with pytest.raises(InvalidInput, match=f"diloco.overlap = {overlap} needs this node's local rank count"):
-        node.start()
-
-
 @pytest.mark.parametrize("flag", [("--diloco.overlap", "eager"), ("--diloco.round_seconds", "5")])
 def test_swarm_with_overlap_or_a_round_budget_is_refused(flag):
     from zb.config import load_config

@@ -2,20 +2,26 @@
 average launched at the previous boundary, agreed on by every node, and applied on every applier or on
 none. A transfer that failed anywhere is skipped everywhere, never half applied; a recovered joiner,
 whose snapshot predates that average, receives it from the donor.
+
+On a node with more local ranks than the run's stripes (zb.diloco.stripes), the ranks without a stripe
+start no transfer (`Transfers`): their empty share of every average has arrived at once, so the node's
+agreement on what arrived is its stripe owners'.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from zb.collectives import PeerFailure
+from zb.config_schema import DilocoConfig
 from zb.diloco.algorithm import Boundary, CheckIn, OuterAlgorithm
-from zb.diloco.background import Arrival, HeldArrival
+from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.outer import OuterState
+from zb.diloco.streams import StreamGroups
 from zb.diloco.transfer import StateTransfer
 from zb.elastic import localsync
 from zb.errors import EnvironmentFailure
@@ -83,13 +89,19 @@ class OverlappedAlgorithm(OuterAlgorithm):
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self.state.load_own_tensors(tensors)
-        if AVERAGE not in tensors:
-            return
-        average, part = tensors[AVERAGE], int(tensors[PART].reshape(-1)[0]) if PART in tensors else -1
-        if average.dtype != torch.float32 or average.numel() != self.state.average_numel(part):
+        average, part = tensors.get(AVERAGE), _part(tensors)
+        fits = average is not None and average.dtype == torch.float32 and \
+            average.numel() == self.state.average_numel(part)
+        if average is not None and not fits:
             log.warning("the checkpoint's average in flight (%d values, part %d) does not fit this run's diloco "
                         "settings: it is dropped, and every node skips it alike", average.numel(), part)
+        # The node's local ranks keep it all or none (each boundary agrees on what they hold); a rank with no
+        # stripe, whose part of a resharded checkpoint is empty, takes the part local rank 0 kept.
+        if not localsync.all_ok(self.node.local_group, fits):
             return
+        assert average is not None  # it fits
+        if not self.outer.layout.identity:
+            part = localsync.broadcast_json(self.node.local_group, self.node.local.rank, {"part": part})["part"]
         self.state.adopt_part(part)
         self.state.job = HeldArrival(Arrival(average.clone(), None))
         log.info("resumed with the average that was in flight at the checkpoint: it is applied at the next boundary")
@@ -104,6 +116,41 @@ class OverlappedAlgorithm(OuterAlgorithm):
         arrival = self.state.wait()
         report, done = agree_on_arrival(self.node, position, arrival)
         return arrival, report, done
+
+
+def _part(tensors: dict[str, torch.Tensor]) -> int:
+    """The part a checkpoint's average in flight averages (-1: the whole model, or unknown: a resharded rank
+    with no stripe holds it empty)."""
+    part = tensors.get(PART)
+    return int(part.reshape(-1)[0]) if part is not None and part.numel() else -1
+
+
+class Transfers:
+    """Starts an overlapped algorithm's background all-reduces, on groups of its own (zb.diloco.streams, tag
+    "ov": built for each world inside the thread, over a store client of its own). A rank with no stripe
+    (zb.diloco.stripes) starts none: its share of the average is empty, so that average has arrived already."""
+
+    def __init__(self, cfg: DilocoConfig, local_rank: int, owner: bool, pg_timeout_s: float,
+                 connect: Callable[[], Any]):
+        self.cfg, self.owner, self._connect = cfg, owner, connect
+        self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
+        self._store: Any = None  # used by the background thread only; made on the first transfer over several nodes
+
+    def start(self, buffer: torch.Tensor, view: Any, global_pg: Any, scale: int) -> BackgroundAllReduce | HeldArrival:
+        """All-reduce `buffer` in place behind the inner steps (SUM / scale) over the world `view`."""
+        if not self.owner:
+            return HeldArrival(Arrival(buffer, None))
+        return BackgroundAllReduce(buffer, lambda: self._groups(view, global_pg), self.cfg, scale)
+
+    def _groups(self, view: Any, global_pg: Any) -> list[Any]:
+        if view.global_world_size == 1:
+            return [global_pg]  # nothing travels
+        try:
+            self._store = self._store or self._connect()
+            return self.groups.for_view(view, self._store)
+        except Exception:
+            self._store = None  # the store may have restarted: a fresh client next time
+            raise
 
 
 def agree_on_arrival(node: Boundary, position: RunPosition, arrival: Arrival | None) -> tuple[OuterReport, CheckIn]:
@@ -152,20 +199,37 @@ def apply_arrived(node: Boundary, outer: OuterState, state: InFlight, view: Any,
 
 def _share_average(node: Boundary, outer: OuterState, state: InFlight, view: Any, donor: int, late: list[int],
                    average: torch.Tensor | None) -> torch.Tensor | None:
-    """Donor -> recovered joiners: the average they did not take part in."""
-    transfer = StateTransfer(node.mesh.global_pg, outer, node.optimizer, node.dcfg.min_bandwidth_mbps)
+    """Donor -> recovered joiners: the average they did not take part in. It travels between the ranks that
+    hold a stripe (zb.diloco.stripes); the others' share of it is empty."""
     if view.global_rank == donor:
         assert average is not None  # the donor contributed: it holds the average
-        part = state.part_in_flight()
-        node.send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
+        if outer.layout.owner:
+            transfer = StateTransfer(node.mesh.global_pg, outer, node.optimizer, node.dcfg.min_bandwidth_mbps)
+            part = state.part_in_flight()
+            node.send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
         return average
     if view.global_rank not in late:
         return average
-    try:
-        buffer, part = transfer.receive_tensor(donor, state.average_numel)
-    except PeerFailure as e:
-        raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive ({e}); "
-                                 "restart this node to join again") from None
+    return _receive_average(node, outer, state, donor)
+
+
+def _receive_average(node: Boundary, outer: OuterState, state: InFlight, donor: int) -> torch.Tensor:
+    """A recovered joiner's side of _share_average, on every local rank: a failure on any of them stops them
+    all; a rank with no stripe learns which part the average is (streaming: the fragment to merge) from
+    local rank 0."""
+    buffer: torch.Tensor | None = None
+    part, error = -1, None
+    if outer.layout.owner:
+        transfer = StateTransfer(node.mesh.global_pg, outer, node.optimizer, node.dcfg.min_bandwidth_mbps)
+        try:
+            buffer, part = transfer.receive_tensor(donor, state.average_numel)
+        except PeerFailure as e:
+            error = e
+    if not localsync.all_ok(node.local_group, error is None):
+        raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive "
+                                 f"({error or 'on another local rank'}); restart this node to join again")
+    if not outer.layout.identity:
+        part = localsync.broadcast_json(node.local_group, node.local.rank, {"part": part})["part"]
     state.adopt_part(part)  # streaming: a joiner launched nothing, the donor says which fragment
     log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
-    return buffer
+    return buffer if buffer is not None else torch.zeros(state.average_numel(part))

@@ -18,6 +18,9 @@ own term differs between nodes by design: each node's params carry its latest ea
 
 At the end of the run `close_run` waits for the last average and applies it, and the model takes the
 shared params: the consensus model, with every eager term dropped.
+
+On a node with more local ranks than the run's stripes (zb.diloco.stripes), `take_fresh` reads the
+model into stripes and `push_start` writes it back, each a collective over the node's local ranks.
 """
 
 from __future__ import annotations
@@ -37,11 +40,10 @@ from zb.diloco.algorithm import (
     share_weight,
     warn_non_finite_own,
 )
-from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
+from zb.diloco.arrival import OverlappedAlgorithm, Transfers, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
 from zb.diloco.outer import OuterState
-from zb.diloco.streams import StreamGroups
 from zb.elastic import localsync
 from zb.events import OuterReport
 from zb.position import RunPosition
@@ -108,13 +110,12 @@ class EagerOverlap:
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
                  connect: Callable[[], Any]):
-        self.outer, self.cfg, self._connect = outer, cfg, connect
-        self._store = None  # used by the background thread only
+        self.outer, self.cfg = outer, cfg
         self.opt = OuterSGD.of(outer.optimizer)
         self.own = OwnTerm.zeros_like(outer.flat.data, self.opt)
         self.fresh = torch.zeros_like(outer.flat.data)
         self.spare: torch.Tensor | None = outer.flat.grad  # the blocking path's gradient buffer, reused
-        self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
+        self.transfers = Transfers(cfg, local_rank, outer.layout.owner, pg_timeout_s, connect)
         self.job: BackgroundAllReduce | HeldArrival | None = None
 
     @property
@@ -139,7 +140,9 @@ class EagerOverlap:
     @torch.no_grad()
     def take_fresh(self, contributing: bool) -> bool:
         """fresh := (shared + own offset) - the model's params; zeros for a node that does not
-        contribute. Returns whether it is finite (the caller agrees on that over the local ranks)."""
+        contribute. Returns whether it is finite (the caller agrees on that over the local ranks). On a
+        node that moves rows (zb.diloco.stripes) reading the model is a collective: every local rank
+        calls this alike (`contributing` is local rank 0's plan's)."""
         if not contributing:
             self.fresh.zero_()
             return True
@@ -182,24 +185,13 @@ class EagerOverlap:
     # -- 5. launch ---------------------------------------------------------------------------------------
     def launch(self, view, global_pg, *, world_size: int, weight: float | None = None) -> None:
         """Start the all-reduce of `fresh` in the background (SUM / world_size; weighted: the SUM of each
-        node's fresh * weight), on the overlap's groups (built for this world in the thread, over a
-        store client of the overlap's own)."""
-        def groups():
-            if view.global_world_size == 1:
-                return [global_pg]  # nothing travels
-            try:
-                self._store = self._store or self._connect()
-                return self.groups.for_view(view, self._store)
-            except Exception:
-                self._store = None  # the store may have restarted: a fresh client next time
-                raise
-
+        node's fresh * weight), on the overlap's groups (zb.diloco.arrival.Transfers)."""
         buffer = self.fresh
         if weight is not None:
             buffer.mul_(weight)   # the weights sum to 1 over the contributors: the SUM is the average
         self.fresh = self.spare if self.spare is not None else torch.zeros_like(buffer)
         self.spare = None  # back with the arrival
-        self.job = BackgroundAllReduce(buffer, groups, self.cfg, world_size if weight is None else 1)
+        self.job = self.transfers.start(buffer, view, global_pg, world_size if weight is None else 1)
 
     # -- 6. where the next round starts -----------------------------------------------------------------
     @torch.no_grad()

@@ -183,10 +183,6 @@ class DilocoNode:
                                "stripes (diloco.stripes), one per local rank: start this node with at least "
                                f"{stripes} local ranks, or start the run with diloco.stripes = {n} to pool nodes this "
                                "small")
-        if n != stripes and self.dcfg.overlap != "none":
-            raise InvalidInput(f"diloco.overlap = {self.dcfg.overlap} needs this node's local rank count ({n}) to equal "
-                               f"the run's stripes ({stripes}); use diloco.overlap = none, or start the node with "
-                               f"{stripes} local ranks")
         self.fingerprint["stripes"] = stripes
         self.layout = StripeLayout(stripes, self.local.rank, n, self.local_group)
         self.mesh.use_stripes(stripes)

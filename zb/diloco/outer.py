@@ -9,6 +9,8 @@ SGD step with lr 1 and no momentum lands exactly on the average of the nodes' pa
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -76,10 +78,24 @@ class OuterState:
             view.copy_(local_shard(p), non_blocking=False)
 
     @torch.no_grad()
+    def model_stripe(self, index: int) -> torch.Tensor:
+        """This rank's stripe of parameter `index` as the model holds it now, fp32 on CPU (the shard itself
+        when it is already that). On a node whose FSDP shards are not its stripes, a collective over its local
+        ranks: every local rank asks for the same parameters in the same order (a passenger's stripe is empty)."""
+        if self.layout.identity:
+            return local_shard(self.params[index]).detach().to(device="cpu", dtype=torch.float32)
+        out = torch.empty(self.shapes[index], dtype=torch.float32)
+        self.layout.read([self.full_shapes[index]], [self.params[index]], [out])
+        return out
+
+    @torch.no_grad()
     def subtract_model(self, out: torch.Tensor) -> None:
-        """out -= the model's current shards (out laid out as the flat buffers, fp32 on CPU)."""
-        for view, p in zip(self._views(out), self.params):
-            view.sub_(local_shard(p).detach().to(device="cpu", dtype=torch.float32))
+        """out -= the model's current params, this rank's stripe of each (out laid out as the flat buffers,
+        fp32 on CPU). One parameter at a time, so a node that moves rows holds one stripe more, not a model
+        more; the same subtraction on every layout, so its bits do not depend on it. A collective when rows
+        move inside the node (model_stripe)."""
+        for i, view in enumerate(self._views(out)):
+            view.sub_(self.model_stripe(i))
 
     @torch.no_grad()
     def fill_pseudo_gradients(self) -> None:
@@ -110,12 +126,18 @@ class OuterState:
     def push_to_model(self, flat: torch.Tensor | None = None) -> None:
         """Model shards := outer params (or `flat`, laid out as they are), in the model's own dtype
         and device."""
-        views = self.views if flat is None else self._views(flat)
+        self.push_params(range(len(self.params)), self.views if flat is None else self._views(flat))
+
+    @torch.no_grad()
+    def push_params(self, indices: Sequence[int], stripes: Sequence[torch.Tensor]) -> None:
+        """Model params `indices` := `stripes` (this rank's stripe of each, fp32 on CPU), in the model's own
+        dtype and device. On a node whose FSDP shards are not its stripes, a collective over its local ranks:
+        every local rank passes the same indices."""
         if not self.layout.identity:
-            self.layout.write(self.full_shapes, views, self.params)   # a collective over the local ranks
+            self.layout.write([self.full_shapes[i] for i in indices], stripes, [self.params[i] for i in indices])
             return
-        for view, p in zip(views, self.params):
-            local_shard(p).copy_(view, non_blocking=True)
+        for i, stripe in zip(indices, stripes):
+            local_shard(self.params[i]).copy_(stripe, non_blocking=True)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elif torch.backends.mps.is_available():   # a Mac's GPU: the same asynchronous copy

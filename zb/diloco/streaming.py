@@ -20,12 +20,14 @@ The models differ by the merge residue alpha * (model - shared), which enters th
 pseudo-gradient. Between one fragment's sync and the next launch nothing is in flight (tau < H/P):
 joiners are admitted there. tau = 0 syncs each fragment blocking. A checkpoint taken while a fragment
 is in flight waits for its average and keeps it (zb.diloco.arrival): the restarted run applies it where
-the uninterrupted one does.
+the uninterrupted one does. On a node with more local ranks than the run's stripes (zb.diloco.stripes),
+the launch and the merge move the fragment's rows only, each a collective over the node's local ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any, Callable
 
@@ -33,11 +35,10 @@ import torch
 
 from zb.config_schema import DilocoConfig
 from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_dropped, warn_non_finite_own
-from zb.diloco.arrival import OverlappedAlgorithm, apply_arrived
+from zb.diloco.arrival import OverlappedAlgorithm, Transfers, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD
-from zb.diloco.outer import OuterState, local_shard
-from zb.diloco.streams import StreamGroups
+from zb.diloco.outer import OuterState
 from zb.elastic import localsync
 from zb.events import OuterReport
 from zb.position import RunPosition
@@ -124,16 +125,17 @@ class StreamingOverlap:
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
                  connect: Callable[[], Any]):
-        self.outer, self.cfg, self._connect = outer, cfg, connect
+        self.outer, self.cfg = outer, cfg
         self.opt = OuterSGD.of(outer.optimizer)
         self.momentum = self._momentum_buffer()
-        owner = fragment_of_params(outer.names, outer.numels, cfg.fragments)
+        # From the whole params' sizes: this rank's stripes differ between local ranks (a passenger's are
+        # empty), and every rank of every node must cut the same fragments.
+        owner = fragment_of_params(outer.names, [math.prod(s) for s in outer.full_shapes], cfg.fragments)
         self.params_of = [[i for i, f in enumerate(owner) if f == p] for p in range(cfg.fragments)]
         ranges = outer.param_ranges()
         self.ranges = [[ranges[i] for i in ps] for ps in self.params_of]
         self.per = cfg.inner_steps // cfg.fragments
-        self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
-        self._store: Any = None           # a torch Store client, made on the first launch over several nodes
+        self.transfers = Transfers(cfg, local_rank, outer.layout.owner, pg_timeout_s, connect)
         self.job: BackgroundAllReduce | HeldArrival | None = None
         self.fragment: int | None = None   # the fragment in flight (or last launched)
         self.non_finite = False            # this node's launched pseudo-gradient was non-finite
@@ -173,32 +175,24 @@ class StreamingOverlap:
     @torch.no_grad()
     def launch(self, fragment: int, view, global_pg, contributing: bool) -> bool:
         """Start the fragment's all-reduce (shared - model, or zeros) in the background over the
-        world `view` (every node in it sends); returns whether this node's part was finite."""
+        world `view` (every node in it sends); returns whether this node's part was finite. On a node
+        that moves rows (zb.diloco.stripes) every local rank launches the same fragment at the same step."""
         buffer = torch.zeros(self.numel(fragment))
         if contributing:
-            self._gather(fragment, self.outer.flat.data, buffer)
-            offset = 0
-            for i in self.params_of[fragment]:
-                n = self.outer.numels[i]
-                buffer[offset:offset + n].sub_(local_shard(self.outer.params[i]).detach().reshape(-1).to(
-                    device="cpu", dtype=torch.float32))
-                offset += n
+            self._pseudo_gradient(fragment, buffer)
         finite = bool(torch.isfinite(buffer).all())
         self.non_finite = not finite
-
-        def groups():
-            if view.global_world_size == 1:
-                return [global_pg]
-            try:
-                self._store = self._store or self._connect()
-                return self.groups.for_view(view, self._store)
-            except Exception:
-                self._store = None
-                raise
-
         self.fragment = fragment
-        self.job = BackgroundAllReduce(buffer, groups, self.cfg, max(1, view.global_world_size))
+        self.job = self.transfers.start(buffer, view, global_pg, max(1, view.global_world_size))
         return finite
+
+    def _pseudo_gradient(self, fragment: int, out: torch.Tensor) -> None:
+        """out := the fragment's shared params - the model's, param by param (a collective over the local
+        ranks when rows move inside the node: OuterState.model_stripe)."""
+        offset = 0
+        for i, (a, b) in zip(self.params_of[fragment], self.ranges[fragment]):
+            torch.sub(self.outer.flat.data[a:b], self.outer.model_stripe(i).reshape(-1), out=out[offset:offset + b - a])
+            offset += b - a
 
     def wait(self) -> Arrival | None:
         if self.job is None:
@@ -215,22 +209,18 @@ class StreamingOverlap:
         """Step the fragment's shared outer params and momentum with its average (in place, per param)."""
         assert self.fragment is not None  # launch (or adopt_part) named the fragment whose average this is
         offset = 0
-        for i in self.params_of[self.fragment]:
-            (a, b), n = self.outer.param_ranges()[i], self.outer.numels[i]
+        for a, b in self.ranges[self.fragment]:
             self.opt.step(self.outer.flat.data[a:b], None if self.momentum is None else self.momentum[a:b],
-                          average[offset:offset + n])
-            offset += n
+                          average[offset:offset + b - a])
+            offset += b - a
 
     @torch.no_grad()
     def merge(self, alpha: float) -> None:
-        """model_p <- alpha * model_p + (1 - alpha) * shared_p for the fragment just applied."""
+        """model_p <- alpha * model_p + (1 - alpha) * shared_p for the fragment just applied, param by param (on
+        a node that moves rows, a read and a write over its local ranks for each: every rank merges alike)."""
         assert self.fragment is not None  # the fragment just applied
         for i in self.params_of[self.fragment]:
-            shared = self.outer.views[i]
-            p = local_shard(self.outer.params[i])
-            p.copy_(torch.lerp(shared, p.detach().to(device="cpu", dtype=torch.float32), alpha), non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            self.outer.push_params([i], [torch.lerp(self.outer.views[i], self.outer.model_stripe(i), alpha)])
 
     def average_numel(self, part: int) -> int:
         """Values in fragment `part`'s average (0 for a part that is no fragment: refused)."""
@@ -250,12 +240,6 @@ class StreamingOverlap:
 
     def load_own_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         warn_dropped(tensors, "streaming", ("own/",))
-
-    def _gather(self, fragment: int, flat: torch.Tensor, out: torch.Tensor) -> None:
-        offset = 0
-        for a, b in self.ranges[fragment]:
-            out[offset:offset + b - a].copy_(flat[a:b])
-            offset += b - a
 
     def close(self, grace_s: float) -> None:
         if self.job is not None:

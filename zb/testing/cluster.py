@@ -263,6 +263,11 @@ def reference_losses(nodes: int | str, rule: str, flags: list[str]) -> list[list
 # The reference reads flag/value pairs; TrainCluster.ARGS adds the model, H = 5 and params hashes.
 RUN_FLAGS = ["--optim.total_steps", "22", "--diloco.outer_lr", "0.7", "--diloco.outer_momentum", "0.9"]
 
+# Streaming: 2 fragments (one block each, plus embeddings and output spread), each all-reduce behind
+# 1 inner step, merge 0.5; H = 6 so that the fragments divide it.
+STREAMING = ["--diloco.inner_steps", "6", "--diloco.fragments", "2", "--diloco.fragment_delay", "1",
+             "--diloco.fragment_alpha", "0.5"]
+
 
 def worst_relative(got: list[float], expected: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, expected))
