@@ -97,9 +97,11 @@ class EagerAlgorithm(OverlappedAlgorithm):
             node.roles.caught_up()
         if closing:
             return node.close_on_shared(report), received
+        # The store writes after the step go out before the launch: on a slow link they would otherwise queue
+        # behind the bulk transfer and hold up the next inner steps.
+        node.after_step(report, view, received or position, data_state)
         ov.launch(view, node.mesh.global_pg, world_size=max(1, len(plan.contributors)), weight=weight)
         ov.push_start()
-        node.after_step(report, view, received or position, data_state)
         end_round(node, report, view, plan)
         return report, received
 
