@@ -55,6 +55,13 @@ class FakeWorld:
         self.joined: list[str] = []
         self.lock = threading.Lock()
         self.broken: dict[int, str] = {}   # mesh version -> the node that died in it: its collectives fail
+        self.store_epoch = 0               # bumps when the store restarts (empty) and the nodes reconnect
+
+    def restart_store(self) -> None:
+        """The store restarted empty: the nodes' next resolution reaches it through a new client."""
+        with self.lock:
+            self.store = dist.HashStore()
+            self.store_epoch += 1
 
     def kill_in(self, version: int, uid: str) -> None:
         """`uid` dies during mesh version `version`: every collective there fails, and the first failure
@@ -78,7 +85,8 @@ class FakeWorld:
         with self.lock:
             return WorldView(mesh_version=self.version, global_rank=self.nodes.index(uid),
                              global_world_size=len(self.nodes), nodes=list(self.nodes), leader=self.nodes[0],
-                             joined=list(self.joined), is_joiner=uid in self.joined, uid=uid)
+                             joined=list(self.joined), is_joiner=uid in self.joined, uid=uid,
+                             store_epoch=self.store_epoch)
 
 
 class _BrokenGroup:

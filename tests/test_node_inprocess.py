@@ -244,6 +244,24 @@ def test_progress_is_published_after_the_store_client_was_dropped():
     assert node.diloco.store is not None and read_progress(world.store) == {"outer_step": 1, "step": 4}
 
 
+def test_claims_go_back_into_a_restarted_store_and_are_not_rewritten_otherwise():
+    """The run's fingerprint and the node's data slot are written again only into a store reached through a
+    new client (a restarted, empty one): not at every outer step, where they cost two round trips."""
+    from zb.diloco.node import FINGERPRINT_KEY
+
+    world, nodes = start_world(["a"])
+    moves = deltas(1, 3, TinyModel().flat().numel())
+    run_rounds(nodes, moves[:1])
+    assert world.store.check([FINGERPRINT_KEY])
+    world.store.delete_key(FINGERPRINT_KEY)
+    run_rounds(nodes, moves[1:2])
+    assert not world.store.check([FINGERPRINT_KEY]), "claims rewritten at an outer step with the same store"
+    world.restart_store()
+    nodes[0].diloco.store = None      # the write that found the old store gone dropped its client
+    run_rounds(nodes, moves[2:])
+    assert world.store.check([FINGERPRINT_KEY]) and world.store.get(FINGERPRINT_KEY)
+
+
 # -- the overlapped algorithms' decision paths ----------------------------------------------------------
 EAGER = {"diloco.overlap": "eager"}
 STREAMING = {"diloco.overlap": "streaming", "diloco.fragments": "2", "diloco.fragment_delay": "1",

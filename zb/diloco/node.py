@@ -96,6 +96,7 @@ class DilocoNode:
         self.live: LiveSnapshots | None = None
         self._fresh_view = False
         self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
+        self._claimed_in: int | None = None   # the store client epoch whose store holds this node's claims
         if cfg.diloco.compression == "int8":
             from zb.collectives.build import use_cpp
 
@@ -300,7 +301,7 @@ class DilocoNode:
         if self.live is not None:
             self._publish_live(position, view)
         self._save_position(data_state)
-        if self.local.is_head:
+        if self.local.is_head and view.store_epoch != self._claimed_in:
             self._reassert_claims(view)
 
     def close_on_shared(self, report: OuterReport) -> OuterReport:
@@ -426,27 +427,33 @@ class DilocoNode:
 
     def _reassert_claims(self, view) -> None:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
-        later joiner is still checked and never takes a live node's shard. A no-op otherwise."""
+        later joiner is still checked and never takes a live node's shard. Only after the first outer step
+        and when the store client was re-created since (a restarted store is always reached through a new
+        one): two round trips at every outer step would otherwise queue on a slow link."""
         def claim(store) -> None:
             store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
             store.compare_set(slots.slot_key(self.slot), "", view.uid)
 
-        self._write_store("put the run's fingerprint and this node's data slot back", claim)
+        if self._write_store("put the run's fingerprint and this node's data slot back", claim):
+            self._claimed_in = view.store_epoch
 
     def _save_position(self, data_state: dict | None) -> None:
         if data_state is not None:
             self._write_store("record the data position", lambda store: slots.save_position(
                 store, self.slot, self.local.rank, data_state, self.local.world_size))
 
-    def _write_store(self, what: str, write: Callable[[Any], None]) -> None:
+    def _write_store(self, what: str, write: Callable[[Any], None]) -> bool:
         """A best-effort write after an outer step. An earlier one may have dropped the client (the store
-        restarted): reconnect; a failure drops it again, and the next outer step writes again."""
+        restarted): reconnect; a failure drops it again, and the next outer step writes again. True when
+        it was written."""
         try:
             self.store = self.store or self.connect()
             write(self.store)
+            return True
         except store_errors() + (EnvironmentFailure,) as e:
             log.warning("could not %s in the store (retried next outer step): %s", what, str(e).splitlines()[0])
             self.store = None
+            return False
 
     # -- checkpoints ----------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
