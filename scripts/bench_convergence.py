@@ -12,7 +12,7 @@ Rows (every one a real `zb train` run on the built-in offline data, whose entrop
   elastic-hH-C    as diloco-hH-C, but the last node is SIGKILLed after 1/3 of the outer steps and a
                   new node joins at once; ends by checking that all live nodes agree (params_hash)
   eager-hH-C      as diloco-hH-C with diloco.overlap = eager (the all-reduce behind the next round)
-  streaming-hH-C  as diloco-hH-C with diloco.overlap = streaming (--fragments, --fragment-delay, alpha 0.5)
+  streaming-hH-C  as diloco-hH-C with diloco.overlap = streaming (--fragments, --fragment-delay, --fragment-alpha)
 Single, dp and node 0 of every DiLoCo row train on data shard 0 of N and are evaluated on the same
 held-out shard, so their final held-out losses are comparable. DiLoCo losses are node 0's eval after
 the final outer step (params are identical on all nodes then). Seeds are interleaved (seed 1 of every
@@ -55,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco.outer_momentum.")
     p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of streaming rows.")
     p.add_argument("--fragment-delay", type=int, default=1, help="diloco.fragment_delay of streaming rows.")
+    p.add_argument("--fragment-alpha", type=float, default=0.5, help="diloco.fragment_alpha of streaming rows.")
     p.add_argument("--eval-batches", type=int, default=32, help="eval.batches of the final held-out eval.")
     p.add_argument("--timeout", type=float, default=900, help="Seconds one run may take before it is killed.")
     p.add_argument("--quick", action="store_true", help="Tiny smoke size: 20 steps, batch 4, seq 64, 2 nodes.")
@@ -100,7 +101,8 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
                   str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum), "--train.log_model_hash",
                   "--diloco.overlap", m.group(2) if m.group(2) in ("eager", "streaming") else "none"]
         if m.group(2) == "streaming":
-            diloco += ["--diloco.fragments", str(args.fragments), "--diloco.fragment_delay", str(args.fragment_delay)]
+            diloco += ["--diloco.fragments", str(args.fragments), "--diloco.fragment_delay", str(args.fragment_delay),
+                       "--diloco.fragment_alpha", str(args.fragment_alpha)]
         kill_at = max(1, args.steps // h // 3) if m.group(2) == "elastic" else None
         records, live = run_nodes(workdir, [*train_args(args, seed, args.batch), *diloco], args.nodes,
                                   args.timeout, kill_at)
