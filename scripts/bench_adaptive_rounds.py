@@ -30,12 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
+
+from _cpu_quota import cpu_quota, quota_unavailable
 
 from zb.metrics import read_metrics
 
-CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 NODES = ("fast0", "fast1", "slow")
 
 
@@ -45,22 +45,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def cpu_quota(fraction: float):
-    """A cgroup v1 cpu group limited to `fraction` of one core; yields a function that moves a pid in."""
-    group = CPU_CGROUP / f"zb-bench-slow-{os.getpid()}"
-    group.mkdir()
-    try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(fraction * 100000)))
-        yield lambda pid: (group / "cgroup.procs").write_text(str(pid))
-    finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            try:
-                (CPU_CGROUP / "cgroup.procs").write_text(pid)
-            except OSError:
-                pass   # the process is gone
-        group.rmdir()
 
 
 def common_args(args: argparse.Namespace, log_dir: Path, steps: int) -> list[str]:
@@ -162,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--keep", metavar="DIR", help="Keep logs and metrics under DIR.")
     args = p.parse_args(argv)
-    if os.geteuid() != 0 or not (CPU_CGROUP / "cgroup.procs").exists():
-        raise SystemExit("cannot run: needs root and the cgroup v1 cpu controller at /sys/fs/cgroup/cpu")
+    if quota_unavailable():
+        raise SystemExit(f"cannot run: {quota_unavailable()}")
     work = Path(args.keep or tempfile.mkdtemp(prefix="zb-adaptive-"))
     work.mkdir(parents=True, exist_ok=True)
     with cpu_quota(args.quota) as into_quota:

@@ -1,8 +1,10 @@
 """Overlapped outer steps on shaped links: utilization measured from outside zb, and what a boundary
 costs besides the transfer (network namespaces, tbf; needs root).
 
-Every row is a real run: `zb store` and one `zb train` node per host (one thread each), the same
-model, data, seed and H, for each mode one after the other on the same topology. Two figures:
+Every row is a real run: `zb store` and one `zb train` node per host (one thread each, held to
+--node-cpu of a core by a cgroup quota, so that a node computes at one speed whatever the others do:
+nodes sharing cores would speed up while another waits), the same model, data, seed and H, for each
+mode one after the other on the same topology. Two figures:
 
 - Utilization, from outside zb's own accounting: the same run with no sync inside it (`nosync`:
   blocking DiLoCo with H = the run's steps, so its only outer step comes after the last step event)
@@ -28,7 +30,10 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
+
+from _cpu_quota import cpu_quota, quota_unavailable
 
 from zb.metrics import read_metrics
 from zb.net.netns import emulated_hosts, netns_unavailable
@@ -65,20 +70,23 @@ def run_mode(net, mode: str, h: int, args: argparse.Namespace, work: Path) -> li
                                stdout=open(os.devnull, "w"), stderr=open(work / f"{mode}-store.log", "w"))
     time.sleep(2)  # the store binds before any node dials (nodes retry anyway, up to elastic.connect_timeout)
     procs = []
-    try:
-        for i, host in enumerate(net.hosts):
-            node_env = dict(env, GLOBAL_UNIQUE_ID=f"node{i}", GLOBAL_RANK=str(i))
-            procs.append(host.popen([py, "-m", "zb", "train", *node_args(args, mode, h, work / mode / f"node{i}")],
-                                    env=node_env, stdout=open(os.devnull, "w"),
-                                    stderr=open(work / f"{mode}-node{i}.log", "w")))
-        for i, p in enumerate(procs):
-            if p.wait(args.timeout) != 0:
-                raise SystemExit(f"{mode} node{i} failed:\n" + (work / f"{mode}-node{i}.log").read_text()[-3000:])
-    finally:
-        for p in [*procs, store]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with ExitStack() as quotas:
+        try:
+            for i, host in enumerate(net.hosts):
+                node_env = dict(env, GLOBAL_UNIQUE_ID=f"node{i}", GLOBAL_RANK=str(i))
+                procs.append(host.popen([py, "-m", "zb", "train", *node_args(args, mode, h, work / mode / f"node{i}")],
+                                        env=node_env, stdout=open(os.devnull, "w"),
+                                        stderr=open(work / f"{mode}-node{i}.log", "w")))
+                if args.node_cpu:
+                    quotas.enter_context(cpu_quota(args.node_cpu, f"node{i}"))(procs[-1].pid)
+            for i, p in enumerate(procs):
+                if p.wait(args.timeout) != 0:
+                    raise SystemExit(f"{mode} node{i} failed:\n" + (work / f"{mode}-node{i}.log").read_text()[-3000:])
+        finally:
+            for p in [*procs, store]:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return [summarize(work / mode / f"node{i}" / "metrics.jsonl") for i in range(len(net.hosts))]
 
 
@@ -154,6 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default="none,eager,streaming", help="Modes besides the nosync baseline.")
     p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of the streaming row.")
     p.add_argument("--fragment-delay", type=int, default=None, help="tau of the streaming row (default: H/P - 1).")
+    p.add_argument("--node-cpu", type=float, default=0.5,
+                   help="Each node held to this fraction of one core by a cgroup CPU quota (0: no quota). Nodes that "
+                        "share cores speed up while another waits, which flatters any mode with waits in it.")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--keep", metavar="DIR", help="Keep logs and metrics under DIR.")
     args = p.parse_args(argv)
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
         if args.steps % h or h % args.fragments or not 0 <= tau(args, h) < h // args.fragments:
             p.error(f"H = {h} must divide --steps {args.steps} and be a multiple of --fragments {args.fragments} "
                     f"with the fragment delay below H / fragments")
-    reason = netns_unavailable()
+    reason = netns_unavailable() or (quota_unavailable() if args.node_cpu else None)
     if reason:
         raise SystemExit(f"cannot run: {reason}")
     work = Path(args.keep or tempfile.mkdtemp(prefix="zb-overlap-"))
