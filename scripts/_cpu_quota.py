@@ -20,14 +20,16 @@ def quota_unavailable() -> str | None:
 
 
 @contextmanager
-def cpu_quota(fraction: float, name: str = "slow") -> Iterator[Callable[[int], None]]:
+def cpu_quota(fraction: float, name: str = "slow", period_us: int = 100_000) -> Iterator[Callable[[int], None]]:
     """A cpu group limited to `fraction` of one core; yields a function that moves a pid (all its threads,
-    and those it starts later) in. Leaving moves what is still there back to the root group."""
+    and those it starts later) in. Leaving moves what is still there back to the root group. The kernel
+    enforces the quota per period: a throttled process stops for the rest of each period, so a short period
+    (10 ms) spreads its pauses finely, as a slower core would."""
     group = CPU_CGROUP / f"zb-bench-{name}-{os.getpid()}"
     group.mkdir()
     try:
-        (group / "cpu.cfs_period_us").write_text("100000")
-        (group / "cpu.cfs_quota_us").write_text(str(int(fraction * 100000)))
+        (group / "cpu.cfs_period_us").write_text(str(period_us))
+        (group / "cpu.cfs_quota_us").write_text(str(int(fraction * period_us)))
         yield lambda pid: (group / "cgroup.procs").write_text(str(pid))
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
