@@ -276,3 +276,15 @@ def test_eager_with_outer_momentum_is_warned_about_with_the_measured_reason():
     assert not [k for k, _ in advisories(plain) if k == "diloco.outer_momentum"]
     assert not [k for k, _ in advisories(load_config([], {"diloco.inner_steps": "10"}, environ={}))
                 if k == "diloco.outer_momentum"]
+
+
+def test_eager_itself_is_warned_about_with_the_measured_gap():
+    """BENCHMARKS.md, "Eager across the regime": eager lost to blocking on every model size measured here."""
+    from zb.config_checks import advisories
+
+    (found,) = [m for k, m in advisories(load_config([], {"diloco.overlap": "eager"}, environ={}))
+                if k == "diloco.overlap"]
+    assert "14-37%" in found and "streaming" in found and "Eager across the regime" in found
+    for overlap in ("none", "streaming"):
+        assert not [k for k, _ in advisories(load_config([], {"diloco.overlap": overlap}, environ={}))
+                    if k == "diloco.overlap"]

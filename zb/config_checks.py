@@ -33,6 +33,11 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and cfg.diloco.round_seconds is not None and \
             cfg.diloco.inner_steps != DilocoConfig().inner_steps:
         yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
+    if cfg.diloco is not None and cfg.diloco.overlap == "eager":
+        yield "diloco.overlap", ("eager lost 14-37% in loss against blocking DiLoCo, best setting against best, on every "
+                                 "model we could train (0.15M-6.6M params), where streaming was within 1% (BENCHMARKS.md, "
+                                 "\"Eager across the regime\"): prefer diloco.overlap = streaming unless a short run "
+                                 "of your own model says otherwise")
     if cfg.diloco is not None and cfg.diloco.overlap == "eager" and cfg.diloco.outer_momentum > 0:
         yield "diloco.outer_momentum", ("with diloco.overlap = eager, outer momentum made eager 84-99% worse than "
                                         "blocking DiLoCo in our sweep, where momentum 0 with diloco.outer_lr 0.7 was "
