@@ -144,3 +144,22 @@ def test_budget_and_retries_say_when_they_cannot_act(caplog, monkeypatch):
     assert warnings(**{"data.dataset_name_or_paths": REPO, "data.cache_budget_gb": "5", "data.retries": "1"}) == [
         "data.cache_budget_gb has no effect: HF_HUB_OFFLINE is set: nothing is downloaded, so nothing is evicted"]
     assert warnings(**{"data.dataset_name_or_paths": REPO}) == []  # defaults say nothing
+
+
+def test_a_late_prefetch_does_not_fetch_back_a_file_behind_the_resume_point(hub, caplog):
+    """A busy machine can run a prefetch thread after its reader moved on and the checkpoint released the
+    file: fetching it then downloaded an evicted file again (evicted twice, seen once under xdist)."""
+    from zb.data import evict
+
+    caplog.set_level("INFO", logger="zb.data")
+    loader = _loader()
+    for _ in range(40):
+        next(loader)
+    checkpoint = loader.state_dict()
+    loader.release(checkpoint)
+    assert checkpoint["part"] >= 2 and 0 not in _cached(hub)
+    (cache,) = [c for key, c in evict._registry.items() if key[0] == str(hub.cache)]
+    assert cache.prefetch(0, retries=1, pin=False) is None
+    evictions = [r.getMessage() for r in caplog.records if "evicted data/train-00000.jsonl" in r.getMessage()]
+    assert len(evictions) == 1, "a file behind the resume point was downloaded (and evicted) again"
+    assert cache.prefetch(checkpoint["part"], retries=1, pin=False) is not None   # ahead of it: fetched

@@ -67,6 +67,14 @@ class StreamCache:
             self._evict()
         return path
 
+    def prefetch(self, i: int, retries: int, *, pin: bool) -> Path | None:
+        """Fetch file i ahead of its reader, unless the resume point has passed it already: a prefetch that
+        started before the reader moved on (a busy machine) would otherwise download an evicted file again."""
+        with self._lock:
+            if i < self._release and not pin:
+                return None
+        return self.fetch(i, retries, pin=pin)
+
     def release_before(self, i: int) -> None:
         """Files before index i will not be read again from any position the run may resume at."""
         with self._lock:

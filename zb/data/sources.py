@@ -160,9 +160,9 @@ def _hub_plan(entry: str, data_cfg: DataConfig, ranks: Ranks, held_out: bool, bu
     mine = _present_if_offline(ds, mine)
     log.info("dataset %s@%s: %d data files, this rank reads %d (documents 1 of every %d)",
              entry, ds.revision[:12], len(files), len(mine), rr_count)
-    fetchers, release = _fetchers(ds, mine, data_cfg, budget, held_out)
+    fetchers, ahead, release = _fetchers(ds, mine, data_cfg, budget, held_out)
     parts: list[Part] = [FilePart(Path(name, f.path), f.path, data_cfg.text_column,
-                                  ensure=_with_prefetch(fetchers[i], fetchers[i + 1] if i + 1 < len(mine) else None))
+                                  ensure=_with_prefetch(fetchers[i], ahead[i + 1] if i + 1 < len(mine) else None))
                          for i, f in enumerate(mine)]
     if not data_cfg.streaming:
         for fetch in fetchers:
@@ -171,20 +171,24 @@ def _hub_plan(entry: str, data_cfg: DataConfig, ranks: Ranks, held_out: bool, bu
 
 
 def _fetchers(ds, mine: list, data_cfg: DataConfig, budget: float, held_out: bool
-              ) -> tuple[list[Callable[[], Path]], Callable[[int], None] | None]:
-    """One fetch per file, and the release hook (None: nothing is evicted). Eviction needs streaming
-    (without it the whole file list was asked for) and the network (offline, a deleted file is gone)."""
+              ) -> tuple[list[Callable[[], Path]], list[Callable[[], Path | None]], Callable[[int], None] | None]:
+    """One fetch per file for its reader, one for fetching it ahead, and the release hook (None: nothing
+    is evicted). Eviction needs streaming (without it the whole file list was asked for) and the network
+    (offline, a deleted file is gone)."""
     from zb.data.evict import stream_cache
     from zb.data.hub import offline
 
     if not data_cfg.streaming or offline():
-        return [functools.partial(ds.fetch, f, data_cfg.retries) for f in mine], None
+        fetchers: list[Callable[[], Path]] = [functools.partial(ds.fetch, f, data_cfg.retries) for f in mine]
+        return fetchers, list(fetchers), None
     cache = stream_cache(ds, mine, budget)
-    return [functools.partial(cache.fetch, i, data_cfg.retries, pin=held_out) for i in range(len(mine))], \
-        cache.release_before
+    indices = range(len(mine))
+    return ([functools.partial(cache.fetch, i, data_cfg.retries, pin=held_out) for i in indices],
+            [functools.partial(cache.prefetch, i, data_cfg.retries, pin=held_out) for i in indices],
+            cache.release_before)
 
 
-def _with_prefetch(fetch: Callable[[], Path], fetch_next: Callable[[], Path] | None) -> Callable[[], Path]:
+def _with_prefetch(fetch: Callable[[], Path], fetch_next: Callable[[], Path | None] | None) -> Callable[[], Path]:
     """Streaming: while one file is read, the next one downloads in the background (a daemon thread,
     so exit never waits for it; the file lock keeps it from racing the reader's own fetch)."""
     def ensure() -> Path:
@@ -196,7 +200,7 @@ def _with_prefetch(fetch: Callable[[], Path], fetch_next: Callable[[], Path] | N
     return ensure
 
 
-def _quietly(fetch: Callable[[], Path]) -> None:
+def _quietly(fetch: Callable[[], Path | None]) -> None:
     try:
         fetch()
     except Exception as e:  # the reader's own fetch retries and reports it
