@@ -78,10 +78,8 @@ class OverlappedAlgorithm(OuterAlgorithm):
         out = self.state.own_tensors()
         if self.state.job is None:
             return out
-        if not isinstance(self.state.job, HeldArrival):
-            self.state.job = HeldArrival(self.state.job.wait())
-            log.debug("checkpoint: the average in flight arrived (%.3f s stall)", self.state.job.arrival.stall_s)
-        arrival = self.state.job.arrival
+        arrival = self.state.job.wait()
+        self.state.job = HeldArrival(arrival)
         if arrival.ok:
             out[AVERAGE] = arrival.buffer
             out[PART] = torch.tensor([self.state.part_in_flight()])
@@ -100,9 +98,7 @@ class OverlappedAlgorithm(OuterAlgorithm):
         if not localsync.all_ok(self.node.local_group, fits):
             return
         assert average is not None  # it fits
-        if not self.outer.layout.identity:
-            part = localsync.broadcast_json(self.node.local_group, self.node.local.rank, {"part": part})["part"]
-        self.state.adopt_part(part)
+        self.state.adopt_part(_part_of_head(self.node, self.outer, part))
         self.state.job = HeldArrival(Arrival(average.clone(), None))
         log.info("resumed with the average that was in flight at the checkpoint: it is applied at the next boundary")
 
@@ -123,6 +119,14 @@ def _part(tensors: dict[str, torch.Tensor]) -> int:
     with no stripe holds it empty)."""
     part = tensors.get(PART)
     return int(part.reshape(-1)[0]) if part is not None and part.numel() else -1
+
+
+def _part_of_head(node: Boundary, outer: OuterState, part: int) -> int:
+    """Local rank 0's part on every local rank: on a node that moves rows, a rank with no stripe holds no
+    average, and learns which part (streaming: which fragment to merge) from the head."""
+    if outer.layout.identity:
+        return part
+    return localsync.broadcast_json(node.local_group, node.local.rank, {"part": part})["part"]
 
 
 class Transfers:
@@ -228,8 +232,7 @@ def _receive_average(node: Boundary, outer: OuterState, state: InFlight, donor: 
     if not localsync.all_ok(node.local_group, error is None):
         raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive "
                                  f"({error or 'on another local rank'}); restart this node to join again")
-    if not outer.layout.identity:
-        part = localsync.broadcast_json(node.local_group, node.local.rank, {"part": part})["part"]
+    part = _part_of_head(node, outer, part)
     state.adopt_part(part)  # streaming: a joiner launched nothing, the donor says which fragment
     log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
     return buffer if buffer is not None else torch.zeros(state.average_numel(part))

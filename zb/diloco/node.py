@@ -427,9 +427,9 @@ class DilocoNode:
 
     def _reassert_claims(self, view) -> None:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
-        later joiner is still checked and never takes a live node's shard. Only after the first outer step
-        and when the store client was re-created since (a restarted store is always reached through a new
-        one): two round trips at every outer step would otherwise queue on a slow link."""
+        later joiner is still checked and never takes a live node's shard. At the first outer step, then only
+        when the store client was re-created since (a restarted store is always reached through a new one):
+        two round trips at every outer step would otherwise queue on a slow link."""
         def claim(store) -> None:
             store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
             store.compare_set(slots.slot_key(self.slot), "", view.uid)

@@ -118,7 +118,6 @@ class StreamingAlgorithm(OverlappedAlgorithm):
         return report, received
 
 
-
 class StreamingOverlap:
     """This rank's streaming state: the fragments' ranges in the flat outer buffers, the fragment in
     flight and its background all-reduce."""
@@ -216,11 +215,14 @@ class StreamingOverlap:
 
     @torch.no_grad()
     def merge(self, alpha: float) -> None:
-        """model_p <- alpha * model_p + (1 - alpha) * shared_p for the fragment just applied, param by param (on
-        a node that moves rows, a read and a write over its local ranks for each: every rank merges alike)."""
+        """model_p <- alpha * model_p + (1 - alpha) * shared_p for the fragment just applied (on a node that
+        moves rows, reads and writes over its local ranks: every rank merges alike)."""
         assert self.fragment is not None  # the fragment just applied
-        for i in self.params_of[self.fragment]:
-            self.outer.push_params([i], [torch.lerp(self.outer.views[i], self.outer.model_stripe(i), alpha)])
+        # One push for the fragment: one device synchronize, not one per param; it holds the fragment's merged
+        # stripes at once, as large as its send buffer.
+        params = self.params_of[self.fragment]
+        self.outer.push_params(params, [torch.lerp(self.outer.views[i], self.outer.model_stripe(i), alpha)
+                                        for i in params])
 
     def average_numel(self, part: int) -> int:
         """Values in fragment `part`'s average (0 for a part that is no fragment: refused)."""
