@@ -12,7 +12,7 @@ slower tier, keeps those). As torchft's integration tests run replicas as thread
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -182,11 +182,24 @@ class FakeNode:
                                     outer_step=self.position.outer_step, tokens=self.position.tokens,
                                     run_tokens=self.position.run_tokens)
 
+    def step(self, delta: torch.Tensor) -> int:
+        """One inner step, as its effect (params -= delta); returns the node's step counter after it."""
+        with torch.no_grad():
+            offset = 0
+            for p in self.model.parameters():
+                p.sub_(delta[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.position = replace(self.position, step=self.position.step + 1)
+        return self.position.step
+
     def outer_step(self) -> Any:
+        """The outer step, and the position after it as the training loop's ledger keeps it (a receiver
+        takes the run's; under diloco.round_seconds every node moves to the run's step)."""
         report, received = self.diloco.outer_step(self.position, None)
         self.reports.append(report)
         base = received or self.position
-        self.position = RunPosition(step=base.step, outer_step=base.outer_step + 1, tokens=base.tokens,
+        step = report.run_step if received is None and report.run_step is not None else base.step
+        self.position = RunPosition(step=step, outer_step=base.outer_step + 1, tokens=base.tokens,
                                     run_tokens=base.run_tokens)
         return report
 

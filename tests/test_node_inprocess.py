@@ -537,3 +537,96 @@ def test_blocking_drops_what_an_overlapped_checkpoint_kept_with_one_line(caplog)
                                          "inflight/average": torch.zeros(1)})
     lines = [r.getMessage() for r in caplog.records if "it is dropped" in r.getMessage()]
     assert len(lines) == 2 and "eager term" in lines[0] and "average in flight" in lines[1]
+
+
+# -- streaming with rounds that end by time (diloco.round_seconds) --------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def timed_streaming_reference(start: torch.Tensor, fragment_of: list[torch.Tensor], moves: dict[str, list],
+                              schedule: dict[str, tuple[int, int]], parts: int, alpha: float) -> dict[str, torch.Tensor]:
+    """Streaming DiLoCo (arXiv 2501.18512) with parts that end by time: part j syncs fragment j mod P. Node i
+    trains schedule[i] = (steps before its launch, steps after) in every part; at its launch it takes the
+    fragment's pseudo-gradient (outer - own) and the tokens (here: steps) since its last launch of that
+    fragment; at the boundary the outer params and momentum of the fragment step with the token-weighted
+    average, and each node merges: own = alpha * own + (1 - alpha) * outer."""
+    outer = [torch.nn.Parameter(start[idx].clone()) for idx in fragment_of]
+    opts = [outer_sgd(p) for p in outer]
+    own = {u: start.clone() for u in schedule}
+    counted = {u: [0] * len(fragment_of) for u in schedule}
+    taken = {u: 0 for u in schedule}    # moves used so far
+    for j in range(parts):
+        p, idx = j % len(fragment_of), fragment_of[j % len(fragment_of)]
+        sent = {}
+        for u, (before, after) in schedule.items():
+            for _ in range(before):
+                own[u] -= moves[u][taken[u]]
+                taken[u] += 1
+            counted[u] = [c + before for c in counted[u]]
+            sent[u] = (outer[p].detach() - own[u][idx], counted[u][p])
+            counted[u][p] = 0
+            for _ in range(after):
+                own[u] -= moves[u][taken[u]]
+                taken[u] += 1
+            counted[u] = [c + after for c in counted[u]]
+        total = sum(t for _, t in sent.values())
+        outer[p].grad = sum(g * (t / total) for g, t in sent.values())
+        opts[p].step()
+        for u in own:
+            own[u][idx] = alpha * own[u][idx] + (1 - alpha) * outer[p].detach()
+    return own
+
+
+def test_streaming_with_a_round_budget_weighs_each_fragment_by_the_tokens_behind_it():
+    """Two nodes of unlike speed (steps of 1 s and 2.5 s on their own clocks), a budget of 12 s shared by two
+    fragment boundaries, tau = 1: the fast node launches after 5 steps and applies after 6, the slow one
+    after 1 and 2. Both end every part on the reference's params (each fragment's average weighted by the
+    tokens since each node last launched it), agree on the shared params and move to the furthest step."""
+    from zb.diloco.streaming import fragment_of_params
+
+    flags = {**STREAMING, "diloco.round_seconds": "12", "optim.total_steps": "1000"}
+    world, nodes = start_world(["fast", "slow"], **flags)
+    step_s = {"fast": 1.0, "slow": 2.5}
+    parts = 4
+    start = TinyModel().flat()
+    g = torch.Generator().manual_seed(3)
+    moves = {u: [torch.randn(start.numel(), generator=g) * 0.01 for _ in range(6 * parts)] for u in step_s}
+
+    def drive(n):
+        clock = n.diloco.rounds.clock = FakeClock()
+        n.diloco.begin_rounds(n.position)
+        used = 0
+        while len(n.reports) < parts:
+            clock.now += step_s[n.uid]
+            step = n.step(moves[n.uid][used])
+            used += 1
+            launch, apply = n.diloco.sync_points(step)
+            if launch is not None:
+                n.diloco.launch_fragment(launch)
+            if apply is not None:
+                n.outer_step()
+
+    together(nodes, drive)
+    names = [name for name, _ in nodes[0].model.named_parameters()]
+    sizes = [p.numel() for p in nodes[0].model.parameters()]
+    owner = fragment_of_params(names, sizes, 2)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    fragment_of = [torch.cat([torch.arange(offsets[i], offsets[i] + sizes[i]) for i in range(len(sizes))
+                              if owner[i] == f]) for f in range(2)]
+    expected = timed_streaming_reference(start, fragment_of, moves, {"fast": (5, 1), "slow": (1, 1)}, parts,
+                                         alpha=0.5)
+    for n in nodes:
+        assert torch.allclose(n.model.flat(), expected[n.uid], atol=1e-6), n.uid
+        assert [r.fragment for r in n.reports] == [0, 1, 0, 1]
+        assert all(r.applied and r.round_steps == {"fast": 6, "slow": 2} for r in n.reports)
+        assert n.position.step == 6 * parts                    # the furthest node's steps, every part
+    for a, b in zip(*(n.reports for n in nodes)):
+        assert a.params_hash == b.params_hash
+        assert a.round_weight + b.round_weight == pytest.approx(1.0)
+    # Tokens since each node's last launch of the fragment: 5 against 1, then 11 against 3, 12 against 4.
+    assert [r.round_weight for r in nodes[0].reports] == pytest.approx([5 / 6, 11 / 14, 12 / 16, 12 / 16])

@@ -78,12 +78,8 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and not adaptive and cfg.ckpt.interval is not None and \
             cfg.ckpt.interval % cfg.diloco.inner_steps:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
-    if adaptive and cfg.diloco is not None and cfg.diloco.overlap == "streaming":   # adaptive: diloco is set
-        yield "diloco.round_seconds", ("cannot be combined with diloco.overlap = streaming yet (its fragments launch "
-                                       "and apply at inner steps counted from the round's start); use "
-                                       "diloco.overlap = eager or none, or fixed rounds of diloco.inner_steps")
     if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
-        yield from _streaming_problems(cfg.diloco)
+        yield from _streaming_problems(cfg.diloco, adaptive)
     if cfg.eval.only and not cfg.ckpt.resume:
         yield "eval.only", "evaluates a checkpoint: name it with ckpt.resume (latest with ckpt.path, a step directory " \
                            "or a remote URL of one)"
@@ -115,10 +111,11 @@ def _swarm_problems(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "swarm.stages", "needs diloco.overlap = none and no diloco.round_seconds (a stage syncs at fixed steps)"
 
 
-def _streaming_problems(d) -> Iterator[tuple[str, str]]:
-    if d.inner_steps % d.fragments:
+def _streaming_problems(d, adaptive: bool) -> Iterator[tuple[str, str]]:
+    """Fixed rounds cut into fragments' steps (with diloco.round_seconds the clock cuts them: zb.diloco.rounds)."""
+    if not adaptive and d.inner_steps % d.fragments:
         yield "diloco.fragments", f"must divide diloco.inner_steps ({d.inner_steps}): each fragment syncs once a round"
-    elif d.fragment_delay >= d.inner_steps // d.fragments:
+    elif not adaptive and d.fragment_delay >= d.inner_steps // d.fragments:
         yield "diloco.fragment_delay", (f"must be below inner_steps / fragments ({d.inner_steps // d.fragments}): a "
                                         "fragment's all-reduce must end before the next one starts")
     if not 0.0 <= d.fragment_alpha <= 1.0:

@@ -191,7 +191,8 @@ class DilocoConfig:
     round_seconds: Optional[float] = knob(None, "Speed-adaptive rounds: a wall-clock budget per round instead of "
                                           "diloco.inner_steps; each node trains the steps that fit (timed from the end "
                                           "of the last outer step) and the average weighs nodes by their tokens. "
-                                          "Needs diloco.overlap = none.", check="positive", run_defining=True)
+                                          "Under diloco.overlap = streaming the round's diloco.fragments boundaries "
+                                          "share it equally.", check="positive", run_defining=True)
     outer_lr: float = knob(0.7, "Outer learning rate.", check="positive", run_defining=True)
     outer_momentum: float = knob(0.9, "Outer optimizer momentum.", check="non_negative", run_defining=True)
     nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.", run_defining=True)
@@ -215,9 +216,10 @@ class DilocoConfig:
                         "behind diloco.fragment_delay inner steps, arXiv 2501.18512).",
                         choices=("none", "eager", "streaming"), run_defining=True)
     fragments: int = knob(1, "Streaming: P, fragments synced in turn (transformer blocks strided over them); "
-                             "diloco.inner_steps must be a multiple of P.", check="positive", run_defining=True)
+                             "diloco.inner_steps must be a multiple of P (rounds of fixed steps).", check="positive", run_defining=True)
     fragment_delay: int = knob(1, "Streaming: tau, inner steps a fragment's all-reduce overlaps (below inner_steps / "
-                                  "fragments; 0 syncs each fragment blocking).", check="non_negative", run_defining=True)
+                                  "fragments; with diloco.round_seconds the launch comes when a boundary's share of "
+                                  "the budget ends within tau steps; 0 syncs each fragment blocking).", check="non_negative", run_defining=True)
     fragment_alpha: float = knob(0.5, "Streaming: alpha, merge of a synced fragment: local * alpha + outer * (1 - alpha).",
                                  run_defining=True)
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "

@@ -98,6 +98,10 @@ class OuterAlgorithm:
             return None, (0 if self.node.rounds.over(step) else None)
         return None, (0 if step % self.node.dcfg.inner_steps == 0 else None)
 
+    def begin_rounds(self, position: RunPosition) -> None:
+        """diloco.round_seconds: the training loop starts at `position` (the round clock has started)."""
+        return None
+
     def launch_fragment(self, fragment: int) -> None:
         raise AssertionError(f"diloco.overlap = {self.name} launches no fragment")  # sync_points names none
 

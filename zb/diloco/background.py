@@ -36,6 +36,7 @@ class Arrival:
     seconds: float = 0.0            # launch to the end of the transfer
     stall_s: float = 0.0            # how long the caller waited for it
     wire_bytes: int = 0
+    weight: float | None = None     # this node's share of a token-weighted average (zb.diloco.fragment_rounds)
 
     @property
     def ok(self) -> bool:
@@ -54,12 +55,18 @@ class Arrival:
 class BackgroundAllReduce(threading.Thread):
     """All-reduce `buffer` in place (SUM over the first group `groups()` returns, striped over the
     others, then divided by `scale`) in buckets, in a daemon thread started at construction. The
-    groups are built inside the thread too: their rendezvous is a round trip to every peer."""
+    groups are built inside the thread too: their rendezvous is a round trip to every peer.
+
+    With `tokens` (this node's work behind its buffer), the average is weighted by tokens instead:
+    the tokens are summed first (one value, uncompressed), and each node sends tokens / total of its
+    buffer, so the SUM is the weighted average (zb.diloco.fragment_rounds) and `scale` is not applied."""
 
     def __init__(self, buffer: torch.Tensor, groups: Callable[[], Sequence[dist.ProcessGroup]], cfg: DilocoConfig,
-                 scale: int):
+                 scale: int, tokens: int | None = None):
         super().__init__(name="zb-overlap-allreduce", daemon=True)
         self.buffer, self.groups, self.cfg, self.scale = buffer, groups, cfg, scale
+        self.tokens = tokens
+        self.weight: float | None = None
         self.error: PeerFailure | None = None
         self.wire_bytes = 0
         self.started_at = time.perf_counter()
@@ -69,12 +76,16 @@ class BackgroundAllReduce(threading.Thread):
     def run(self) -> None:
         try:
             group, *streams = self.groups()
+            scale = self.scale
+            if self.tokens is not None:
+                self.weight, scale = self._token_share(group), 1
+                self.buffer.mul_(self.weight)
             for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
                 bucket = self.buffer[a:b]
                 stats = all_reduce(bucket, group, op=ReduceOp.SUM, compression=self.cfg.compression,
                                    streams=streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
-                if self.scale != 1:
-                    bucket.div_(self.scale)
+                if scale != 1:
+                    bucket.div_(scale)
                 self.wire_bytes += stats.wire_bytes
         except PeerFailure as e:
             self.error = e
@@ -84,13 +95,19 @@ class BackgroundAllReduce(threading.Thread):
         finally:
             self.seconds = time.perf_counter() - self.started_at
 
+    def _token_share(self, group: dist.ProcessGroup) -> float:
+        """This node's tokens over every node's (0 when none trained): the same total on every node."""
+        total = torch.tensor([float(self.tokens or 0)])
+        all_reduce(total, group, op=ReduceOp.SUM, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
+        return (self.tokens or 0) / float(total[0]) if float(total[0]) > 0 else 0.0
+
     def wait(self) -> Arrival:
         t0 = time.perf_counter()
         self.join()
         stall = time.perf_counter() - t0
         if self.error is not None:
             return Arrival(None, self.error, self.seconds, stall, self.wire_bytes)
-        return Arrival(self.buffer, None, self.seconds, stall, self.wire_bytes)
+        return Arrival(self.buffer, None, self.seconds, stall, self.wire_bytes, self.weight)
 
     def abandon(self, grace_s: float) -> None:
         """Leaving the run: give the transfer `grace_s` to end (the peers then keep this node's share),

@@ -87,8 +87,10 @@ class DilocoNode:
         self.rounds: rounds.RoundClock | None = None
         self.work_source = work_source
         if cfg.diloco.round_seconds is not None:
+            # Streaming: the round's fragment boundaries share its budget (zb.diloco.fragment_rounds).
+            parts = cfg.diloco.fragments if cfg.diloco.overlap == "streaming" else 1
             self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
-                                            cfg.optim.batch_size * cfg.data.seq_length, local_group)
+                                            cfg.optim.batch_size * cfg.data.seq_length, local_group, parts=parts)
         self.store: Any = None  # a torch Store client (tcpstore.connect); None until start(), and after a failure
         self.slot = self.num_slots = 0
         self.roles = RoleKeeper()
@@ -281,10 +283,11 @@ class DilocoNode:
         nothing was in flight."""
         return self._algorithm.close_run(position)
 
-    def begin_rounds(self) -> None:
-        """The training loop starts: the first round's budget (diloco.round_seconds) runs from here."""
+    def begin_rounds(self, position: RunPosition) -> None:
+        """The training loop starts at `position`: the first round's budget (diloco.round_seconds) runs from here."""
         if self.rounds is not None:
             self.rounds.start()
+            self._algorithm.begin_rounds(position)
 
     @property
     def weighted(self) -> bool:

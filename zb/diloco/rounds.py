@@ -56,16 +56,19 @@ class RoundClock:
     """Decides, after every inner step, whether this node's round is over (see the module doc)."""
 
     def __init__(self, budget_s: float, total_steps: int, tokens_per_step: int, local_group=None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, parts: int = 1):
         self.budget_s, self.total_steps, self.tokens_per_step = budget_s, total_steps, tokens_per_step
         self.local_group, self.clock = local_group, clock
+        # Streaming (zb.diloco.fragment_rounds): a round holds one boundary per fragment, each ending a part.
+        self.parts = parts
+        self.part_s = budget_s / parts
         self.step_s: float | None = None   # this node's step time estimate, kept across rounds
-        self.round_budget_s = budget_s     # this round's budget: shorter in the run's last round
+        self.round_budget_s = self.part_s  # this round's (part's) budget: shorter in the run's last round
         self.started: float | None = None
         self.last: float = 0.0
         self.steps = 0
         self.rounds = 0
-        self.overruns = 0                  # consecutive rounds of one step that took longer than the budget
+        self.overruns = 0                  # consecutive rounds whose budget did not hold their shortest round
         self._warned = False
 
     def start(self, run_step: int | None = None, last_max_steps: int = 0) -> None:
@@ -76,12 +79,29 @@ class RoundClock:
         and the others train on to the full budget while it waits."""
         self.started = self.last = self.clock()
         self.steps = 0
-        self.round_budget_s = self.budget_s
+        self.round_budget_s = self.part_s
         if run_step is not None and last_max_steps > 0 and run_step + last_max_steps > self.total_steps:
-            self.round_budget_s = self.budget_s * max(0, self.total_steps - run_step) / last_max_steps
+            self.round_budget_s = self.part_s * max(0, self.total_steps - run_step) / last_max_steps
 
-    def over(self, step: int) -> bool:
-        """Called after each inner step (`step`: this node's step counter): True when the round ends here."""
+    def over(self, step: int, lead: int = 0) -> bool:
+        """Called after each inner step (`step`: this node's step counter): True when the round ends here,
+        or, with a `lead` of n steps (streaming's fragment_delay), when it ends n steps from here (those
+        steps then call `tick`)."""
+        elapsed = self._measure()
+        assert self.step_s is not None  # _measure estimated it
+        mine = step + lead >= self.total_steps or elapsed + (lead + 1) * self.step_s > self.round_budget_s
+        # FSDP needs every local rank to take the same steps: the round ends when any rank says so.
+        over = not localsync.all_ok(self.local_group, not mine)
+        if over:
+            self._check_budget(elapsed, lead)
+        return over
+
+    def tick(self) -> None:
+        """An inner step after the round's end was decided (`over` with a lead): timed and counted."""
+        self._measure()
+
+    def _measure(self) -> float:
+        """The step that just ended: counted, its time folded into the estimate; the round's elapsed time."""
         if self.started is None:
             self.start()  # a loop that did not announce its start: time from the first step's end
         assert self.started is not None  # start() set it
@@ -90,34 +110,38 @@ class RoundClock:
         self.last = now
         self.steps += 1
         self.step_s = took if self.step_s is None else STEP_EMA * took + (1 - STEP_EMA) * self.step_s
-        elapsed = now - self.started
-        mine = step >= self.total_steps or elapsed + self.step_s > self.round_budget_s
-        # FSDP needs every local rank to take the same steps: the round ends when any rank says so.
-        over = not localsync.all_ok(self.local_group, not mine)
-        if over:
-            self._check_budget(elapsed)
-        return over
+        return now - self.started
 
     def work(self) -> RoundWork:
         return RoundWork(self.steps, self.steps * self.tokens_per_step)
 
-    def _check_budget(self, elapsed: float) -> None:
+    def _check_budget(self, elapsed: float, lead: int) -> None:
+        """A round that ended after its first step with no room for its `lead` steps, twice in a row: the
+        budget is too short for this node (refused early in the run, when it is a config mistake)."""
         self.rounds += 1
-        short = self.steps == 1 and elapsed > self.budget_s
+        short = self.steps == 1 and elapsed + lead * (self.step_s or 0.0) > self.part_s
         short = not localsync.all_ok(self.local_group, not short)
         self.overruns = self.overruns + 1 if short else 0
         if self.overruns < 2:
             return
         assert self.step_s is not None  # over() estimated it before it asked
+        steps = lead + 1
+        if self.parts == 1 and steps == 1:
+            what = f"diloco.round_seconds = {self.budget_s:g} is shorter than one inner step on this node"
+            now = f"now takes longer than diloco.round_seconds ({self.budget_s:g} s): it trains one step per round"
+        else:
+            what = (f"diloco.round_seconds = {self.budget_s:g} gives each of its {self.parts} fragment boundaries "
+                    f"{self.part_s:.3g} s, shorter than diloco.fragment_delay + 1 = {steps} inner steps on this node")
+            now = (f"now takes longer than {self.part_s:.3g} s (diloco.round_seconds / diloco.fragments) over "
+                   f"{steps} steps (diloco.fragment_delay + 1): it trains {steps} steps per fragment boundary")
         if self.rounds <= EARLY_ROUNDS:
-            raise InvalidInput(f"diloco.round_seconds = {self.budget_s:g} is shorter than one inner step on this node "
-                               f"({self.step_s:.2f} s): give a budget of several steps (at least "
-                               f"{max(1.0, 4 * self.step_s):.0f} s here), or unset it for rounds of diloco.inner_steps")
+            at_least = max(1.0, 4 * self.parts * steps * self.step_s)
+            raise InvalidInput(f"{what} ({self.step_s:.2f} s each): give a budget of several steps (at least "
+                               f"{at_least:.0f} s here), or unset it for rounds of diloco.inner_steps")
         if not self._warned:
             self._warned = True
-            log.warning("this node's inner step (%.2f s) now takes longer than diloco.round_seconds (%g s): it trains "
-                        "one step per round, and the other nodes wait for it at each outer step", self.step_s,
-                        self.budget_s)
+            log.warning("this node's inner step (%.2f s) %s, and the other nodes wait for it at each outer step",
+                        self.step_s, now)
 
 
 def token_weight(tokens: list[int], contributors: list[int], rank: int) -> float:

@@ -34,10 +34,19 @@ from typing import Any, Callable
 import torch
 
 from zb.config_schema import DilocoConfig
-from zb.diloco.algorithm import Boundary, log_skipped, run_position, warn_dropped, warn_non_finite_own
+from zb.diloco.algorithm import (
+    Boundary,
+    adaptive_plan,
+    end_round,
+    log_skipped,
+    run_position,
+    warn_dropped,
+    warn_non_finite_own,
+)
 from zb.diloco.arrival import OverlappedAlgorithm, Transfers, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD
+from zb.diloco.fragment_rounds import FragmentRounds
 from zb.diloco.outer import OuterState
 from zb.elastic import localsync
 from zb.events import OuterReport
@@ -74,16 +83,28 @@ class StreamingAlgorithm(OverlappedAlgorithm):
         super().__init__(node, outer)
         self.state = StreamingOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect)
         self.extra_bytes = self.state.extra_bytes
+        # diloco.round_seconds: the clock says when fragments launch and apply (zb.diloco.fragment_rounds).
+        self.timed = FragmentRounds(node.rounds, node.dcfg.fragments, node.dcfg.fragment_delay) \
+            if node.rounds is not None else None
+
+    def begin_rounds(self, position: RunPosition) -> None:
+        if self.timed is not None:
+            self.timed.begin(position.outer_step, launched=self.state.job is not None)
 
     def sync_points(self, step: int) -> tuple[int | None, int | None]:
-        return self.state.sync_points(step)
+        return self.timed.after_step(step) if self.timed is not None else self.state.sync_points(step)
 
     def launch_fragment(self, fragment: int) -> None:
         """Start the fragment's all-reduce over the current world. No check-in: roles change only at
         an outer step (joiners are admitted there), so every node of the world sends; a node whose
-        world is stale (it was frozen) fails its transfer and is sorted out at the outer step."""
+        world is stale (it was frozen) fails its transfer and is sorted out at the outer step. Under
+        diloco.round_seconds the average is weighted by the tokens behind each node's part."""
         node = self.node
-        self.state.launch(fragment, node.mesh.view, node.mesh.global_pg, node.roles.contributing)
+        contributing = node.roles.contributing
+        tokens = None
+        if self.timed is not None:
+            tokens = self.timed.take_tokens(fragment) if contributing else 0
+        self.state.launch(fragment, node.mesh.view, node.mesh.global_pg, contributing, tokens)
         log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.state.numel(fragment))
 
     def _boundary(self, position: RunPosition, data_state: dict | None,
@@ -95,7 +116,10 @@ class StreamingAlgorithm(OverlappedAlgorithm):
             log_skipped(done.attempts)
             if closing:
                 self.outer.push_to_model()
+            else:
+                self._next_part(report, view, None, position)
             return report, None
+        plan, position = adaptive_plan(node, plan, position)
         me = view.global_rank
         was_recovered = node.roles.recovered
         finite = localsync.all_ok(node.local_group, not (arrival is not None and ov.non_finite))
@@ -115,7 +139,20 @@ class StreamingAlgorithm(OverlappedAlgorithm):
         if closing:
             return node.close_on_shared(report), received
         node.after_step(report, view, received or position, data_state)
+        if self.timed is not None and received is not None:
+            self.timed.restart_counts()   # its pseudo-gradients start from the run's state
+        self._next_part(report, view, plan, received or position)
+        if arrival is not None and arrival.weight is not None:
+            report.round_weight = round(arrival.weight, 6)   # the share this node's part had in the average
         return report, received
+
+    def _next_part(self, report: OuterReport, view: Any, plan: Any, position: RunPosition) -> None:
+        """diloco.round_seconds: the next part of the round starts now, for the fragment of the next outer
+        step (`position`: where this node stood before this one)."""
+        if self.timed is None:
+            return
+        end_round(self.node, report, view, plan)
+        self.timed.begin(position.outer_step + 1, launched=False)
 
 
 class StreamingOverlap:
@@ -172,17 +209,18 @@ class StreamingOverlap:
 
     # -- launch ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def launch(self, fragment: int, view, global_pg, contributing: bool) -> bool:
+    def launch(self, fragment: int, view, global_pg, contributing: bool, tokens: int | None = None) -> bool:
         """Start the fragment's all-reduce (shared - model, or zeros) in the background over the
-        world `view` (every node in it sends); returns whether this node's part was finite. On a node
-        that moves rows (zb.diloco.stripes) every local rank launches the same fragment at the same step."""
+        world `view` (every node in it sends; with `tokens`, weighted by them: BackgroundAllReduce);
+        returns whether this node's part was finite. On a node that moves rows (zb.diloco.stripes)
+        every local rank launches the same fragment at the same step."""
         buffer = torch.zeros(self.numel(fragment))
         if contributing:
             self._pseudo_gradient(fragment, buffer)
         finite = bool(torch.isfinite(buffer).all())
         self.non_finite = not finite
         self.fragment = fragment
-        self.job = self.transfers.start(buffer, view, global_pg, max(1, view.global_world_size))
+        self.job = self.transfers.start(buffer, view, global_pg, max(1, view.global_world_size), tokens)
         return finite
 
     def _pseudo_gradient(self, fragment: int, out: torch.Tensor) -> None:

@@ -257,7 +257,7 @@ class TrainingRun:
         cfg, ledger, stop = self.cfg, self.ledger, self.stop
         debug = log.isEnabledFor(logging.DEBUG)
         if self.diloco is not None:
-            self.diloco.begin_rounds()
+            self.diloco.begin_rounds(ledger.position)
         while ledger.position.step < self.total:
             t0 = time.perf_counter()
             batches = take(self.train_loader, self.accum)
