@@ -8,7 +8,8 @@ Rows (every one a real `zb train` run on the built-in offline data, whose entrop
   dp              synchronous data-parallel over N nodes, i.e. one process with batch N*B (an
                   all-reduce of the grads every step is mathematically the same step)
   diloco-hH-C     N DiLoCo nodes (`zb store` + N processes), batch B each, H inner steps,
-                  pseudo-gradients sent as C = fp32 or int8
+                  pseudo-gradients sent as C = fp32, int8, int4 or int2 (int4 and int2 with error
+                  feedback, their default; a "-noef" suffix turns it off: diloco-h10-int4-noef)
   elastic-hH-C    as diloco-hH-C, but the last node is SIGKILLed after 1/3 of the outer steps and a
                   new node joins at once; ends by checking that all live nodes agree (params_hash)
   eager-hH-C      as diloco-hH-C with diloco.overlap = eager (the all-reduce behind the next round)
@@ -37,7 +38,7 @@ from _convergence_procs import run_nodes, run_single  # noqa: E402
 from _convergence_report import report  # noqa: E402
 
 DEFAULT_ROWS = "single,dp,diloco-h10-fp32,diloco-h10-int8,diloco-h50-fp32,diloco-h50-int8,elastic-h10-fp32"
-ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming)-h(\d+)-(fp32|int8))$")
+ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming)-h(\d+)-(fp32|int8|int4|int2)(-noef)?)$")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for row in args.rows:
         m = ROW.match(row)
         if m is None:
-            p.error(f"unknown row {row!r}: use single, dp, or diloco-, elastic-, eager- or streaming-h<H>-<fp32|int8>")
+            p.error(f"unknown row {row!r}: use single, dp, or diloco-, elastic-, eager- or streaming-h<H>-"
+                    "<fp32|int8|int4|int2>[-noef]")
         if m.group(3) and args.steps % int(m.group(3)):
             p.error(f"--steps {args.steps} is not a multiple of H in {row}")
     return args
@@ -96,8 +98,9 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
         records = run_single(workdir, [*train_args(args, seed, batch), "--data.data_rank", "0"], args.timeout)
         result = summarize(records, ["node0"], dp_steps=args.steps if row == "dp" else 0)
     else:
-        h, compression = int(m.group(3)), "none" if m.group(4) == "fp32" else "int8"
-        diloco = ["--diloco.inner_steps", str(h), "--diloco.compression", compression, "--diloco.outer_lr",
+        h, compression = int(m.group(3)), "none" if m.group(4) == "fp32" else m.group(4)
+        feedback = ["--diloco.error_feedback", "false" if m.group(5) else "true"] if compression != "none" else []
+        diloco = [*feedback, "--diloco.inner_steps", str(h), "--diloco.compression", compression, "--diloco.outer_lr",
                   str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum), "--train.log_model_hash",
                   "--diloco.overlap", m.group(2) if m.group(2) in ("eager", "streaming") else "none"]
         if m.group(2) == "streaming":

@@ -1,10 +1,12 @@
-"""int8 vs fp32 all-reduce across emulated hosts with shaped links (network namespaces, tbf).
+"""Quantized (int8, int4, int2) vs fp32 all-reduce across emulated hosts with shaped links (network
+namespaces, tbf).
 
 Builds N hosts (zb.net.netns), each link shaped to --rate-mbit in both directions, runs
-`zb bench-allreduce` with one rank per host (gloo over eth0), and reports the int8 speedup over
-fp32 and the fraction of the shaped link rate each compression uses (bytes a rank sends / time).
+`zb bench-allreduce` with one rank per host (gloo over eth0), and reports each compression's speedup
+over fp32 and the fraction of the shaped link rate it uses (bytes a rank sends / time).
 Needs root. Run:
-  sudo PYTHONPATH=. python scripts/bench_netns_allreduce.py --hosts 3 --rate-mbit 100 --size-mb 64
+  sudo PYTHONPATH=. python scripts/bench_netns_allreduce.py --hosts 3 --rate-mbit 100 --size-mb 64 \
+      --compressions none,int8,int4,int2
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ def run(hosts: int, rate_mbit: float, cfg: BenchConfig) -> dict:
     res = report["results"]
     for r in res.values():
         r["link_utilization"] = r["wire_bytes"] * 8 / r["median_s"] / (rate_mbit * 1e6)
-    if "none" in res and "int8" in res:
-        report["int8_speedup"] = res["none"]["median_s"] / res["int8"]["median_s"]
+    if "none" in res:
+        report["speedups"] = {c: res["none"]["median_s"] / r["median_s"] for c, r in res.items() if c != "none"}
+        if "int8" in res:
+            report["int8_speedup"] = report["speedups"]["int8"]
     report["hosts"], report["rate_mbit"] = hosts, rate_mbit
     return report
 
@@ -42,8 +46,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compressions", default="none,int8")
     args = parser.parse_args(argv)
-    cfg = BenchConfig(size_mb=args.size_mb, iterations=args.iterations, warmup=args.warmup,
+    cfg = BenchConfig(size_mb=args.size_mb, compressions=args.compressions.split(","), iterations=args.iterations,
+                      warmup=args.warmup,
                       streams=args.streams, threads=args.threads, timeout_s=900)
     report = run(args.hosts, args.rate_mbit, cfg)
     from rich.console import Console
@@ -56,8 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(comp, f"{r['median_s']:.2f}", f"{r['wire_bytes'] / 1e6:.1f}", f"{r['link_utilization']:.0%}",
                       f"{r['rel_error']:.2e}", "yes" if r["bit_identical"] else "NO")
     Console(stderr=True).print(table)
-    if "int8_speedup" in report:
-        Console(stderr=True).print(f"int8 speedup over fp32: {report['int8_speedup']:.2f}x")
+    for comp, speedup in report.get("speedups", {}).items():
+        Console(stderr=True).print(f"{comp} speedup over fp32: {speedup:.2f}x")
     sys.stdout.write(json.dumps(report) + "\n")
     return report
 

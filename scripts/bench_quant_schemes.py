@@ -47,11 +47,12 @@ def _pad(x: torch.Tensor, block: int) -> torch.Tensor:
 def absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     from zb.collectives import kernels
 
+    scheme = kernels.Scheme("int8", 8, block)
     codes = torch.empty(x.numel(), dtype=torch.uint8)
     scales = torch.empty(kernels.num_blocks(x.numel(), block))
     out = torch.empty_like(x)
-    kernels.quantize(x, codes, scales, block=block)
-    kernels.dequantize(codes, scales, out, block=block)
+    kernels.quantize(x, codes, scales, scheme=scheme)
+    kernels.dequantize(codes, scales, out, scheme=scheme)
     return out
 
 

@@ -2,7 +2,9 @@
 
 argv: rank world port outdir spec_json. spec: {"cases": [case, ...], "streams": S, "die": rank,
 "hang": bool, "die_after": k, "floor": seconds}; a case: numel, compression, op ("sum"/"avg"),
-dtype, seed, heavy, poison {rank: [[index, value], ...]}, piece. Writes <outdir>/rank<r>.pt (one
+dtype, seed, heavy, poison {rank: [[index, value], ...]}, piece, rounds (error feedback: that many
+calls with one residual, fresh inputs each; input and output are then the sums over the calls, and
+"residual" the residual after the last). Writes <outdir>/rank<r>.pt (one
 dict per case: input, output, wire_bytes) or <outdir>/rank<r>.err (the PeerFailure as JSON).
 """
 
@@ -84,15 +86,25 @@ def main() -> None:
         return
     try:
         for case in spec["cases"]:
-            x = make_input(case, rank)
-            out = x.clone()
             op = ReduceOp.AVG if case.get("op") == "avg" else ReduceOp.SUM
+            rounds = case.get("rounds")
+            residual = torch.zeros(case["numel"]) if rounds else None
+            inputs, outputs, wire = [], [], 0
             t0 = time.monotonic()
-            stats = all_reduce(out, groups[0], op=op, compression=case["compression"], streams=groups[1:],
-                               timeout_floor_s=spec.get("floor", 20.0), start_timeout_s=spec.get("floor", 20.0),
-                               piece_values=case.get("piece", 4096))
-            results.append({"input": x, "output": out, "wire_bytes": stats.wire_bytes,
-                            "seconds": time.monotonic() - t0})
+            for r in range(rounds or 1):
+                x = make_input({**case, "seed": case.get("seed", 0) + 100 * r}, rank)
+                out = x.clone()
+                stats = all_reduce(out, groups[0], op=op, compression=case["compression"], streams=groups[1:],
+                                   timeout_floor_s=spec.get("floor", 20.0), start_timeout_s=spec.get("floor", 20.0),
+                                   piece_values=case.get("piece", 4096), residual=residual)
+                inputs.append(x)
+                outputs.append(out)
+                wire += stats.wire_bytes
+            result = {"input": sum(inputs), "output": sum(outputs), "wire_bytes": wire,
+                      "seconds": time.monotonic() - t0}
+            if residual is not None:
+                result.update(residual=residual, last_input=inputs[-1], last_output=outputs[-1])
+            results.append(result)
     except PeerFailure as e:
         err = {"rank": e.rank, "observer": e.observer, "message": str(e), "at": time.time()}
         (outdir / f"rank{rank}.err").write_text(json.dumps(err))

@@ -288,3 +288,21 @@ def test_eager_itself_is_warned_about_with_the_measured_gap():
     for overlap in ("none", "streaming"):
         assert not [k for k, _ in advisories(load_config([], {"diloco.overlap": overlap}, environ={}))
                     if k == "diloco.overlap"]
+
+
+def test_error_feedback_defaults_by_width_and_is_warned_about_without_compression():
+    from zb.config_checks import advisories
+    from zb.diloco.error_feedback import enabled
+
+    for compression, on in (("none", False), ("int8", False), ("int4", True), ("int2", True)):
+        cfg = load_config([], {"diloco.compression": compression}, environ={})
+        assert enabled(cfg.diloco.compression, cfg.diloco.error_feedback) is on
+    cfg = load_config([], {"diloco.compression": "int4", "diloco.error_feedback": "false"}, environ={})
+    assert not enabled(cfg.diloco.compression, cfg.diloco.error_feedback)
+    cfg = load_config([], {"diloco.compression": "int8", "diloco.error_feedback": "true"}, environ={})
+    assert enabled(cfg.diloco.compression, cfg.diloco.error_feedback)
+    useless = load_config([], {"diloco.error_feedback": "true"}, environ={})
+    assert [m for k, m in advisories(useless) if k == "diloco.error_feedback"] == [
+        "has no effect with diloco.compression = none (nothing is dropped)"]
+    with pytest.raises(ConfigError, match="diloco.compression"):
+        load_config([], {"diloco.compression": "int3"}, environ={})

@@ -41,6 +41,22 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
         assert e["h2d_s"] >= 0, e
 
 
+# int2 under soak (suite time): the same path as int4, another kernel width (held against the twins in test_kernels)
+@pytest.mark.parametrize("compression", ["int4", pytest.param("int2", marks=pytest.mark.soak)])
+def test_three_nodes_agree_every_outer_step_at_4_and_2_bits(make_run, compression):
+    """Packed 4- and 2-bit pseudo-gradients with error feedback (their default): every node holds the same
+    params at every outer step, and sends 1/7.5 (1/15) of fp32's bytes and scales."""
+    run = make_run(3)
+    for i in range(3):
+        run.start_train(f"n{i}", "--optim.total_steps", "20", "--diloco.compression", compression, rank=i)
+    for i in range(3):
+        assert run.finish(f"n{i}") == 0, run.log(f"n{i}")
+    hashes = [run.hashes(f"n{i}") for i in range(3)]
+    assert sorted(hashes[0]) == [1, 2, 3, 4] and hashes[0] == hashes[1] == hashes[2]
+    assert "error feedback (diloco.compression = " + compression in (run.tmp / "n0.log").read_text()
+    assert all(e["applied"] and e["wire_bytes"] > 0 for e in run.metrics("n0", "outer_step"))
+
+
 def test_joiner_mid_run_ends_identical(make_run):
     run = make_run(2)
     join_late(run)

@@ -1,4 +1,5 @@
-"""The C++ int8 kernels against their PyTorch twins, bit for bit, on odd sizes and odd values."""
+"""The C++ quantization kernels (int8, int4, int2) against their PyTorch twins, bit for bit, on odd
+sizes, odd block sizes and odd values, on 1 and 2 threads, with and without error feedback."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import math
 import pytest
 import torch
 
-from zb.collectives import kernels
+from zb.collectives import kernels, twins
 from zb.collectives.build import use_cpp
+from zb.collectives.twins import Scheme
 
 pytestmark = pytest.mark.skipif(not use_cpp(), reason="C++ kernels unavailable (no compiler or ZB_USE_CPP=0)")
 
-SIZES = [1, 7, 255, 256, 257, 1000, 4097, 100_003]
+SCHEMES = list(kernels.SCHEMES.values())
+SCHEME_IDS = list(kernels.SCHEMES)
+# 100_003 values are more than one task (32768 values), so 2 threads really split the blocks.
+SIZES = [1, 7, 257, 4097, 100_003]
+KINDS = ["random", "heavy", "zeros", "constant", "huge", "tiny", "nonfinite", "denormal", "one_huge"]
+THREADS = [1, 2]
 
 
 def _values(kind: str, n: int) -> torch.Tensor:
@@ -27,7 +34,7 @@ def _values(kind: str, n: int) -> torch.Tensor:
     if kind == "constant":
         return torch.full((n,), -0.3)
     if kind == "huge":
-        return torch.randn(n, generator=g) * 3e38
+        return torch.randn(n, generator=g) * 3e38  # int2's sums overflow: NaN scales
     if kind == "tiny":
         return torch.randn(n, generator=g) * 1e-35
     if kind == "nonfinite":
@@ -36,17 +43,18 @@ def _values(kind: str, n: int) -> torch.Tensor:
         x[n // 2] = float("inf")
         x[-1] = float("-inf")
         return x
+    if kind == "denormal":
+        # subnormal values (below 2^-126) beside normal ones, and runs of subnormals only (scale 0)
+        x = torch.randn(n, generator=g) * 1e-39
+        x[: n // 2: 2] = torch.randn(len(range(0, n // 2, 2)), generator=g) * 1e-3
+        return x
+    if kind == "one_huge":
+        # one huge value per 300 values: it takes its block's scale, the rest round to zero or near it
+        x = torch.randn(n, generator=g) * 1e-2
+        x[::300] = 3e38
+        x[150::300] = -1e20
+        return x
     raise ValueError(kind)
-
-
-KINDS = ["random", "heavy", "zeros", "constant", "huge", "tiny", "nonfinite"]
-
-
-def _quantized(x: torch.Tensor, cpp: bool, block: int = kernels.BLOCK):
-    codes = torch.full((x.numel(),), 7, dtype=torch.uint8)
-    scales = torch.full((kernels.num_blocks(x.numel(), block),), 7.0)
-    kernels.quantize(x, codes, scales, block=block, cpp=cpp)
-    return codes, scales
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -55,74 +63,261 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                        b.view(torch.int32) if b.dtype == torch.float32 else b)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", SIZES)
-def test_quantize_dequantize_match_twin(kind: str, n: int) -> None:
-    x = _values(kind, n)
-    (c1, s1), (c2, s2) = _quantized(x, True), _quantized(x, False)
-    assert _same(c1, c2) and _same(s1, s2)
-    out1, out2 = torch.empty(n), torch.empty(n)
-    kernels.dequantize(c1, s1, out1, cpp=True)
-    kernels.dequantize(c2, s2, out2, cpp=False)
-    assert _same(out1, out2)
-    acc1, acc2 = torch.linspace(-1, 1, n), torch.linspace(-1, 1, n)
-    kernels.dequantize_add(c1, s1, acc1, cpp=True)
-    kernels.dequantize_add(c2, s2, acc2, cpp=False)
-    assert _same(acc1, acc2)
+def _empty(n: int, scheme: Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes and scales filled with junk: a kernel must write every byte of them."""
+    codes = torch.full((kernels.code_bytes(n, scheme),), 0xA7, dtype=torch.uint8)
+    return codes, torch.full((kernels.num_blocks(n, scheme.block),), 7.0)
+
+
+# Every kernel once: the twin when threads is None, else torch.ops.zb on that many threads.
+
+def _quantize(x, scheme, threads, residual=None):
+    codes, scales = _empty(x.numel(), scheme)
+    if threads is None:
+        twins.quantize(x, codes, scales, scheme, residual)
+    else:
+        torch.ops.zb.quantize(x, codes, scales, scheme.block, scheme.bits, residual, threads)
+    return codes, scales
+
+
+def _dequantize(codes, scales, out, scheme, threads, add):
+    if threads is None:
+        (twins.dequantize_add if add else twins.dequantize)(codes, scales, out, scheme)
+    else:
+        op = torch.ops.zb.dequantize_add if add else torch.ops.zb.dequantize
+        op(codes, scales, out, scheme.block, scheme.bits, threads)
+
+
+def _reduce_quantize(in_codes, in_scales, acc, scheme, threads, divisor, write_back, residual):
+    out_codes, out_scales = _empty(acc.numel(), scheme)
+    if threads is None:
+        twins.reduce_quantize(in_codes, in_scales, acc, out_codes, out_scales, scheme, divisor, write_back, residual)
+    else:
+        torch.ops.zb.reduce_quantize(in_codes, in_scales, acc, out_codes, out_scales, scheme.block, scheme.bits,
+                                     divisor, write_back, residual, threads)
+    return out_codes, out_scales
+
+
+# (divisor, write_back, residual): each option both ways
+HOPS = [(1.0, False, False), (3.0, True, True), (3.0, False, False), (1.0, True, True)]
+
+
+def _all_kernels(x: torch.Tensor, scheme: Scheme, threads: int | None) -> list[torch.Tensor]:
+    """Every output of every kernel on x, with and without a residual."""
+    n = x.numel()
+    g = torch.Generator().manual_seed(n + 1)
+    res0 = torch.randn(n, generator=g) * 0.01
+    acc0 = x.flip(0) + torch.randn(n, generator=g)
+    outs: list[torch.Tensor] = []
+    codes, scales = _quantize(x, scheme, threads)
+    residual = res0.clone()
+    outs += [codes, scales, *_quantize(x, scheme, threads, residual), residual]
+    out = torch.full((n,), 5.0)
+    _dequantize(codes, scales, out, scheme, threads, add=False)
+    acc = acc0.clone()
+    _dequantize(codes, scales, acc, scheme, threads, add=True)
+    outs += [out, acc]
+    for divisor, write_back, with_residual in HOPS:
+        acc, residual = acc0.clone(), res0.clone()
+        oc, os_ = _reduce_quantize(codes, scales, acc, scheme, threads, divisor, write_back,
+                                   residual if with_residual else None)
+        outs += [oc, os_, acc, residual]
+    return outs
+
+
+def _assert_match(x: torch.Tensor, scheme: Scheme) -> None:
+    want = _all_kernels(x, scheme, None)
+    for threads in THREADS:
+        got = _all_kernels(x, scheme, threads)
+        bad = [i for i, (a, b) in enumerate(zip(got, want)) if not _same(a, b)]
+        assert not bad, f"{scheme}, {x.numel()} values, {threads} thread(s): outputs {bad} differ from the twin"
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("divisor,write_back", [(1.0, False), (3.0, True)])
-def test_reduce_quantize_matches_twin(kind: str, n: int, divisor: float, write_back: bool) -> None:
-    codes, scales = _quantized(_values("random", n), False)
-    results = []
-    for cpp in (True, False):
-        acc = _values(kind, n).clone()
-        out_c, out_s = _quantized(torch.zeros(n), False)
-        kernels.reduce_quantize(codes, scales, acc, out_c, out_s, divisor=divisor, write_back=write_back, cpp=cpp)
-        results.append((acc, out_c, out_s))
-    for a, b in zip(*results):
-        assert _same(a, b)
+@pytest.mark.parametrize("scheme", SCHEMES, ids=SCHEME_IDS)
+def test_every_kernel_matches_its_twin(scheme: Scheme, kind: str) -> None:
+    for n in SIZES:
+        _assert_match(_values(kind, n), scheme)
 
 
-@pytest.mark.parametrize("block", [1, 3, 256, 4096])
-def test_other_block_sizes_match_twin(block: int) -> None:
-    x = _values("heavy", 10_001)
-    (c1, s1), (c2, s2) = _quantized(x, True, block), _quantized(x, False, block)
-    assert _same(c1, c2) and _same(s1, s2)
+@pytest.mark.parametrize("block", [1, 2, 3, 5, 6, 7, 9, 130, 600, 5000])
+@pytest.mark.parametrize("scheme", SCHEMES, ids=SCHEME_IDS)
+def test_odd_block_sizes_match_the_twin(scheme: Scheme, block: int) -> None:
+    """Blocks that are not a multiple of the codes per byte (a byte then straddles two blocks, and a
+    thread's run of blocks must start at a byte boundary), and blocks too big for the stack buffer."""
+    odd = Scheme(scheme.name, scheme.bits, block)
+    for n in (1, 2, 3, 13, 5001, 70_001):
+        _assert_match(_values("heavy", n), odd)
+    _assert_match(_values("nonfinite", 10_007), odd)
 
 
-def test_error_within_half_step() -> None:
+def test_empty_tensors() -> None:
+    for scheme in SCHEMES:
+        x = torch.empty(0)
+        codes, scales = _quantize(x, scheme, 2, torch.empty(0))
+        assert codes.numel() == scales.numel() == 0
+        torch.ops.zb.dequantize(codes, scales, torch.empty(0), scheme.block, scheme.bits, 1)
+        torch.ops.zb.reduce_quantize(codes, scales, torch.empty(0), codes, scales, scheme.block, scheme.bits, 3.0,
+                                     True, torch.empty(0), 2)
+
+
+def test_the_wrappers_use_the_kernels() -> None:
+    """kernels.* (scheme keyword, kernels.threads() threads) give the twins' bits."""
+    x = _values("heavy", 50_001)
+    for scheme in SCHEMES:
+        out = []
+        for cpp in (True, False):
+            codes, scales = _empty(x.numel(), scheme)
+            residual = torch.full_like(x, 0.01)
+            kernels.quantize(x, codes, scales, scheme=scheme, residual=residual, cpp=cpp)
+            acc = x.clone()
+            kernels.dequantize_add(codes, scales, acc, scheme=scheme, cpp=cpp)
+            oc, os_ = _empty(x.numel(), scheme)
+            kernels.reduce_quantize(codes, scales, acc, oc, os_, scheme=scheme, divisor=2.0, write_back=True,
+                                    residual=residual, cpp=cpp)
+            deq = torch.empty_like(x)
+            kernels.dequantize(oc, os_, deq, scheme=scheme, cpp=cpp)
+            out.append((codes, scales, residual, acc, oc, os_, deq))
+        assert all(_same(a, b) for a, b in zip(*out)), scheme
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=SCHEME_IDS)
+def test_error_within_half_a_step(scheme: Scheme) -> None:
+    """Absmax (int8, int4): every value within half a step (the scale) of its input. int2 (mean scale):
+    within half a step for |x| <= 1.5 scale; beyond, clamped to +-scale."""
     x = _values("heavy", 100_000)
-    codes, scales = _quantized(x, True)
+    codes, scales = _quantize(x, scheme, 2)
     out = torch.empty_like(x)
-    kernels.dequantize(codes, scales, out)
-    step = scales.repeat_interleave(kernels.BLOCK)[: x.numel()]
-    assert torch.all((out - x).abs() <= step * (0.5 + 1e-5))
+    _dequantize(codes, scales, out, scheme, 2, add=False)
+    step = scales.repeat_interleave(scheme.block)[: x.numel()]
+    err = (out - x).abs()
+    if scheme.mean_scale:
+        inside = x.abs() <= 1.5 * step
+        assert torch.all(err[inside] <= step[inside] * (0.5 + 1e-5))
+        assert torch.equal(out[~inside], x[~inside].sign() * step[~inside])
+        assert inside.float().mean() > 0.5
+    else:
+        assert torch.all(err <= step * (0.5 + 1e-5))
+        assert torch.all(out.abs() <= x.abs().max())
+
+
+def _hand(scheme: Scheme, block: int, values: list[float], packed: list[int], scales: torch.Tensor,
+          levels: list[int]) -> None:
+    """Quantize values in blocks of `block`: the packed bytes, scales and dequantized levels * scale."""
+    s = Scheme(scheme.name, scheme.bits, block)
+    x = torch.tensor(values, dtype=torch.float32)
+    for threads in (None, 1, 2):
+        codes, sc = _quantize(x, s, threads)
+        assert codes.tolist() == packed, (threads, [hex(b) for b in codes.tolist()])
+        assert torch.equal(sc, scales), threads
+        out = torch.empty_like(x)
+        _dequantize(codes, sc, out, s, threads, add=False)
+        assert torch.equal(out, torch.tensor(levels, dtype=torch.float32) * scales.repeat_interleave(block)[: len(x)])
+
+
+def test_int4_packing_by_hand() -> None:
+    """Two codes per byte, value i in bits 4 (i % 2); code = level + 7; the last byte's high bits zero."""
+    int4 = kernels.SCHEMES["int4"]
+    # block 4: [7, -7, 1, 0] m = 7, levels 7 -7 1 0 -> codes 14 0 8 7 -> bytes 0x0E 0x78;
+    # [-2] m = 2, inv = 3.5, level -7 -> code 0 -> byte 0x00
+    _hand(int4, 4, [7, -7, 1, 0, -2], [0x0E, 0x78, 0x00], torch.tensor([7.0, 2.0]) / 7, [7, -7, 1, 0, -7])
+    # block 3 (bytes straddle blocks): [7, -7, 1] -> 14 0 8; [2, -2, 1] inv 3.5: 7 -7 3.5 (half to even: 4)
+    # -> 14 0 11; [0.5] -> 14: codes 14 0 | 8 14 | 0 11 | 14 -> 0x0E 0xE8 0xB0 0x0E
+    _hand(int4, 3, [7, -7, 1, 2, -2, 1, 0.5], [0x0E, 0xE8, 0xB0, 0x0E], torch.tensor([7.0, 2.0, 0.5]) / 7,
+          [7, -7, 1, 7, -7, 4, 7])
+    # ties round half to even: [7, 2.5, -2.5, 0.5] inv 1 -> levels 7 2 -2 0 -> codes 14 9 5 7 -> 0x9E 0x75
+    _hand(int4, 4, [7, 2.5, -2.5, 0.5], [0x9E, 0x75], torch.tensor([1.0]), [7, 2, -2, 0])
+
+
+def test_int2_packing_by_hand() -> None:
+    """Four codes per byte, value i in bits 2 (i % 4); code = level + 1; scale = 1.5 mean |x|."""
+    int2 = kernels.SCHEMES["int2"]
+    # block 4: [2, -2, 0, 0] mean 1, scale 1.5: levels 1 -1 0 0 -> codes 2 0 1 1 -> 0x52;
+    # [4, 0, 0, -0.5] mean 1.125, scale 1.6875: 4 / 1.6875 > 1.5 clamps to 1 -> codes 2 1 1 1 -> 0x56;
+    # [3] scale 4.5, level 1 -> code 2 -> 0x02
+    _hand(int2, 4, [2, -2, 0, 0, 4, 0, 0, -0.5, 3], [0x52, 0x56, 0x02], torch.tensor([1.5, 1.6875, 4.5]),
+          [1, -1, 0, 0, 1, 0, 0, 0, 1])
+    # block 3 (bytes straddle blocks): [3, 0, 0] scale 1.5 -> 2 1 1; [-3, 0, 0] -> 0 1 1; [1] scale 1.5 -> 2:
+    # codes 2 1 1 0 | 1 1 2 -> 0x16 0x25
+    _hand(int2, 3, [3, 0, 0, -3, 0, 0, 1], [0x16, 0x25], torch.tensor([1.5, 1.5, 1.5]), [1, 0, 0, -1, 0, 0, 1])
+    # ties: [0.5, 1.5, 0] sum 2, scale (2 / 3) * 1.5 = 1 in fp32, so y = x: 0.5 -> 0 (half to even), 1.5 -> 2,
+    # clamped to 1: codes 1 2 1 | 1 0 1 -> 0x59 0x04
+    _hand(int2, 3, [0.5, 1.5, 0, -0.5, -1.5, 0], [0x59, 0x04], torch.tensor([1.0, 1.0]), [0, 1, 0, 0, -1, 0])
 
 
 def test_special_blocks() -> None:
-    x = torch.zeros(3 * kernels.BLOCK)
-    x[0] = float("inf")  # block 0: non-finite -> all NaN
-    x[kernels.BLOCK + 5] = 1e-31  # block 1: below 2^-100 -> all zero
-    x[2 * kernels.BLOCK:] = torch.linspace(-2, 2, kernels.BLOCK)  # block 2: exact extremes
-    codes, scales = _quantized(x, True)
-    out = torch.empty_like(x)
-    kernels.dequantize(codes, scales, out)
-    assert torch.isnan(out[: kernels.BLOCK]).all()
-    assert torch.equal(out[kernels.BLOCK: 2 * kernels.BLOCK], torch.zeros(kernels.BLOCK))
-    assert codes[2 * kernels.BLOCK] == 1 and codes[-1] == 255
-    assert math.isclose(out[-1].item(), 2.0, rel_tol=1e-6)
+    for scheme in SCHEMES:
+        b = scheme.block
+        x = torch.zeros(3 * b)
+        x[0] = float("inf")  # block 0: non-finite -> all NaN
+        x[b + 5] = 1e-31  # block 1: below 2^-100 -> all zero
+        x[2 * b:] = torch.linspace(-2, 2, b)  # block 2: exact extremes
+        codes, scales = _quantize(x, scheme, 2)
+        out = torch.empty_like(x)
+        _dequantize(codes, scales, out, scheme, 2, add=False)
+        assert torch.isnan(out[:b]).all() and math.isnan(scales[0].item())
+        assert torch.equal(out[b: 2 * b], torch.zeros(b)) and scales[1].item() == 0.0
+        zero = {8: 128, 4: 0x77, 2: 0x55}[scheme.bits]  # zero codes fill the special blocks' bytes
+        assert torch.all(codes[: 2 * b // scheme.per_byte] == zero)
+        if scheme.bits == 8:
+            assert codes[2 * b] == 1 and codes[-1] == 255
+        if not scheme.mean_scale:
+            assert math.isclose(out[-1].item(), 2.0, rel_tol=1e-6) and math.isclose(out[2 * b].item(), -2.0,
+                                                                                      rel_tol=1e-6)
 
 
 def test_zero_stays_exact() -> None:
-    x = torch.randn(4096)
-    x[::3] = 0.0
-    codes, scales = _quantized(x, True)
-    out = torch.empty_like(x)
-    kernels.dequantize(codes, scales, out)
-    assert torch.equal(out[::3], torch.zeros_like(out[::3]))
+    for scheme in SCHEMES:
+        x = torch.randn(4096)
+        x[::3] = 0.0
+        codes, scales = _quantize(x, scheme, 1)
+        out = torch.empty_like(x)
+        _dequantize(codes, scales, out, scheme, 1, add=False)
+        assert torch.equal(out[::3], torch.zeros_like(out[::3]))
+
+
+def _ulps(v: torch.Tensor) -> torch.Tensor:
+    """One fp32 rounding of v, as a float64 bound (subnormals included)."""
+    return v.double().abs() * 2.0**-24 + 2.0**-149
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=SCHEME_IDS)
+def test_residual_keeps_what_quantization_dropped(scheme: Scheme) -> None:
+    """quantize: x + old residual == dequantized + new residual, up to the roundings of t = x + r and of
+    the new residual; reduce_quantize: acc + r + in == dequantized * divisor + new residual, likewise.
+    Over rounds, the dequantized values sum to the inputs' sum plus what the residual holds."""
+    n = 10_007
+    g = torch.Generator().manual_seed(3)
+    x, r0 = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.1
+    r = r0.clone()
+    codes, scales = _quantize(x, scheme, 2, r)
+    v = torch.empty(n)
+    _dequantize(codes, scales, v, scheme, 2, add=False)
+    t = x.double() + r0.double()
+    assert torch.all((v.double() + r.double() - t).abs() <= _ulps(t) + _ulps(r))
+    assert _same(r, (x + r0) - v)  # exactly the twin's t - value
+
+    acc = torch.randn(n, generator=g)
+    for divisor in (1.0, 3.0):
+        r1 = r0.clone()
+        oc, os_ = _reduce_quantize(codes, scales, acc.clone(), scheme, 2, divisor, False, r1)
+        sent = torch.empty(n)
+        _dequantize(oc, os_, sent, scheme, 2, add=False)
+        s = (acc + r0) + v  # the fp32 sum the kernel quantizes (divided by the divisor)
+        sd = sent.double() * divisor
+        assert torch.all((sd + r1.double() - s.double()).abs() <= _ulps(sd) * (divisor != 1.0) + _ulps(r1))
+
+    # error feedback over rounds: sum of what was sent == sum of inputs + r0 - final residual (to fp32 noise)
+    r = r0.clone()
+    sent_total, x_total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    for k in range(8):
+        xk = torch.randn(n, generator=g)
+        codes, scales = _quantize(xk, scheme, 1, r)
+        _dequantize(codes, scales, v, scheme, 1, add=False)
+        sent_total += v.double()
+        x_total += xk.double()
+    drift = (sent_total - (x_total + r0.double() - r.double())).abs()
+    assert drift.max() < 1e-4, drift.max()
 
 
 def test_bad_arguments_are_rejected() -> None:
@@ -131,6 +326,18 @@ def test_bad_arguments_are_rejected() -> None:
         kernels.quantize(x, torch.empty(10, dtype=torch.uint8), torch.empty(5), cpp=True)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.quantize(x.double(), torch.empty(10, dtype=torch.uint8), torch.empty(1), cpp=True)
+    int4 = kernels.SCHEMES["int4"]
+    with pytest.raises(RuntimeError, match="codes"):  # int4 packs 10 values in 5 bytes
+        kernels.quantize(x, torch.empty(10, dtype=torch.uint8), torch.empty(1), scheme=int4, cpp=True)
+    with pytest.raises(RuntimeError, match="residual"):
+        kernels.quantize(x, torch.empty(5, dtype=torch.uint8), torch.empty(1), scheme=int4,
+                         residual=torch.empty(9), cpp=True)
+    with pytest.raises(RuntimeError, match="bits"):
+        torch.ops.zb.quantize(x, torch.empty(4, dtype=torch.uint8), torch.empty(1), 128, 3, None, 1)
+    with pytest.raises(RuntimeError, match="threads"):
+        torch.ops.zb.dequantize(torch.empty(10, dtype=torch.uint8), torch.empty(1), x, 128, 8, 0)
+    with pytest.raises(RuntimeError, match="block"):
+        torch.ops.zb.dequantize(torch.empty(10, dtype=torch.uint8), torch.empty(1), x, 0, 8, 1)
 
 
 def test_twin_path_forced(monkeypatch) -> None:
@@ -153,3 +360,12 @@ def test_the_kernel_line_counts_threads_in_english():
 
     assert cpp_kernels_line(1, True) == "C++ (torch.ops.zb, 1 thread, OpenMP)"
     assert cpp_kernels_line(2, False) == "C++ (torch.ops.zb, 2 threads, std::threads)"
+
+
+def test_the_logged_thread_count_is_the_kernels(monkeypatch):
+    """build.py logs the threads a kernel call gets (kernels.threads()), without importing kernels.py."""
+    from zb.collectives import build
+
+    assert build._threads() == kernels.threads()
+    monkeypatch.setattr(kernels, "_colocated", 64)  # 64 ranks share this host: 1 thread each
+    assert build._threads() == kernels.threads() == 1

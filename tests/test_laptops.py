@@ -1,5 +1,5 @@
 """Laptops: the device choice with Apple GPUs (MPS) simulated by monkeypatching torch's probes, and
-the int8 kernels built the way a Mac builds them, without OpenMP, held bit for bit to the twins.
+the quantization kernels built the way a Mac builds them, without OpenMP, held bit for bit to the twins.
 MPS itself is never run here (no Mac): README, "Laptops", says what that leaves untested."""
 
 from __future__ import annotations

@@ -630,3 +630,91 @@ def test_streaming_with_a_round_budget_weighs_each_fragment_by_the_tokens_behind
         assert a.round_weight + b.round_weight == pytest.approx(1.0)
     # Tokens since each node's last launch of the fragment: 5 against 1, then 11 against 3, 12 against 4.
     assert [r.round_weight for r in nodes[0].reports] == pytest.approx([5 / 6, 11 / 14, 12 / 16, 12 / 16])
+
+
+# -- error feedback (diloco.error_feedback) with int4 and int2 ------------------------------------------------
+PLAIN_OUTER = {"diloco.outer_lr": "1.0", "diloco.outer_momentum": "0", "diloco.nesterov": "false"}
+
+
+@pytest.mark.parametrize("overlap", ["none", "eager", "streaming"])
+@pytest.mark.parametrize("compression", ["int4", "int2"])
+def test_error_feedback_loses_nothing_across_outer_steps(compression, overlap):
+    """Outer lr 1 and no momentum: the outer params move by exactly the averages, and with error feedback
+    the averages summed plus every node's residual over the node count are the moves averaged (the closed
+    form of the same math, to fp32 rounding), under each algorithm; every node holds the same shared
+    params. Without error feedback the same run ends further from the exact mean."""
+    flags = {**PLAIN_OUTER, "diloco.compression": compression, "diloco.overlap": overlap}
+    if overlap == "streaming":
+        flags.update({"diloco.fragments": "2", "diloco.fragment_delay": "0", "diloco.fragment_alpha": "0"})
+    start = TinyModel().flat()
+    moves = deltas(3, 4, start.numel())
+    ends = {}
+    for feedback in ("true", "false"):
+        _, nodes = start_world(["a", "b", "c"], **flags, **{"diloco.error_feedback": feedback})
+        for round_moves in moves:
+            if overlap == "streaming":
+                train_and_sync(nodes, round_moves, steps=(2, 4))
+            else:
+                run_rounds(nodes, [round_moves])
+        if overlap == "eager":
+            together(nodes, lambda n: n.diloco.close_run(n.position))
+        assert len({n.reports[-1].params_hash for n in nodes}) == 1
+        shared = nodes[0].diloco.outer.flat.detach().clone()
+        kept = [n.diloco.algorithm.feedback for n in nodes]
+        if feedback == "true":
+            residuals = sum(k.residual for k in kept)
+            assert residuals.abs().sum() > 0
+            if overlap == "streaming":   # the residual is laid out fragment after fragment: back to param order
+                residuals = _params_order(nodes[0], residuals)
+            exact = start - sum(torch.stack(m).mean(0) for m in moves)
+            assert torch.allclose(shared, exact + residuals / 3, atol=2e-6), (shared - exact - residuals / 3).abs().max()
+        else:
+            assert all(k is None for k in kept)
+        ends[feedback] = shared
+    exact = start - sum(torch.stack(m).mean(0) for m in moves)
+    assert (ends["true"] - exact).norm() < (ends["false"] - exact).norm()
+
+
+def _params_order(node, fragment_major: torch.Tensor) -> torch.Tensor:
+    """A streaming residual (fragment after fragment) in the outer params' order."""
+    state = node.diloco.algorithm.state
+    out = torch.zeros_like(fragment_major)
+    offset = 0
+    for ranges in state.ranges:
+        for a, b in ranges:
+            out[a:b] = fragment_major[offset:offset + b - a]
+            offset += b - a
+    return out
+
+
+def test_error_feedback_residual_resumes_exactly_from_a_checkpoint():
+    """int4 with error feedback: fresh nodes that load a checkpoint (params, shared state, residual) and train
+    on end on exactly the uninterrupted nodes' params; a joiner's residual starts at zero."""
+    flags = {"diloco.compression": "int4"}
+    _, nodes = start_world(["a", "b"], **flags)
+    moves = deltas(2, 3, TinyModel().flat().numel())
+    run_rounds(nodes, moves[:1])
+    saved = together(nodes, lambda n: (n.model.flat(), n.position,
+                                       {k: v.clone() for k, v in n.diloco.checkpoint_tensors().items()}))
+    assert all(tensors["feedback/params"].abs().sum() > 0 for _, _, tensors in saved)
+    run_rounds(nodes, moves[1:])
+    _, restarted = start_world(["a", "b"], **flags)
+    for node, (params, position, tensors) in zip(restarted, saved):
+        _load_flat(node.model, params)
+        node.position = position
+        node.diloco.load_checkpoint_tensors(tensors)
+    run_rounds(restarted, moves[1:])
+    for node, resumed in zip(nodes, restarted):
+        assert torch.equal(node.model.flat(), resumed.model.flat())
+        assert torch.equal(node.diloco.algorithm.feedback.residual, resumed.diloco.algorithm.feedback.residual)
+
+
+def test_a_checkpoint_residual_under_another_layout_is_dropped_with_one_line(caplog):
+    _, nodes = start_world(["a"], **{"diloco.compression": "int4", "diloco.overlap": "streaming",
+                                     "diloco.fragments": "2"})
+    nodes[0].diloco.load_checkpoint_tensors({**nodes[0].diloco.checkpoint_tensors(),
+                                             "feedback/params": torch.ones(3)})
+    assert "does not fit this run's settings" not in caplog.text   # its own layout is there: taken
+    _, (plain,) = start_world(["b"], **{"diloco.compression": "int4"})
+    plain.diloco.load_checkpoint_tensors({**plain.diloco.checkpoint_tensors()} | {"feedback/params": torch.ones(3)})
+    assert "error-feedback residual (params) does not fit" in caplog.text

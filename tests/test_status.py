@@ -89,6 +89,45 @@ def test_a_joiner_is_joining_until_its_outer_step():
     assert live.snapshot()[0]["state"] == "joining"
 
 
+def test_record_carries_the_compression_and_the_bytes_of_the_last_sync():
+    from zb.cli.status import status_table
+
+    s = _status()
+    s.observe({"event": "run_start", "time": 1.0, "host": "h1", "pid": 7, "device": "cpu", "local_world_size": 1,
+               "settings": {"diloco.compression": "int4", "diloco.inner_steps": 5}})
+    assert s.snapshot()[0]["compression"] == "int4" and "wire_bytes" not in s.snapshot()[0], "no sync yet"
+    for outer, sent in ((1, 9_000_000), (2, 1_234_567)):
+        s.observe({"event": "outer_step", "time": 2.0 + outer, "outer_step": outer, "step": 5 * outer,
+                   "mesh_version": 1, "global_world_size": 2, "num_peers": 2, "allreduce_s": 0.5,
+                   "wire_bytes": sent, "wire_mbps": 19.8})
+    back = decode_record(encode(s.snapshot()[0]))
+    assert back["compression"] == "int4" and back["wire_bytes"] == 1_234_567, "the last outer step's bytes"
+    row = {"uid": "a", "state": "training", **back}
+    assert _table_text({"source": "test", "run": {}, "nodes": [row]}, status_table)["a"][-1] == "int4 1.2 MB"
+    # diloco.compression is in the settings only when not at its default: DiLoCo then runs uncompressed.
+    for settings in ({}, {"diloco.inner_steps": 5}, {"diloco.compression": "none"}):
+        plain = _status()
+        plain.observe({"event": "run_start", "time": 1.0, "host": "h", "pid": 1, "device": "cpu",
+                       "local_world_size": 1, "settings": settings})
+        assert plain.snapshot()[0]["compression"] == "none", settings
+    unknown = _status()
+    unknown.observe({"event": "run_start", "time": 1.0, "host": "h", "pid": 1, "device": "cpu", "local_world_size": 1})
+    assert "compression" not in unknown.snapshot()[0], "no settings: not known, not guessed"
+
+
+def _table_text(doc: dict, status_table) -> dict[str, list[str]]:
+    """The rendered `zb status` table: {header or uid: the row's cells}."""
+    import io
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(status_table(doc))
+    lines = [line for line in console.file.getvalue().splitlines() if line.startswith(("┃", "│"))]
+    rows = [[cell.strip() for cell in line.strip("┃│").split("┃" if line.startswith("┃") else "│")] for line in lines]
+    return {"header" if i == 0 else row[0]: row for i, row in enumerate(rows)}
+
+
 @pytest.mark.parametrize("raw", [b"", b"x" * 70000, b"[1,2]", b"not json", b'{"format": 99, "uid": "a"}',
                                  b'{"format": 1}', b'{"format": 1, "uid": 5}'])
 def test_what_is_not_a_record_is_refused(raw):
@@ -97,7 +136,7 @@ def test_what_is_not_a_record_is_refused(raw):
 
 def test_peer_values_are_kept_to_their_shape():
     rec = decode_record(b'{"format": 1, "uid": "a", "state": "rm -rf", "step": "7", "loss": NaN, "host": "' +
-                        b"h" * 500 + b'", "pid": true, "extra": [1]}')
+                        b"h" * 500 + b'", "pid": true, "compression": 4, "wire_bytes": "1 MB", "extra": [1]}')
     assert rec == {"format": 1, "uid": "a", "state": "training", "host": "h" * 200}
     hist = decode_history(b'{"uid": "a", "steps": [[1, 2, 3, 4], [1, "x", 3, 4], [1, 2]], "membership": [{"x": 1}]}')
     assert hist["steps"] == [[1, 2, 3, 4]] and hist["membership"] == []
@@ -324,6 +363,29 @@ def test_starting_nodes_show_before_any_world(store):
     assert doc["nodes"][0]["state"] == "joining" and doc["run"]["mesh_version"] is None
 
 
+def test_the_table_shows_each_nodes_compression_and_bytes_per_sync(store):
+    from zb.cli.status import status_table
+
+    _world(store, ["q", "f", "new"])
+    _node(store, "q", compression="int4", wire_bytes=1_234_567, wire_mbps=8.0)
+    _node(store, "f", compression="none", wire_bytes=987)
+    _node(store, "new", compression="int2")          # no outer step yet
+    _node(store, "old")                              # a record of a zb that did not publish the compression
+    _beat(store, "q", "f", "new", "old")
+    doc = RunReader(store, "test").read()
+    nodes = {n["uid"]: n for n in doc["nodes"]}
+    assert nodes["q"]["compression"] == "int4" and nodes["q"]["wire_bytes"] == 1_234_567, "raw fields in --json"
+    assert nodes["old"]["compression"] is None and nodes["old"]["wire_bytes"] is None
+    table = _table_text(doc, status_table)
+    assert table["header"][-2:] == ["Mbit/s", "sync"]
+    assert {uid: table[uid][-1] for uid in nodes} == {"q": "int4 1.2 MB", "f": "none 987 B", "new": "int2 —",
+                                                       "old": "—"}
+    from zb.cli.status import _bytes
+
+    assert [_bytes(n) for n in (0, 999, 1000, 999_950, 45_600_000, 7_890_000_000)] == \
+        ["0 B", "999 B", "1.0 kB", "1.0 MB", "45.6 MB", "7.9 GB"]
+
+
 # -- the dashboard --------------------------------------------------------------------------------
 def _get(url: str) -> tuple[int, bytes, dict]:
     try:
@@ -360,6 +422,53 @@ def test_dashboard_serves_the_page_and_the_document(store):
         assert e.value.code == 501, "read-only"
     finally:
         board.close()
+
+
+# A DOM just large enough for the page's script: its nodes table comes back as text, one list of cells per row.
+_FAKE_DOM = """
+class FakeNode {
+  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.style = {}; this.own = ""; }
+  setAttribute(k, v) { this.attrs[k] = String(v); }
+  appendChild(c) { this.children.push(c); return c; }
+  replaceChildren(...c) { this.children = c; }
+  set textContent(t) { this.own = String(t); this.children = []; }
+  get textContent() { return this.own + this.children.map(c => c.textContent).join(""); }
+}
+const byId = {};
+const document = {
+  createElement: t => new FakeNode(t), createElementNS: (ns, t) => new FakeNode(t),
+  createTextNode: t => { const n = new FakeNode("#text"); n.own = String(t); return n; },
+  getElementById: id => byId[id] || (byId[id] = new FakeNode("div")), body: new FakeNode("body"),
+};
+document.getElementById("zb-data").textContent = process.argv[2];
+"""
+
+
+def test_dashboard_table_shows_the_sync_column_as_the_cli_does(tmp_path):
+    import shutil
+    import subprocess
+
+    from zb.cli.status import _sync
+
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("no node.js to run the page's script")
+    html = render()
+    script = html.split("<!--ZB_DATA-->")[1].split("<script>")[1].split("</script>")[0]
+    show = 'console.log(JSON.stringify(byId["nodes"].children[0].children.map(r => r.children.map(c => c.textContent))));'
+    (tmp_path / "page.js").write_text(_FAKE_DOM + script + show)
+    sent = {"q": ("int4", 1_234_567), "f": ("none", 987), "new": ("int2", None), "old": (None, None),
+            "big": ("int8", 7_890_000_000), "edge": ("none", 999_950), "zero": ("int2", 0)}
+    nodes = [{"uid": uid, "state": "training", "compression": c, "wire_bytes": b} for uid, (c, b) in sent.items()]
+    doc = {"source": "test", "time": 1.0, "run": {}, "nodes": nodes, "report": True}
+    out = subprocess.run([node, str(tmp_path / "page.js"), json.dumps(doc)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    header, *rows = json.loads(out.stdout)
+    assert header[-2:] == ["Mbit/s", "sync"] and all(len(r) == len(header) for r in rows)
+    shown = {r[0]: r[-1] for r in rows}
+    assert shown == {n["uid"]: _sync(n) for n in nodes}, "the dashboard writes what `zb status` writes"
+    assert shown["q"] == "int4 1.2 MB" and shown["big"] == "int8 7.9 GB" and shown["old"] == "—"
 
 
 def test_dashboard_shows_an_unreachable_store_and_keeps_the_last_data(store):
@@ -420,6 +529,7 @@ def test_report_from_metrics_files(tmp_path):
     assert [n["uid"] for n in doc["nodes"]] == ["a", "b"] and doc["skipped_lines"] == 2
     assert len(doc["history"]["a"]["steps"]) == 6 and doc["history"]["b"]["outer"][0][3] == 7.0
     assert doc["membership"][0]["leader"] == "a" and doc["nodes"][0]["outer_step"] == 1
+    assert doc["nodes"][0]["compression"] == "none" and doc["nodes"][0]["wire_bytes"] == 9   # the "sync" column
     html = render(doc)
     assert 'id="zb-data"' in html and "zb run report" in html
 

@@ -66,6 +66,8 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert dom.returncode == 0 and 'id="nodes-table"' in html, dom.stderr.decode(errors="replace")[-2000:]
         for uid, state in (("a", "training"), ("c", "training"), ("b", "left")):
             assert re.search(rf'<tr data-node="{uid}">.*?<span class="state {state}">{state}</span>', html), uid
+            sync = rf'<tr data-node="{uid}">(?:(?!</tr>).)*<td>none \d[\d.,]* [kMG]?B</td></tr>'
+            assert re.search(sync, html), f"{uid}'s compression and bytes per sync"
             curves = re.findall(rf'<path class="curve" d="M[^"]+" stroke="[^"]+" data-node="{uid}" data-points="(\d+)"',
                                 html)
             assert curves and max(map(int, curves)) >= 10, f"no curve of {uid} drawn"

@@ -4,6 +4,7 @@ goodbye, and the report from the same run's metrics files."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 from status_run import NODES, start_dashboard, start_run, wait_for_curves
@@ -25,6 +26,7 @@ def test_status_of_a_live_run_then_its_report(tmp_path):
         for n in nodes.values():
             assert n["step"] >= 10 and n["outer_step"] >= 2 and n["loss"] > 0 and n["tokens_per_s"] > 0
             assert n["allreduce_s"] is not None and n["wire_mbps"] > 0 and n["device"] == "cpu"
+            assert n["compression"] == "none" and n["wire_bytes"] > 0, "DiLoCo at its default: fp32 on the wire"
             assert n["heartbeat_age_s"] is not None, "a one-shot status watches the heartbeats first"
             assert n["heartbeat_age_s"] < 2.0
         run = doc["run"]
@@ -33,6 +35,7 @@ def test_status_of_a_live_run_then_its_report(tmp_path):
 
         table = zb_process("status", "--store", where, timeout=90)
         assert table.returncode == 0 and all(uid in table.stdout for uid in NODES) and "training" in table.stdout
+        assert "sync" in table.stdout and len(re.findall(r"\bnone \d[\d.,]* [kMG]?B\b", table.stdout)) == 2
 
         dashboard, url = start_dashboard(cluster)
         live = wait_for_curves(url)

@@ -29,8 +29,9 @@ assert use_cpp(), "the C++ kernels did not load"
 x = torch.randn(1000) * 3
 codes, scales = torch.empty(1000, dtype=torch.uint8), torch.empty(kernels.num_blocks(1000))
 twin_codes, twin_scales = torch.empty_like(codes), torch.empty_like(scales)
-torch.ops.zb.quantize(x, codes, scales, kernels.BLOCK)
-twins.quantize(x, twin_codes, twin_scales, kernels.BLOCK)
+int8 = kernels.SCHEMES["int8"]
+torch.ops.zb.quantize(x, codes, scales, int8.block, int8.bits, None, 1)
+twins.quantize(x, twin_codes, twin_scales, int8)
 print(json.dumps({"zb": zb.__file__, "source": str(SOURCE), "same": bool(torch.equal(codes, twin_codes)
                   and torch.equal(scales, twin_scales))}))
 """

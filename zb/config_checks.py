@@ -43,6 +43,8 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
                                         "blocking DiLoCo in our sweep, where momentum 0 with diloco.outer_lr 0.7 was "
                                         "eager's best (BENCHMARKS.md, \"Eager across the regime\"): set "
                                         "diloco.outer_momentum = 0")
+    if cfg.diloco is not None and cfg.diloco.error_feedback and cfg.diloco.compression == "none":
+        yield "diloco.error_feedback", "has no effect with diloco.compression = none (nothing is dropped)"
     if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
         yield "elastic.link_probe_seconds", "has no effect without elastic.measure_links"
     if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.diloco.round_seconds is None and \

@@ -198,8 +198,13 @@ class DilocoConfig:
     nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.", run_defining=True)
     outer_optimizer: str = knob("sgd", "Outer optimizer: sgd (with momentum/nesterov) or avg (plain averaging).",
                                 choices=("sgd", "avg"), run_defining=True)
-    compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32) or int8 (4x fewer bytes on the wire).",
-                            choices=("none", "int8"), aliases={"no": "none", "uint8": "int8"}, run_defining=True)
+    compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32), int8, int4 or int2 (4x, 7.5x or 15x "
+                                    "fewer bytes on the wire; blockwise scales, the same bits on every node).",
+                            choices=("none", "int8", "int4", "int2"), aliases={"no": "none", "uint8": "int8"},
+                            run_defining=True)
+    error_feedback: Optional[bool] = knob(None, "Keep what quantization dropped from this node's pseudo-gradient and "
+                                                "send it at the next outer step (8 bytes per parameter on the host). "
+                                                "Default: on for int4 and int2, off for int8.")
     stripes: Optional[int] = knob(None, "Stripes of the outer state: local rank r < stripes of every node holds stripe r "
                                         "of every parameter's rows and all-reduces it over replica group r, so nodes of "
                                         "different local rank counts train one run. Every node needs at least this many "

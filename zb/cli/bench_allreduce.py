@@ -20,7 +20,7 @@ rank failed; 2 invalid options."""
 @click.option("--size-mb", type=FiniteFloatRange(min=1e-6), default=64.0, show_default=True,
               help="fp32 tensor size per rank (or per kernel call with --kernels), in MB (1e6 bytes).")
 @click.option("--compressions", default="none,int8", show_default=True,
-              help="Comma-separated compressions to compare: none (fp32), int8.")
+              help="Comma-separated compressions to compare: none (fp32), int8, int4, int2.")
 @click.option("--streams", type=click.IntRange(min=1), default=1, show_default=True,
               help="Process groups to stripe over (parallel TCP connections); config twin: ZB_DILOCO_STREAMS.")
 @click.option("--iterations", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per compression.")
@@ -34,7 +34,8 @@ rank failed; 2 invalid options."""
 @click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds to wait for the store and for every rank to arrive; then exit 1 naming what is missing.")
 @click.option("--kernels", "kernels_only", is_flag=True,
-              help="Measure the int8 kernels (vs memcpy and the PyTorch twins) instead of the all-reduce.")
+              help="Measure the quantization kernels of every width (vs memcpy and the PyTorch twins) instead of "
+                   "the all-reduce.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_mb: float, compressions: str,
                     streams: int, iterations: int, warmup: int, threads: int, data: str,
@@ -48,8 +49,10 @@ def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_m
     from zb.errors import InvalidInput
 
     comps = [c.strip() for c in compressions.split(",") if c.strip()]
-    if any(c not in ("none", "int8") for c in comps) or not comps:
-        raise InvalidInput(f"--compressions {compressions!r}: use a comma-separated subset of none,int8")
+    from zb.collectives import COMPRESSIONS
+
+    if any(c not in COMPRESSIONS for c in comps) or not comps:
+        raise InvalidInput(f"--compressions {compressions!r}: use a comma-separated subset of {','.join(COMPRESSIONS)}")
     if kernels_only:
         report = _kernels(threads, max(256, int(size_mb * 1e6) // 4))
         print_json(report) if as_json else stderr.print(kernels_table(report))
@@ -115,11 +118,12 @@ def results_table(report: dict):
 def kernels_table(report: dict):
     from rich.table import Table
 
-    table = Table(title=f"int8 kernels, {report['threads']} thread(s): memory traffic (read + written) "
+    table = Table(title=f"quantization kernels, {report['threads']} thread(s): memory traffic (read + written) "
                         f"vs memcpy {report['memcpy_gbps']:.2f} GB/s")
-    for col in ("kernel", "C++ GB/s", "vs memcpy", "twin GB/s", "C++ vs twin"):
+    for col in ("width", "kernel", "C++ GB/s", "vs memcpy", "twin GB/s", "C++ vs twin"):
         table.add_column(col, justify="right")
-    for name, r in report["kernels"].items():
-        table.add_row(name, f"{r.get('gbps', float('nan')):.2f}", f"{r.get('vs_memcpy', float('nan')):.0%}",
-                      f"{r['twin_gbps']:.3f}", f"{r.get('vs_twin', float('nan')):.1f}x")
+    for scheme, rows in report.get("schemes", {"int8": report["kernels"]}).items():
+        for name, r in rows.items():
+            table.add_row(scheme, name, f"{r.get('gbps', float('nan')):.2f}", f"{r.get('vs_memcpy', float('nan')):.0%}",
+                          f"{r['twin_gbps']:.3f}", f"{r.get('vs_twin', float('nan')):.1f}x")
     return table

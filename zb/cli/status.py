@@ -249,6 +249,27 @@ def _duration(seconds) -> str:
     return f"{h}h {m:02d}m" if h else f"{m}m {s % 60:02d}s" if m else f"{s}s"
 
 
+def _bytes(count) -> str:
+    """A byte count in decimal units: 512 B, 1.2 kB, 3.4 MB, 5.6 GB."""
+    if not isinstance(count, (int, float)) or isinstance(count, bool):
+        return "—"
+    if count < 1000:
+        return f"{int(count)} B"
+    for unit in ("kB", "MB", "GB"):
+        count /= 1000
+        if count < 999.95 or unit == "GB":
+            break
+    return f"{count:,.1f} {unit}"
+
+
+def _sync(node: dict) -> str:
+    """The node's pseudo-gradient compression and the bytes it sent at its last outer step ("int4 1.2 MB")."""
+    compression, sent = node.get("compression"), node.get("wire_bytes")
+    if compression is None and sent is None:
+        return "—"
+    return f"{compression or '—'} {_bytes(sent)}"
+
+
 STATE_STYLE = {"training": "green", "joining": "cyan", "recovering": "cyan", "leaving": "yellow", "silent": "yellow",
                "dead": "red", "refused": "red", "left": "dim", "ended": "dim"}
 
@@ -275,7 +296,7 @@ def status_table(doc: dict):
              f"{_cell(run.get('tokens_per_s'))} tok/s, ETA {_duration(run.get('eta_s'))}")
     table = Table(title=escape(title), title_justify="left")
     for name in ("node", "host", "rank", "device", "state", "heartbeat", "step", "outer", "loss", "tok/s",
-                 "all-reduce s", "Mbit/s"):
+                 "all-reduce s", "Mbit/s", "sync"):
         table.add_column(name, justify="left" if name in ("node", "host", "state") else "right")
     for n in doc.get("nodes", []):
         device = f"{n['device']}×{n.get('local_world_size') or 1}" if n.get("device") else "—"
@@ -283,5 +304,5 @@ def status_table(doc: dict):
         table.add_row(escape(n["uid"]), escape(n.get("host") or "—"), _cell(n.get("global_rank")), device,
                       f"[{style}]{n['state']}[/]" if style else n["state"], _heartbeat(n), _cell(n.get("step")),
                       _cell(n.get("outer_step")), _cell(n.get("loss"), 4), _cell(n.get("tokens_per_s")),
-                      _cell(n.get("allreduce_s"), 2), _cell(n.get("wire_mbps")))
+                      _cell(n.get("allreduce_s"), 2), _cell(n.get("wire_mbps")), escape(_sync(n)))
     return table

@@ -1,4 +1,4 @@
-"""all_reduce(tensor, group, ...): fp32 through the backend, or the int8 ring of ring.py."""
+"""all_reduce(tensor, group, ...): fp32 through the backend, or the quantized ring of ring.py."""
 
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zb.collectives.kernels import BLOCK, num_blocks
+from zb.collectives.kernels import SCHEMES, num_blocks
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import split_blocks
 from zb.collectives.ring import TransferDeadlines, run_ring
 from zb.errors import InvalidInput
 
-COMPRESSIONS = ("none", "int8")
+COMPRESSIONS = ("none", *SCHEMES)
+ALIGN = max(s.block for s in SCHEMES.values())  # stream slices start on a block of every scheme
 
 
 @dataclass
@@ -32,7 +33,11 @@ class AllReduceStats:
 
 
 def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
-           groups: Sequence[dist.ProcessGroup]) -> None:
+           groups: Sequence[dist.ProcessGroup], residual: torch.Tensor | None) -> None:
+    if residual is not None and (compression == "none" or residual.dtype != torch.float32 or
+                                 residual.numel() != tensor.numel() or not residual.is_contiguous()):
+        raise InvalidInput("an error-feedback residual needs a quantized compression and one contiguous float32 "
+                           "value per value of the tensor")
     if compression not in COMPRESSIONS:
         raise InvalidInput(f"compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
@@ -45,8 +50,8 @@ def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
 
 def _slices(n: int, parts: int) -> list[tuple[int, int]]:
     """Block-aligned [start, stop) ranges splitting n values over the streams."""
-    bounds = split_blocks(num_blocks(n), parts)
-    return [(min(a * BLOCK, n), min(b * BLOCK, n)) for a, b in zip(bounds, bounds[1:])]
+    bounds = split_blocks(num_blocks(n, ALIGN), parts)
+    return [(min(a * ALIGN, n), min(b * ALIGN, n)) for a, b in zip(bounds, bounds[1:])]
 
 
 def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: TransferDeadlines) -> int:
@@ -76,24 +81,27 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
                compression: str = "none", streams: Sequence[dist.ProcessGroup] = (),
                min_bandwidth_mbps: float = 10.0, timeout_floor_s: float = 10.0,
                start_timeout_s: float = 300.0, piece_values: int = 1 << 20,
-               window: int = 4) -> AllReduceStats:
+               window: int = 4, residual: torch.Tensor | None = None) -> AllReduceStats:
     """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc."""
     groups = [group, *streams]
-    _check(tensor, op, compression, groups)
+    _check(tensor, op, compression, groups, residual)
     t0 = time.perf_counter()
     world = group.size()
     if world == 1 or tensor.numel() == 0:
         return AllReduceStats(compression, tensor.numel(), world, 0, 0.0)
-    if compression == "int8" and tensor.is_cuda:
-        raise InvalidInput("the int8 ring runs on CPU tensors over a gloo group; use compression='none' for GPU tensors")
+    if compression != "none" and tensor.is_cuda:
+        raise InvalidInput(f"the {compression} ring runs on CPU tensors over a gloo group; use compression='none' "
+                           "for GPU tensors")
     deadlines = TransferDeadlines(min_bandwidth_mbps, timeout_floor_s, start_timeout_s)
     flat = tensor.view(-1) if tensor.dtype == torch.float32 and tensor.is_contiguous() else tensor.reshape(-1).float()
     avg = op == ReduceOp.AVG
     if compression == "none":
         wire = _fp32(flat, groups, avg, deadlines)
     else:
-        parts = [(flat[a:b], g) for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
-        wire = run_ring(parts, avg, deadlines, piece_values, window)
+        res = residual.view(-1) if residual is not None else None
+        parts = [(flat[a:b], g, res[a:b] if res is not None else None)
+                 for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
+        wire = run_ring(parts, avg, deadlines, piece_values, window, SCHEMES[compression])
     if flat.data_ptr() != tensor.data_ptr() or flat.dtype != tensor.dtype:
         tensor.copy_(flat.view(tensor.shape))
     return AllReduceStats(compression, tensor.numel(), world, wire, time.perf_counter() - t0)

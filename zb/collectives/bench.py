@@ -116,7 +116,8 @@ def run_rank(store: dist.Store, rank: int, world: int, cfg: BenchConfig) -> dict
     timeout = timedelta(seconds=cfg.timeout_s)
     groups = [make_group(store, f"bench_{s}", rank, world, timeout) for s in range(max(1, cfg.streams))]
     pg, streams = groups[0], groups[1:]
-    if "int8" in cfg.compressions:
+    quantized = any(c != "none" for c in cfg.compressions)
+    if quantized:
         from zb.collectives.build import use_cpp
 
         use_cpp()  # build or load the kernels now, not inside the first timed run
@@ -144,7 +145,7 @@ def run_rank(store: dist.Store, rank: int, world: int, cfg: BenchConfig) -> dict
     from zb.collectives.build import use_cpp
 
     return {"world_size": world, "numel": x.numel(), "bytes": 4 * x.numel(), "threads": torch.get_num_threads(),
-            "cpp_kernels": use_cpp() if "int8" in cfg.compressions else None, "config": asdict(cfg),
+            "cpp_kernels": use_cpp() if quantized else None, "config": asdict(cfg),
             "results": rows}
 
 

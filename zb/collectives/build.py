@@ -7,10 +7,11 @@ lock and load the same build; later processes load it in ~1 s. ZB_USE_CPP select
 unset or "auto" = C++ if it builds, else the twins (one logged line says why); "0" = twins;
 "1" = C++ or an error.
 
-OpenMP: the kernels split their blocks with at::parallel_for, which needs -fopenmp to use more
-than one thread. macOS's clang has no OpenMP (without Homebrew's libomp), so a probe compiles a
-tiny OpenMP program first; when it fails, the kernels are built without -fopenmp and split their
-blocks over std::threads instead (one logged line; results are bit for bit the same).
+Threads: every kernel call says how many threads to split its blocks over (zb.collectives.kernels
+threads()). With OpenMP that is an `omp parallel for`, which needs -fopenmp. macOS's clang has no
+OpenMP (without Homebrew's libomp), so a probe compiles a tiny OpenMP program first; when it fails,
+the kernels are built without -fopenmp and split their blocks over std::threads instead (one
+logged line; results are bit for bit the same).
 ZB_OPENMP=0 forces that build, ZB_OPENMP=1 makes a compiler without OpenMP an error.
 """
 
@@ -23,6 +24,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -81,14 +83,14 @@ def compiler_has_openmp(compiler: str) -> tuple[bool, str]:
 def _use_openmp(compiler: str) -> bool:
     mode = _openmp_mode()
     if mode == "0":
-        log.info("int8 kernels: building without OpenMP (ZB_OPENMP=0); blocks split over std::threads")
+        log.info("quantization kernels: building without OpenMP (ZB_OPENMP=0); blocks split over std::threads")
         return False
     ok, why = compiler_has_openmp(compiler)
     if not ok and mode == "1":
         raise EnvironmentFailure(f"ZB_OPENMP=1 but {compiler} cannot build OpenMP code ({why}); on macOS: "
                                  "brew install libomp, or unset ZB_OPENMP")
     if not ok:
-        log.info("int8 kernels: %s has no OpenMP (%s); building without it, blocks split over std::threads",
+        log.info("quantization kernels: %s has no OpenMP (%s); building without it, blocks split over std::threads",
                  compiler, why)
     return ok
 
@@ -160,7 +162,7 @@ def use_cpp() -> bool:
         mode = _mode()
         if mode == "0":
             _state["cpp"] = False
-            log.info("int8 kernels: PyTorch twins (ZB_USE_CPP=0)")
+            log.info("quantization kernels: PyTorch twins (ZB_USE_CPP=0)")
             return False
         try:
             _build()
@@ -168,10 +170,10 @@ def use_cpp() -> bool:
             if mode == "1":
                 raise EnvironmentFailure(f"ZB_USE_CPP=1 but the C++ kernels did not build: {e}") from e
             _state["cpp"] = False
-            log.warning("int8 kernels: PyTorch twins (C++ build failed: %s)", str(e).strip().splitlines()[-1:])
+            log.warning("quantization kernels: PyTorch twins (C++ build failed: %s)", str(e).strip().splitlines()[-1:])
             return False
         _state["cpp"] = True
-        log.info("int8 kernels: %s", cpp_kernels_line(_threads(), torch_ops_openmp()))
+        log.info("quantization kernels: %s", cpp_kernels_line(_threads(), torch_ops_openmp()))
         return True
 
 
@@ -187,6 +189,19 @@ def cpp_kernels_line(threads: int, openmp: bool) -> str:
 
 
 def _threads() -> int:
+    """Threads per kernel call, as zb.collectives.kernels.threads() counts them.
+
+    Read through sys.modules: kernels.py imports this module, so importing it here would be a cycle.
+    Without it loaded (a caller of use_cpp() alone): the same count for a rank alone on its host,
+    torch's intra-op thread count capped by the cores this process may use.
+    """
+    threads = getattr(sys.modules.get("zb.collectives.kernels"), "threads", None)
+    if callable(threads):
+        return int(threads())
     import torch
 
-    return torch.get_num_threads()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # macOS has no affinity mask
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores))

@@ -1,59 +1,106 @@
-"""Typed wrappers over the int8 kernels: torch.ops.zb.* when built, else the PyTorch twins.
+"""Typed wrappers over the quantization kernels: torch.ops.zb.* when built, else the PyTorch twins.
 
-A quantized piece of n float32 values is `codes` (n uint8) plus `scales` (one float32 per block
-of BLOCK values); `wire_bytes(n)` is its size. All functions work in place on contiguous CPU
-tensors and return None.
+A quantized piece of n float32 values under a scheme (int8, int4, int2: zb.collectives.twins) is
+`codes` (the packed codes: n, n / 2 or n / 4 bytes, rounded up) plus `scales` (one float32 per
+block); `wire_bytes(n, scheme)` is its size. All functions work in place on contiguous CPU tensors
+and return None. `residual` (error feedback) is a float32 tensor of n values, updated in place.
+
+Threads: the kernels split their blocks over `threads()` threads, the cores this process may use
+divided by the ranks that share its host (`set_colocated`), so ranks that run their all-reduce at
+once on one host never oversubscribe its cores.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from zb.collectives import twins
 from zb.collectives.build import use_cpp
+from zb.collectives.twins import Scheme
 
-__all__ = ["BLOCK", "num_blocks", "wire_bytes", "quantize", "dequantize", "dequantize_add", "reduce_quantize", "use_cpp"]
+__all__ = ["SCHEMES", "Scheme", "BLOCK", "num_blocks", "code_bytes", "wire_bytes", "quantize", "dequantize",
+           "dequantize_add", "reduce_quantize", "use_cpp", "set_colocated", "threads"]
 
-BLOCK = 256
-"""Values per scale. Chosen by error at equal wire bytes (BENCHMARKS.md: quantization schemes)."""
+# Values per scale, chosen by error at the wire bytes each width can spend (BENCHMARKS.md, "Fewer bits").
+SCHEMES = {"int8": Scheme("int8", 8, 256), "int4": Scheme("int4", 4, 128), "int2": Scheme("int2", 2, 256)}
+INT8 = SCHEMES["int8"]
+BLOCK = INT8.block
+
+_colocated = 1
 
 
 def num_blocks(n: int, block: int = BLOCK) -> int:
     return -(-n // block)
 
 
-def wire_bytes(n: int, block: int = BLOCK) -> int:
-    """Bytes of the quantized form of n values: one code each plus a float32 scale per block."""
-    return n + 4 * num_blocks(n, block)
+def code_bytes(n: int, scheme: Scheme = INT8) -> int:
+    return twins.code_bytes(n, scheme)
 
 
-def _ops(cpp: bool | None):
-    if cpp is None:
-        cpp = use_cpp()
-    return torch.ops.zb if cpp else twins
+def wire_bytes(n: int, scheme: Scheme = INT8) -> int:
+    """Bytes of the quantized form of n values: the packed codes plus a float32 scale per block."""
+    return code_bytes(n, scheme) + 4 * num_blocks(n, scheme.block)
 
 
-def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, block: int = BLOCK,
-             cpp: bool | None = None) -> None:
-    """codes, scales = quantized float32 x."""
-    _ops(cpp).quantize(x, codes, scales, block)
+def set_colocated(ranks: int) -> None:
+    """How many ranks of this host run their all-reduce at once (a node's local ranks; every rank of a
+    loopback benchmark): each gets its share of the host's cores."""
+    global _colocated
+    _colocated = max(1, ranks)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, block: int = BLOCK,
+def threads() -> int:
+    """Threads per kernel call: this process's usable cores over the co-located ranks, at least 1,
+    never more than torch's intra-op thread count."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # macOS has no affinity mask
+        cores = os.cpu_count() or 1
+    return max(1, min(torch.get_num_threads(), cores // _colocated))
+
+
+def _cpp(cpp: bool | None) -> bool:
+    return use_cpp() if cpp is None else cpp
+
+
+def quantize(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, *, scheme: Scheme = INT8,
+             residual: torch.Tensor | None = None, cpp: bool | None = None) -> None:
+    """codes, scales = quantized float32 x (+ residual, which keeps what was dropped)."""
+    if _cpp(cpp):
+        torch.ops.zb.quantize(x, codes, scales, scheme.block, scheme.bits, residual, threads())
+    else:
+        twins.quantize(x, codes, scales, scheme, residual)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, *, scheme: Scheme = INT8,
                cpp: bool | None = None) -> None:
     """out = dequantized (codes, scales)."""
-    _ops(cpp).dequantize(codes, scales, out, block)
+    if _cpp(cpp):
+        torch.ops.zb.dequantize(codes, scales, out, scheme.block, scheme.bits, threads())
+    else:
+        twins.dequantize(codes, scales, out, scheme)
 
 
-def dequantize_add(codes: torch.Tensor, scales: torch.Tensor, acc: torch.Tensor, *, block: int = BLOCK,
+def dequantize_add(codes: torch.Tensor, scales: torch.Tensor, acc: torch.Tensor, *, scheme: Scheme = INT8,
                    cpp: bool | None = None) -> None:
     """acc += dequantized (codes, scales), in fp32."""
-    _ops(cpp).dequantize_add(codes, scales, acc, block)
+    if _cpp(cpp):
+        torch.ops.zb.dequantize_add(codes, scales, acc, scheme.block, scheme.bits, threads())
+    else:
+        twins.dequantize_add(codes, scales, acc, scheme)
 
 
 def reduce_quantize(in_codes: torch.Tensor, in_scales: torch.Tensor, acc: torch.Tensor,
-                    out_codes: torch.Tensor, out_scales: torch.Tensor, *, divisor: float = 1.0,
-                    write_back: bool = False, block: int = BLOCK, cpp: bool | None = None) -> None:
-    """out = quantize((acc + dequantize(in)) / divisor); with write_back, acc = dequantize(out)."""
-    _ops(cpp).reduce_quantize(in_codes, in_scales, acc, out_codes, out_scales, block, float(divisor),
-                              bool(write_back))
+                    out_codes: torch.Tensor, out_scales: torch.Tensor, *, scheme: Scheme = INT8,
+                    divisor: float = 1.0, write_back: bool = False, residual: torch.Tensor | None = None,
+                    cpp: bool | None = None) -> None:
+    """out = quantize((acc (+ residual) + dequantize(in)) / divisor); with write_back, acc = dequantize(out);
+    with residual, residual = what out dropped, times the divisor."""
+    if _cpp(cpp):
+        torch.ops.zb.reduce_quantize(in_codes, in_scales, acc, out_codes, out_scales, scheme.block, scheme.bits,
+                                     float(divisor), bool(write_back), residual, threads())
+    else:
+        twins.reduce_quantize(in_codes, in_scales, acc, out_codes, out_scales, scheme, float(divisor),
+                              bool(write_back), residual)

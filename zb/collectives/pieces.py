@@ -1,10 +1,10 @@
-"""How the int8 ring cuts a flat tensor: chunks per rank, pieces per chunk, wire messages.
+"""How the quantized ring cuts a flat tensor: chunks per rank, pieces per chunk, wire messages.
 
 Boundaries fall on quantization blocks, so a block never straddles two messages and every rank
 derives the same layout from (numel, world size, piece size) alone.
 
 A message carries one piece: an 8-byte header (int32 status, int32 suspect rank), the float32
-scales, then the uint8 codes. Status FAILED tells the receiver that the sender gave up and whom
+scales, then the packed codes (zb.collectives.twins: 1, 1/2 or 1/4 byte a value). Status FAILED tells the receiver that the sender gave up and whom
 it suspects, so a failure travels the ring at once instead of each rank waiting out a deadline.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zb.collectives.kernels import BLOCK, num_blocks
+from zb.collectives.kernels import Scheme, code_bytes, num_blocks
 
 HEADER = 8
 OK, FAILED = 0, 1
@@ -34,6 +34,7 @@ def split_blocks(nblocks: int, parts: int) -> list[int]:
 class Piece:
     start: int  # first value
     stop: int  # one past the last value
+    scheme: Scheme
 
     @property
     def numel(self) -> int:
@@ -41,7 +42,7 @@ class Piece:
 
     @property
     def nbytes(self) -> int:
-        return HEADER + 4 * num_blocks(self.numel) + self.numel
+        return HEADER + 4 * num_blocks(self.numel, self.scheme.block) + code_bytes(self.numel, self.scheme)
 
 
 class Layout:
@@ -54,7 +55,8 @@ class Layout:
 
     FIRST_FRACTION = 8
 
-    def __init__(self, n: int, world: int, piece_values: int, block: int = BLOCK) -> None:
+    def __init__(self, n: int, world: int, piece_values: int, scheme: Scheme) -> None:
+        block = scheme.block
         self.n, self.world, self.block = n, world, block
         chunk_bounds = split_blocks(num_blocks(n, block), world)
         biggest = max(b - a for a, b in zip(chunk_bounds, chunk_bounds[1:]))
@@ -64,7 +66,7 @@ class Layout:
         self.chunks: list[list[Piece]] = []
         for a, b in zip(chunk_bounds, chunk_bounds[1:]):
             inner = self._split(b - a, first)
-            self.chunks.append([Piece(min((a + i) * block, n), min((a + j) * block, n))
+            self.chunks.append([Piece(min((a + i) * block, n), min((a + j) * block, n), scheme)
                                 for i, j in zip(inner, inner[1:])])
 
     def _split(self, nblocks: int, first: int) -> list[int]:
@@ -80,12 +82,12 @@ class Layout:
         return 2 * (self.world - 1) * self.m
 
 
-def views(buf: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(header int32[2], scales float32[blocks], codes uint8[numel]) inside one message buffer."""
-    nb = num_blocks(numel)
+def views(buf: torch.Tensor, piece: Piece) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(header int32[2], scales float32[blocks], packed codes uint8) inside one message buffer."""
+    nb = num_blocks(piece.numel, piece.scheme.block)
     header = buf[:HEADER].view(torch.int32)
     scales = buf[HEADER:HEADER + 4 * nb].view(torch.float32)
-    codes = buf[HEADER + 4 * nb:HEADER + 4 * nb + numel]
+    codes = buf[HEADER + 4 * nb:HEADER + 4 * nb + code_bytes(piece.numel, piece.scheme)]
     return header, scales, codes
 
 

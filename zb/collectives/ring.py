@@ -1,4 +1,5 @@
-"""The int8 ring all-reduce: reduce-scatter accumulating in fp32, then all-gather of bytes.
+"""The quantized ring all-reduce (int8, int4, int2): reduce-scatter accumulating in fp32, then
+all-gather of bytes.
 
 Numbered steps, as rank r of W sees them (chunk indices mod W, m pieces per chunk):
 1. Message k = (step t = k // m, piece p = k % m) goes to the right neighbour and always holds
@@ -10,6 +11,12 @@ Numbered steps, as rank r of W sees them (chunk indices mod W, m pieces per chun
    send (`write_back`): the owner fixes the chunk's final quantized form once.
 5. All-gather steps W-1 .. 2W-4: dequantize the received piece into our tensor and forward the
    very same bytes; the last step only dequantizes. So every rank holds identical bits.
+Error feedback (`residual`, one fp32 value per value of the slice, kept by the caller across calls):
+every quantization this rank performs, of its own piece at step 0 and of each partial sum it
+re-quantizes at steps 1 .. W-2, adds this rank's residual for those values and keeps what it
+dropped. So every value of the rank's slice passes through exactly one of its quantizations, and the
+mass any of them dropped is sent again at the next call: across calls the ring loses nothing but
+the residuals still held (BENCHMARKS.md, "Fewer bits", measured this against an all-to-all shape).
 Receives are posted `window` messages ahead and a sender thread keeps up to `window` sends in
 flight, so quantizing piece k+1 overlaps the transfer of piece k. Each receive is bounded by a
 deadline from its size and the minimum bandwidth; when it passes, the watchdog sends a FAILED
@@ -28,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from zb.collectives import kernels
+from zb.collectives.kernels import Scheme
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import FAILED, OK, POOL, Layout, Piece, views
 from zb.collectives.sender import Sender
@@ -67,7 +75,7 @@ def failure_names(peer: int, what: str, observer: int) -> Iterator[None]:
     except PeerFailure:
         raise
     except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError/DistError variants
-        raise PeerFailure(f"int8 all-reduce: {what} rank {peer} failed: {str(e).splitlines()[0]}",
+        raise PeerFailure(f"quantized all-reduce: {what} rank {peer} failed: {str(e).splitlines()[0]}",
                           rank=peer, observer=observer) from e
 
 
@@ -75,11 +83,13 @@ class RingPart:
     """One ring over one process group for one contiguous fp32 slice; driven by advance(k)."""
 
     def __init__(self, flat: torch.Tensor, pg: dist.ProcessGroup, avg: bool, deadlines: TransferDeadlines,
-                 piece_values: int, window: int, watchdog: Watchdog) -> None:
+                 piece_values: int, window: int, watchdog: Watchdog, scheme: Scheme,
+                 residual: torch.Tensor | None = None) -> None:
         self.flat, self.pg, self.avg, self.deadlines, self.watchdog = flat, pg, avg, deadlines, watchdog
+        self.scheme, self.residual = scheme, residual
         self.rank, self.world = pg.rank(), pg.size()
         self.left, self.right = (self.rank - 1) % self.world, (self.rank + 1) % self.world
-        self.layout = Layout(flat.numel(), self.world, piece_values)
+        self.layout = Layout(flat.numel(), self.world, piece_values, scheme)
         self.window = window
         self.recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
         self.next_post = 0
@@ -123,12 +133,12 @@ class RingPart:
         finally:
             self.watchdog.disarm()
         if self.notified:  # the watchdog gave up on this transfer: data arriving later is too late
-            raise PeerFailure(f"int8 all-reduce: receive from rank {self.left} did not finish within "
+            raise PeerFailure(f"quantized all-reduce: receive from rank {self.left} did not finish within "
                               f"{deadline:.1f} s", rank=self.left, observer=self.rank)
-        header = views(buf, piece.numel)[0]
+        header = views(buf, piece)[0]
         if int(header[0]) == FAILED:
             suspect = int(header[1])
-            raise PeerFailure(f"int8 all-reduce: rank {self.left} reported a failed transfer with rank {suspect}",
+            raise PeerFailure(f"quantized all-reduce: rank {self.left} reported a failed transfer with rank {suspect}",
                               rank=None if suspect < 0 else suspect, observer=self.rank)
         return buf
 
@@ -153,33 +163,38 @@ class RingPart:
             piece = self._piece(j, incoming=True)
             if piece.numel:
                 buf = self._wait_recv(j, piece)
-                _, scales, codes = views(buf, piece.numel)
-                kernels.dequantize(codes, scales, self.flat[piece.start:piece.stop])
+                _, scales, codes = views(buf, piece)
+                kernels.dequantize(codes, scales, self.flat[piece.start:piece.stop], scheme=self.scheme)
                 POOL.put(buf)
         self.sender.close(timeout=self._send_deadline(self.total, self.layout.chunks[0][0].nbytes) * 2)
 
+    def _residual(self, piece: Piece) -> torch.Tensor | None:
+        return self.residual[piece.start:piece.stop] if self.residual is not None else None
+
     def _quantize_own(self, piece: Piece) -> torch.Tensor:
         buf = POOL.get(piece.nbytes)
-        header, scales, codes = views(buf, piece.numel)
+        header, scales, codes = views(buf, piece)
         header.fill_(OK)
-        kernels.quantize(self.flat[piece.start:piece.stop], codes, scales)
+        kernels.quantize(self.flat[piece.start:piece.stop], codes, scales, scheme=self.scheme,
+                         residual=self._residual(piece))
         return buf
 
     def _combine(self, j: int, piece: Piece) -> torch.Tensor:
         """Turn received message j into our message j + m (same piece, one step on)."""
         inbuf = self._wait_recv(j, piece)
-        _, in_scales, in_codes = views(inbuf, piece.numel)
+        _, in_scales, in_codes = views(inbuf, piece)
         own = self.flat[piece.start:piece.stop]
         step = j // self.layout.m
         if step >= self.world - 1:  # all-gather: keep the bytes and forward them as they are
-            kernels.dequantize(in_codes, in_scales, own)
+            kernels.dequantize(in_codes, in_scales, own, scheme=self.scheme)
             return inbuf
         out = POOL.get(piece.nbytes)
-        header, scales, codes = views(out, piece.numel)
+        header, scales, codes = views(out, piece)
         header.fill_(OK)
         owner = step == self.world - 2
-        kernels.reduce_quantize(in_codes, in_scales, own, codes, scales,
-                                divisor=float(self.world) if (owner and self.avg) else 1.0, write_back=owner)
+        kernels.reduce_quantize(in_codes, in_scales, own, codes, scales, scheme=self.scheme,
+                                divisor=float(self.world) if (owner and self.avg) else 1.0, write_back=owner,
+                                residual=self._residual(piece))
         POOL.put(inbuf)
         return out
 
@@ -193,7 +208,7 @@ class RingPart:
             piece = self._piece(k, incoming=False)
             if piece.numel:
                 buf = torch.zeros(piece.nbytes, dtype=torch.uint8)
-                header = views(buf, piece.numel)[0]
+                header = views(buf, piece)[0]
                 header[0], header[1] = FAILED, -1 if suspect is None else suspect
                 self.sender.send(k, buf)
                 break
@@ -203,16 +218,16 @@ class RingPart:
             pass  # the right neighbour may be the one that is gone
 
 
-def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup]], avg: bool, deadlines: TransferDeadlines,
-             piece_values: int, window: int) -> int:
-    """All-reduce each (slice, group) pair as its own ring, driven round-robin in this thread.
-
-    Returns the bytes this rank sent; raises PeerFailure.
+def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup, torch.Tensor | None]], avg: bool,
+             deadlines: TransferDeadlines, piece_values: int, window: int, scheme: Scheme) -> int:
+    """All-reduce each (slice, group, residual slice or None) as its own ring, driven round-robin in this
+    thread. Returns the bytes this rank sent; raises PeerFailure.
     """
     watchdog = Watchdog()
     parts: list[RingPart] = []
     try:
-        parts = [RingPart(flat, pg, avg, deadlines, piece_values, window, watchdog) for flat, pg in flat_parts]
+        parts = [RingPart(flat, pg, avg, deadlines, piece_values, window, watchdog, scheme, residual)
+                 for flat, pg, residual in flat_parts]
         for k in range(max(p.total for p in parts)):
             for part in parts:
                 part.advance(k)

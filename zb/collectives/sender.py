@@ -49,7 +49,7 @@ class Sender:
         self._queue.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive() and self.error is None:
-            self.error = PeerFailure(f"int8 all-reduce: sends to rank {self.peer} did not finish within "
+            self.error = PeerFailure(f"quantized all-reduce: sends to rank {self.peer} did not finish within "
                                      f"{timeout:.1f} s", rank=self.peer)
         self.check()
 

@@ -19,6 +19,7 @@ import torch
 from zb.config_schema import Config, DilocoConfig
 from zb.diloco import rounds
 from zb.diloco.checkin import Plan
+from zb.diloco.error_feedback import ErrorFeedback, drop_unused, enabled
 from zb.diloco.outer import OuterState
 from zb.diloco.roles import RoleKeeper
 from zb.diloco.rounds import RoundClock
@@ -86,10 +87,14 @@ class OuterAlgorithm:
     diloco.overlap that selects it) and implement `outer_step`."""
 
     name: ClassVar[str]
+    feedback_layout: ClassVar[str] = "params"   # the order of the values it all-reduces (zb.diloco.error_feedback)
     extra_bytes = 0   # CPU bytes held beside the blocking path's outer state
 
     def __init__(self, node: Boundary, outer: OuterState):
         self.node, self.outer = node, outer
+        d = node.dcfg
+        self.feedback = ErrorFeedback(outer.numel, self.feedback_layout) \
+            if enabled(d.compression, d.error_feedback) else None
 
     def sync_points(self, step: int) -> tuple[int | None, int | None]:
         """(fragment to launch, fragment to apply) after inner step `step`: here one whole-model outer
@@ -125,6 +130,22 @@ class OuterAlgorithm:
     def close(self, grace_s: float) -> None:
         """The node leaves: stop what runs in the background."""
         return None
+
+    def feedback_tensors(self) -> dict[str, torch.Tensor]:
+        """This node's error-feedback residual, for its checkpoint (nothing in flight touches it: a checkpoint
+        waits for the average in flight first)."""
+        return self.feedback.state_tensors() if self.feedback is not None else {}
+
+    def load_feedback(self, tensors: dict[str, torch.Tensor]) -> None:
+        if self.feedback is not None:
+            self.feedback.load_state_tensors(tensors)
+        else:
+            drop_unused(tensors)
+
+    def took_state(self) -> None:
+        """This node received the run's state: its residual starts again at zero."""
+        if self.feedback is not None:
+            self.feedback.reset()
 
 
 _KEPT_BY = {"own/": ("this node's eager term", "eager"),

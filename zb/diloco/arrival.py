@@ -140,13 +140,14 @@ class Transfers:
         self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
         self._store: Any = None  # used by the background thread only; made on the first transfer over several nodes
 
-    def start(self, buffer: torch.Tensor, view: Any, global_pg: Any, scale: int,
-              tokens: int | None = None) -> BackgroundAllReduce | HeldArrival:
+    def start(self, buffer: torch.Tensor, view: Any, global_pg: Any, scale: int, tokens: int | None = None,
+              feedback: Callable[[], Any] | None = None) -> BackgroundAllReduce | HeldArrival:
         """All-reduce `buffer` in place behind the inner steps (SUM / scale, or weighted by `tokens`: see
-        BackgroundAllReduce) over the world `view`."""
+        BackgroundAllReduce) over the world `view`; `feedback` opens the buffer's error-feedback residual
+        (an ErrorFeedback.attempt)."""
         if not self.owner:
             return HeldArrival(Arrival(buffer, None))
-        return BackgroundAllReduce(buffer, lambda: self._groups(view, global_pg), self.cfg, scale, tokens)
+        return BackgroundAllReduce(buffer, lambda: self._groups(view, global_pg), self.cfg, scale, tokens, feedback)
 
     def _groups(self, view: Any, global_pg: Any) -> list[Any]:
         if view.global_world_size == 1:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -62,10 +63,11 @@ class BackgroundAllReduce(threading.Thread):
     buffer, so the SUM is the weighted average (zb.diloco.fragment_rounds) and `scale` is not applied."""
 
     def __init__(self, buffer: torch.Tensor, groups: Callable[[], Sequence[dist.ProcessGroup]], cfg: DilocoConfig,
-                 scale: int, tokens: int | None = None):
+                 scale: int, tokens: int | None = None, feedback: Callable[[], Any] | None = None):
         super().__init__(name="zb-overlap-allreduce", daemon=True)
         self.buffer, self.groups, self.cfg, self.scale = buffer, groups, cfg, scale
         self.tokens = tokens
+        self.feedback = feedback or nullcontext  # error feedback: the buffer's residual, restored on a failure
         self.weight: float | None = None
         self.error: PeerFailure | None = None
         self.wire_bytes = 0
@@ -80,13 +82,15 @@ class BackgroundAllReduce(threading.Thread):
             if self.tokens is not None:
                 self.weight, scale = self._token_share(group), 1
                 self.buffer.mul_(self.weight)
-            for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
-                bucket = self.buffer[a:b]
-                stats = all_reduce(bucket, group, op=ReduceOp.SUM, compression=self.cfg.compression,
-                                   streams=streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
-                if scale != 1:
-                    bucket.div_(scale)
-                self.wire_bytes += stats.wire_bytes
+            with self.feedback() as residual:
+                for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
+                    bucket = self.buffer[a:b]
+                    stats = all_reduce(bucket, group, op=ReduceOp.SUM, compression=self.cfg.compression,
+                                       streams=streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
+                                       residual=residual[a:b] if residual is not None else None)
+                    if scale != 1:
+                        bucket.div_(scale)
+                    self.wire_bytes += stats.wire_bytes
         except PeerFailure as e:
             self.error = e
         except Exception as e:  # noqa: BLE001 - any transfer error is a failed sync, never a crashed thread

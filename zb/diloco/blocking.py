@@ -53,9 +53,15 @@ class BlockingAlgorithm(OuterAlgorithm):
         node = self.node
         streams = node.streams.for_view(view, node.store)
         # Weighted, the weights sum to 1: the SUM is the update.
-        return sync_pseudo_gradient(self.outer, node.mesh.global_pg, node.dcfg, streams,
-                                    zeros=view.global_rank not in plan.contributors, scale=len(plan.contributors),
-                                    weight=share_weight(node, plan, view.global_rank))
+        def sync(residual: torch.Tensor | None) -> SyncStats:
+            return sync_pseudo_gradient(self.outer, node.mesh.global_pg, node.dcfg, streams,
+                                        zeros=view.global_rank not in plan.contributors, scale=len(plan.contributors),
+                                        weight=share_weight(node, plan, view.global_rank), residual=residual)
+
+        if self.feedback is None:
+            return sync(None)
+        with self.feedback.attempt() as residual:   # a failed attempt leaves the residual as it was
+            return sync(residual)
 
     def _apply(self, done: CheckIn, plan: Plan | None) -> OuterReport:
         """`plan`: the check-in's, with diloco.round_seconds' run step."""

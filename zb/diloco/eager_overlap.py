@@ -43,6 +43,7 @@ from zb.diloco.algorithm import (
 from zb.diloco.arrival import OverlappedAlgorithm, Transfers, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD, OwnTerm, own_step
+from zb.diloco.error_feedback import ErrorFeedback
 from zb.diloco.outer import OuterState
 from zb.elastic import localsync
 from zb.events import OuterReport
@@ -59,7 +60,8 @@ class EagerAlgorithm(OverlappedAlgorithm):
 
     def __init__(self, node: Boundary, outer: OuterState):
         super().__init__(node, outer)
-        self.state = EagerOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect)
+        self.state = EagerOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect,
+                                  self.feedback)
         self.extra_bytes = self.state.extra_bytes
 
     def _boundary(self, position: RunPosition, data_state: dict | None,
@@ -111,8 +113,8 @@ class EagerOverlap:
     background all-reduce."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], Any]):
-        self.outer, self.cfg = outer, cfg
+                 connect: Callable[[], Any], feedback: ErrorFeedback | None = None):
+        self.outer, self.cfg, self.feedback = outer, cfg, feedback
         self.opt = OuterSGD.of(outer.optimizer)
         self.own = OwnTerm.zeros_like(outer.flat.data, self.opt)
         self.fresh = torch.zeros_like(outer.flat.data)
@@ -193,7 +195,8 @@ class EagerOverlap:
             buffer.mul_(weight)   # the weights sum to 1 over the contributors: the SUM is the average
         self.fresh = self.spare if self.spare is not None else torch.zeros_like(buffer)
         self.spare = None  # back with the arrival
-        self.job = self.transfers.start(buffer, view, global_pg, world_size if weight is None else 1)
+        self.job = self.transfers.start(buffer, view, global_pg, world_size if weight is None else 1,
+                                        feedback=self.feedback.attempt if self.feedback is not None else None)
 
     # -- 6. where the next round starts -----------------------------------------------------------------
     @torch.no_grad()

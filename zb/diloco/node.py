@@ -99,10 +99,11 @@ class DilocoNode:
         self._fresh_view = False
         self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
         self._claimed_in: int | None = None   # the store client epoch whose store holds this node's claims
-        if cfg.diloco.compression == "int8":
-            from zb.collectives.build import use_cpp
+        if cfg.diloco.compression != "none":
+            from zb.collectives import kernels
 
-            use_cpp()  # build or load the kernels now, not inside the first timed outer step
+            kernels.use_cpp()  # build or load the kernels now, not inside the first timed outer step
+            kernels.set_colocated(local.world_size)  # this node's ranks all-reduce at once: a share of the cores each
         if cfg.ckpt.live_recovery:
             from zb.ckpt.sidecar.token import read_token
 
@@ -198,6 +199,11 @@ class DilocoNode:
             log.info("diloco.overlap = %s: %.1f MB more CPU memory per local rank (buffers in flight%s)",
                      self.dcfg.overlap, self.algorithm.extra_bytes / 1e6,
                      ", the eager term" if self.dcfg.overlap == "eager" else "")
+        feedback = self.algorithm.feedback
+        if feedback is not None and self.local.is_head:
+            log.info("error feedback (diloco.compression = %s): %.1f MB of host memory per local rank, 8 bytes per "
+                     "parameter of its stripe (the residual and its copy for a failed attempt)", self.dcfg.compression,
+                     feedback.nbytes / 1e6)
 
     def _claim_slot(self, view) -> tuple[int, int]:
         def claim() -> dict:
@@ -401,6 +407,7 @@ class DilocoNode:
                                             {"position": received.to_json() if received is not None else None})
             received = RunPosition.from_json(data["position"])
         self.roles.caught_up()
+        self._algorithm.took_state()
         log.info("received the run's state from rank %d in %.2f s", plan.donor, time.perf_counter() - started)
         return received
 
@@ -462,11 +469,15 @@ class DilocoNode:
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The outer state in this node's checkpoint: the shared part, plus what the algorithm keeps of its
         own (the eager term)."""
-        return {**self._outer.state_tensors(), **self._algorithm.state_tensors()}
+        algorithm = self._algorithm
+        # The average in flight first: a checkpoint waits for it, and its transfer updates the residual.
+        own = algorithm.state_tensors()
+        return {**self._outer.state_tensors(), **own, **algorithm.feedback_tensors()}
 
     def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         self._outer.load_state_tensors(tensors)
         self._algorithm.load_state_tensors(tensors)
+        self._algorithm.load_feedback(tensors)
 
     # -- misc ---------------------------------------------------------------------------------
     def _node_digest(self) -> bytes:

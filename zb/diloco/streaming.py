@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -46,6 +47,7 @@ from zb.diloco.algorithm import (
 from zb.diloco.arrival import OverlappedAlgorithm, Transfers, apply_arrived
 from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
 from zb.diloco.eager import OuterSGD
+from zb.diloco.error_feedback import ErrorFeedback
 from zb.diloco.fragment_rounds import FragmentRounds
 from zb.diloco.outer import OuterState
 from zb.elastic import localsync
@@ -78,10 +80,12 @@ class StreamingAlgorithm(OverlappedAlgorithm):
     holds the shared outer state and the fragment's average in flight, if any (zb.diloco.arrival)."""
 
     name = "streaming"
+    feedback_layout = "fragments"   # the residual is laid out fragment after fragment, as the buffers it sends
 
     def __init__(self, node: Boundary, outer: OuterState):
         super().__init__(node, outer)
-        self.state = StreamingOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect)
+        self.state = StreamingOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect,
+                                      self.feedback)
         self.extra_bytes = self.state.extra_bytes
         # diloco.round_seconds: the clock says when fragments launch and apply (zb.diloco.fragment_rounds).
         self.timed = FragmentRounds(node.rounds, node.dcfg.fragments, node.dcfg.fragment_delay) \
@@ -160,8 +164,8 @@ class StreamingOverlap:
     flight and its background all-reduce."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], Any]):
-        self.outer, self.cfg = outer, cfg
+                 connect: Callable[[], Any], feedback: ErrorFeedback | None = None):
+        self.outer, self.cfg, self.feedback = outer, cfg, feedback
         self.opt = OuterSGD.of(outer.optimizer)
         self.momentum = self._momentum_buffer()
         # From the whole params' sizes: this rank's stripes differ between local ranks (a passenger's are
@@ -170,6 +174,8 @@ class StreamingOverlap:
         self.params_of = [[i for i, f in enumerate(owner) if f == p] for p in range(cfg.fragments)]
         ranges = outer.param_ranges()
         self.ranges = [[ranges[i] for i in ps] for ps in self.params_of]
+        sizes = [sum(b - a for a, b in r) for r in self.ranges]
+        self.offsets = [sum(sizes[:p]) for p in range(cfg.fragments)]   # each fragment's place in the residual
         self.per = cfg.inner_steps // cfg.fragments
         self.transfers = Transfers(cfg, local_rank, outer.layout.owner, pg_timeout_s, connect)
         self.job: BackgroundAllReduce | HeldArrival | None = None
@@ -220,7 +226,9 @@ class StreamingOverlap:
         finite = bool(torch.isfinite(buffer).all())
         self.non_finite = not finite
         self.fragment = fragment
-        self.job = self.transfers.start(buffer, view, global_pg, max(1, view.global_world_size), tokens)
+        start = self.offsets[fragment]
+        feedback = partial(self.feedback.attempt, start, start + buffer.numel()) if self.feedback is not None else None
+        self.job = self.transfers.start(buffer, view, global_pg, max(1, view.global_world_size), tokens, feedback)
         return finite
 
     def _pseudo_gradient(self, fragment: int, out: torch.Tensor) -> None:

@@ -4,7 +4,8 @@ The main thread fills the flat pseudo-gradient buffer parameter by parameter (ou
 a device-to-CPU copy on GPU); as soon as a bucket's range is complete it is handed to one worker
 thread that all-reduces it (SUM over the replica group, then divided by the number of nodes that
 contributed, so a joiner's zeros never shrink the update). So the network is busy while the rest is
-still being copied. Any failure in the worker is re-raised in the caller, as PeerFailure.
+still being copied. Any failure in the worker is re-raised in the caller, as PeerFailure. With error
+feedback (zb.diloco.error_feedback) each bucket's all-reduce adds and updates its slice of the residual.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
@@ -46,9 +48,10 @@ class _Reducer(threading.Thread):
     """Worker thread: all-reduces buckets in order until told to stop or a transfer fails."""
 
     def __init__(self, outer: OuterState, group: dist.ProcessGroup, streams: Sequence[dist.ProcessGroup],
-                 cfg: DilocoConfig):
+                 cfg: DilocoConfig, residual: torch.Tensor | None):
         super().__init__(name="zb-pseudograd-allreduce", daemon=True)
         self.outer, self.group, self.streams, self.cfg = outer, group, streams, cfg
+        self.residual = residual
         self.scale = 1
         self.todo: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -66,7 +69,8 @@ class _Reducer(threading.Thread):
                 assert grad is not None  # OuterState's pseudo-gradient buffer, never cleared
                 bucket = grad[a:b]
                 stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, compression=self.cfg.compression,
-                                   streams=self.streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps)
+                                   streams=self.streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
+                                   residual=self.residual[a:b] if self.residual is not None else None)
                 if self.scale != 1:
                     bucket.div_(self.scale)
                 self.wire_bytes += stats.wire_bytes
@@ -77,16 +81,17 @@ class _Reducer(threading.Thread):
 
 def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: DilocoConfig,
                          streams: Sequence[dist.ProcessGroup] = (), *, scale: int | None = None,
-                         zeros: bool = False, weight: float | None = None) -> SyncStats:
+                         zeros: bool = False, weight: float | None = None,
+                         residual: torch.Tensor | None = None) -> SyncStats:
     """Fill outer.flat.grad with the replica group's pseudo-gradients summed and divided by `scale`
     (default: the group size, i.e. the average; DiLoCo passes the number of contributing nodes so
     that a joiner's zeros never shrink the update). With `zeros`, this rank sends zeros (a joiner).
     With `weight` (diloco.round_seconds), this rank sends weight * its pseudo-gradient and the sum is
-    not divided: the weights of the group sum to 1 (zb.diloco.rounds). Raises PeerFailure when a
-    transfer fails."""
+    not divided: the weights of the group sum to 1 (zb.diloco.rounds). `residual`: this rank's error
+    feedback, in the flat buffer's order. Raises PeerFailure when a transfer fails."""
     t0 = time.perf_counter()
     ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
-    reducer = _Reducer(outer, group, streams, cfg)
+    reducer = _Reducer(outer, group, streams, cfg, residual)
     reducer.scale = 1 if weight is not None else group.size() if scale is None else scale
     if zeros:
         assert outer.flat.grad is not None  # OuterState's pseudo-gradient buffer, never cleared

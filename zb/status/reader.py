@@ -158,8 +158,8 @@ class RunReader:
         age, watched = self.heartbeat(uid)
         row = {k: rec.get(k) for k in ("host", "device", "local_world_size", "step", "outer_step", "total_steps",
                                         "loss", "eval_loss", "tokens_per_s", "allreduce_s", "wire_mbps", "wire_bytes",
-                                        "num_peers", "steps_per_s", "mesh_version", "pid", "heartbeat_interval",
-                                        "heartbeat_timeout")}
+                                        "compression", "num_peers", "steps_per_s", "mesh_version", "pid",
+                                        "heartbeat_interval", "heartbeat_timeout")}
         row.update(uid=uid, global_rank=world.nodes.index(uid) if world and uid in world.nodes else None,
                    state=_state(uid, rec, world, gone, pending, age, watched), published=rec.get("state"),
                    heartbeat_age_s=None if age is None else round(age, 2), heartbeat_watched_s=round(watched, 2),

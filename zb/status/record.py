@@ -38,7 +38,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "tokens": (int,), "tokens_per_s": (float, int), "run_tokens": (int,), "allreduce_s": (float, int),
     "wire_mbps": (float, int), "wire_bytes": (int,), "num_peers": (int,), "started": (float, int),
     "time": (float, int), "heartbeat_interval": (float, int), "heartbeat_timeout": (float, int),
-    "steps_per_s": (float, int), "history_version": (int,), "reason": (str,),
+    "steps_per_s": (float, int), "history_version": (int,), "reason": (str,), "compression": (str,),
 }
 
 
@@ -101,6 +101,11 @@ class NodeStatus:
 
     # -- events ------------------------------------------------------------------------------
     def _on_run_start(self, r: dict) -> bool:
+        # Only a DiLoCo node publishes a record (zb.status.publisher), and its settings hold the keys not at
+        # their default: a missing diloco.compression is "none" (an empty [diloco] table leaves no key at all).
+        settings = r.get("settings")
+        if isinstance(settings, dict):
+            self._record["compression"] = str(settings.get("diloco.compression", "none"))
         return True   # the node's identity (KEPT) is news at once
 
     def _on_step(self, r: dict) -> bool:

@@ -81,6 +81,9 @@ class _Node:
         if kind == "run_start":
             self.row.update(host=e.get("host"), device=e.get("device"),
                             local_world_size=_num(e.get("local_world_size")), pid=_num(e.get("pid")))
+            settings = e.get("settings")
+            if isinstance(settings, dict):   # the keys not at their default, as in zb.status.record
+                self.row["compression"] = str(settings.get("diloco.compression", "none"))
         elif kind == "step":
             self.steps.append([t, _num(e.get("step")), _num(e.get("loss")), _num(e.get("tokens_per_s"))])
             self.row.update(step=_num(e.get("step")), outer_step=_num(e.get("outer_step")), loss=_num(e.get("loss")),
@@ -92,7 +95,7 @@ class _Node:
             self.outer.append([t, _num(e.get("outer_step")), _num(e.get("allreduce_s")), _num(e.get("wire_mbps")),
                                _num(e.get("global_world_size"))])
             self.row.update(outer_step=_num(e.get("outer_step")), allreduce_s=_num(e.get("allreduce_s")),
-                            wire_mbps=_num(e.get("wire_mbps")),
+                            wire_mbps=_num(e.get("wire_mbps")), wire_bytes=_num(e.get("wire_bytes")),
                             mesh_version=_num(e.get("mesh_version")), num_peers=_num(e.get("num_peers")))
         elif kind == "membership":
             self.row["global_rank"] = _num(e.get("global_rank"))

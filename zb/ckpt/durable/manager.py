@@ -488,9 +488,10 @@ def _check_rest(where: Path, loaded: dict, meta: dict, state: TrainState) -> Non
 
 def _check_outer(part: Path, saved: dict[str, torch.Tensor], live: dict[str, torch.Tensor]) -> None:
     """The outer params must match; momentum may be absent on either side (no outer step yet). The
-    average in flight (overlap) is the algorithm's to check: one that does not fit is dropped alike."""
+    average in flight (overlap) and the error-feedback residual are the algorithm's to check: one that does
+    not fit is dropped with a line."""
     for name, t in saved.items():
-        if name.startswith("inflight/"):
+        if name.startswith(("inflight/", "feedback/")):
             continue
         ref = live.get(name, live["outer/params"])
         if t.shape != ref.shape or t.dtype != ref.dtype:

@@ -7,7 +7,8 @@ A rank's checkpoint part holds these safetensors files (names are part of the fo
     rng.safetensors     "rng/cpu" (+ "rng/cuda"): generator states as uint8 tensors
     outer.safetensors   "outer/params", "outer/momentum": the DiLoCo outer state (identical on every node);
                         with diloco.overlap also "own/..." (eager: this node's term) and "inflight/average",
-                        "inflight/part" (the average in flight at the save, kept for the restart)
+                        "inflight/part" (the average in flight at the save, kept for the restart); with
+                        diloco.error_feedback "feedback/params" or "feedback/fragments" (this node's residual)
 
 Numbers (counters, scheduler, optimizer hyperparameters, data position) go in the manifest as JSON.
 `Staging` preallocates CPU buffers once and refills them at every save: the only blocking work.
@@ -23,7 +24,6 @@ import torch
 from zb.position import JSON_KEY, RunPosition
 
 MODEL, OPTIM, RNG, OUTER = "model.safetensors", "optim.safetensors", "rng.safetensors", "outer.safetensors"
-SHARED_FILES = (OUTER,)  # identical on every node of a DiLoCo run (per local rank)
 
 
 @dataclass
