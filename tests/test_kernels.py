@@ -230,19 +230,19 @@ def test_int4_packing_by_hand() -> None:
 
 
 def test_int2_packing_by_hand() -> None:
-    """Four codes per byte, value i in bits 2 (i % 4); code = level + 1; scale = 1.5 mean |x|."""
+    """Four codes per byte, value i in bits 2 (i % 4); code = level + 1; scale = 2 mean |x|."""
     int2 = kernels.SCHEMES["int2"]
-    # block 4: [2, -2, 0, 0] mean 1, scale 1.5: levels 1 -1 0 0 -> codes 2 0 1 1 -> 0x52;
-    # [4, 0, 0, -0.5] mean 1.125, scale 1.6875: 4 / 1.6875 > 1.5 clamps to 1 -> codes 2 1 1 1 -> 0x56;
-    # [3] scale 4.5, level 1 -> code 2 -> 0x02
-    _hand(int2, 4, [2, -2, 0, 0, 4, 0, 0, -0.5, 3], [0x52, 0x56, 0x02], torch.tensor([1.5, 1.6875, 4.5]),
-          [1, -1, 0, 0, 1, 0, 0, 0, 1])
-    # block 3 (bytes straddle blocks): [3, 0, 0] scale 1.5 -> 2 1 1; [-3, 0, 0] -> 0 1 1; [1] scale 1.5 -> 2:
-    # codes 2 1 1 0 | 1 1 2 -> 0x16 0x25
-    _hand(int2, 3, [3, 0, 0, -3, 0, 0, 1], [0x16, 0x25], torch.tensor([1.5, 1.5, 1.5]), [1, 0, 0, -1, 0, 0, 1])
-    # ties: [0.5, 1.5, 0] sum 2, scale (2 / 3) * 1.5 = 1 in fp32, so y = x: 0.5 -> 0 (half to even), 1.5 -> 2,
-    # clamped to 1: codes 1 2 1 | 1 0 1 -> 0x59 0x04
-    _hand(int2, 3, [0.5, 1.5, 0, -0.5, -1.5, 0], [0x59, 0x04], torch.tensor([1.0, 1.0]), [0, 1, 0, 0, -1, 0])
+    # block 4: [2, -2, 0, 0] mean 1, scale 2: levels 1 -1 0 0 -> codes 2 0 1 1 -> 0x52;
+    # [4, 0, 0, -0.5] mean 1.125, scale 2.25: 4 / 2.25 > 1.5 clamps to 1 -> codes 2 1 1 1 -> 0x56;
+    # [3] scale 6, y = 0.5 rounds half to even: level 0 -> code 1 -> 0x01
+    _hand(int2, 4, [2, -2, 0, 0, 4, 0, 0, -0.5, 3], [0x52, 0x56, 0x01], torch.tensor([2.0, 2.25, 6.0]),
+          [1, -1, 0, 0, 1, 0, 0, 0, 0])
+    # block 3 (bytes straddle blocks): [3, 0, 0] scale 2, y = 1.5 -> 2, clamped: 2 1 1; [-3, 0, 0] -> 0 1 1;
+    # [1] scale 2, y = 0.5 -> 0: 1. codes 2 1 1 0 | 1 1 1 -> 0x16 0x15
+    _hand(int2, 3, [3, 0, 0, -3, 0, 0, 1], [0x16, 0x15], torch.tensor([2.0, 2.0, 2.0]), [1, 0, 0, -1, 0, 0, 0])
+    # ties: [0.5, 1, 0] sum 1.5, scale (1.5 / 3) * 2 = 1 in fp32, so y = x: 0.5 -> 0 (half to even), 1 -> 1;
+    # [1.5, 0, 0] scale 1: 1.5 -> 2, clamped to 1. codes 1 2 1 | 2 1 1 -> 0x99 0x05
+    _hand(int2, 3, [0.5, 1, 0, 1.5, 0, 0], [0x99, 0x05], torch.tensor([1.0, 1.0]), [0, 1, 0, 1, 0, 0])
 
 
 def test_special_blocks() -> None:
@@ -369,3 +369,22 @@ def test_the_logged_thread_count_is_the_kernels(monkeypatch):
     assert build._threads() == kernels.threads()
     monkeypatch.setattr(kernels, "_colocated", 64)  # 64 ranks share this host: 1 thread each
     assert build._threads() == kernels.threads() == 1
+
+
+def test_threads_are_the_hosts_cores_shared_by_its_colocated_ranks(monkeypatch):
+    """Ranks that share a host split its cores (torchrun's LOCAL_WORLD_SIZE, or set_colocated), never
+    above torch's thread count: two ranks on two cores get one thread each (issue 25: 0.31x oversubscribed)."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(kernels, "_colocated", None)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert kernels.threads() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert kernels.threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert kernels.threads() == 1
+    kernels.set_colocated(1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert kernels.threads() == 3

@@ -194,4 +194,6 @@ def spawn_on(launchers: list, store_addr: str, port: int, cfg: BenchConfig,
 
 def spawn_local(world: int, cfg: BenchConfig, port: int) -> dict:
     """Run W ranks as local processes through `python -m zb bench-allreduce --store 127.0.0.1:port`."""
-    return spawn_on([subprocess.Popen] * world, "127.0.0.1", port, cfg, env=dict(os.environ))
+    # Every rank shares this host: the kernels take a share of its cores each (zb.collectives.kernels.threads).
+    return spawn_on([subprocess.Popen] * world, "127.0.0.1", port, cfg,
+                    env={**os.environ, "LOCAL_WORLD_SIZE": str(world)})

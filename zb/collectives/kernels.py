@@ -6,8 +6,8 @@ block); `wire_bytes(n, scheme)` is its size. All functions work in place on cont
 and return None. `residual` (error feedback) is a float32 tensor of n values, updated in place.
 
 Threads: the kernels split their blocks over `threads()` threads, the cores this process may use
-divided by the ranks that share its host (`set_colocated`), so ranks that run their all-reduce at
-once on one host never oversubscribe its cores.
+divided by the ranks that share its host (`set_colocated`; by default torchrun's LOCAL_WORLD_SIZE),
+so ranks that run their all-reduce at once on one host never oversubscribe its cores.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SCHEMES = {"int8": Scheme("int8", 8, 256), "int4": Scheme("int4", 4, 128), "int2
 INT8 = SCHEMES["int8"]
 BLOCK = INT8.block
 
-_colocated = 1
+_colocated: int | None = None   # None: LOCAL_WORLD_SIZE, as torchrun and zb's launchers set it
 
 
 def num_blocks(n: int, block: int = BLOCK) -> int:
@@ -58,7 +58,11 @@ def threads() -> int:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # macOS has no affinity mask
         cores = os.cpu_count() or 1
-    return max(1, min(torch.get_num_threads(), cores // _colocated))
+    colocated = _colocated
+    if colocated is None:
+        value = os.environ.get("LOCAL_WORLD_SIZE", "")
+        colocated = max(1, int(value)) if value.isdigit() else 1
+    return max(1, min(torch.get_num_threads(), cores // colocated))
 
 
 def _cpp(cpp: bool | None) -> bool:

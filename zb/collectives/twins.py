@@ -7,11 +7,12 @@ may be shorter), L = 2^(bits - 1) - 1 levels on each side of zero:
     m     = max |x|                      (fp32)
     scale = m / L                        (one IEEE division, fp32)
     inv   = L / m                        (one IEEE division, fp32)
-  int2 (L = 1, ternary): the scale is 1.5 x the block's mean |x| (absmax would round most values of
-    a block to zero; this is ternary weight networks' threshold, 0.75 mean |x|, measured in
-    BENCHMARKS.md "Fewer bits"):
+  int2 (L = 1, ternary): the scale is 2 x the block's mean |x| (values above the mean |x| leave as
+    +-2 mean |x|, the rest wait in the error-feedback residual). Absmax rounds most values of a
+    heavy-tailed block to zero and trained far worse; 1, 1.5 and 2.5 x the mean trained worse than 2,
+    3.5 and 5 diverged (BENCHMARKS.md, "Fewer bits on the wire"):
     a     = |x_0| + |x_1| + ... in index order, one fp32 addition at a time
-    scale = (a / count) * 1.5            (count: the block's values; two IEEE operations)
+    scale = (a / count) * 2              (count: the block's values; two IEEE operations)
     inv   = 1 / scale
   then, for every scheme:
     code  = clamp(round_half_even(x * inv), -L, L) + L     (absmax never needs the clamp)
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 TINY = 2.0**-100
+INT2_MEAN_SCALE = 2.0   # int2's scale over the block's mean |x| (kInt2MeanScale in the C++)
 
 
 @dataclass(frozen=True)
@@ -85,7 +87,7 @@ def _scales(mat: torch.Tensor, scheme: Scheme, n: int) -> tuple[torch.Tensor, to
         a = mat.new_zeros(mat.shape[0])
         for j in range(mat.shape[1]):          # index order, one rounding per addition
             a = a + mat[:, j].abs()
-        m = (a / _counts(n, scheme.block)) * torch.full_like(a, 1.5)
+        m = (a / _counts(n, scheme.block)) * torch.full_like(a, INT2_MEAN_SCALE)
     else:
         m = mat.abs().amax(dim=1) if mat.numel() else mat.new_zeros(mat.shape[0])
     bad = ~torch.isfinite(m)  # NaN propagates through amax and the sum; Inf too

@@ -3,7 +3,7 @@
 // Schemes (the pure-PyTorch twins in zb/collectives/twins.py define the exact meaning), per block of
 // `block` values (the last may be shorter), L = 2^(bits - 1) - 1 levels each side of zero:
 //   int8 (L = 127), int4 (L = 7): m = max |x|; scale = m / L; inv = L / m (fp32 divisions).
-//   int2 (L = 1): a = |x_0| + |x_1| + ... in index order; scale = (a / count) * 1.5; inv = 1 / scale.
+//   int2 (L = 1): a = |x_0| + |x_1| + ... in index order; scale = (a / count) * 2; inv = 1 / scale.
 //   code = clamp(round_half_even(x * inv), -L, L) + L; value = (code - L) * scale.
 //   A block with a NaN or Inf (int2: a non-finite scale) gets scale = NaN (every value of it
 //   dequantizes to NaN), a block with m (int2: scale) < 2^-100 gets scale = 0; both get code L.
@@ -45,6 +45,7 @@ constexpr uint32_t kInfBits = 0x7f800000u;   // |x| bits at or above this: Inf o
 constexpr uint32_t kTinyBits = 0x0d800000u;  // 2^-100: below it L/m could overflow
 constexpr float kTiny = 0x1p-100f;           // 2^-100, the same bound for int2's scale
 constexpr float kMagic = 12582912.0f;        // 1.5 * 2^23: (y + M) - M rounds half to even
+constexpr float kInt2MeanScale = 2.0f;       // int2's scale over the block's mean |x| (twins.INT2_MEAN_SCALE)
 constexpr int64_t kGrainValues = 1 << 15;    // values per parallel task
 constexpr int64_t kMaxStackBlock = 4096;     // reduce_quantize's buffer (a group's values) on the stack
 
@@ -113,7 +114,7 @@ inline float absmax_scale(uint32_t mbits, float* inv) {
 
 // Scale and inv from an int2 block's sum of |x| over `count` values.
 inline float mean_scale(float sum, int64_t count, float* inv) {
-  float m = (sum / static_cast<float>(count)) * 1.5f;
+  float m = (sum / static_cast<float>(count)) * kInt2MeanScale;
   *inv = 0.0f;
   if (!std::isfinite(m)) return std::numeric_limits<float>::quiet_NaN();
   if (m < kTiny) return 0.0f;
