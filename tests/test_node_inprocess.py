@@ -494,6 +494,22 @@ def _load_flat(model, flat: torch.Tensor) -> None:
             offset += p.numel()
 
 
+def checkpoint(nodes) -> list:
+    """Each node's (model params, position, checkpoint tensors), copied as the checkpoint's staging takes them."""
+    return together(nodes, lambda n: (n.model.flat(), n.position,
+                                      {k: v.clone() for k, v in n.diloco.checkpoint_tensors().items()}))
+
+
+def restart(saved: list, flags: dict) -> list:
+    """Fresh nodes (a, b, ...) of a new world that load `saved`, as a whole-run restart does."""
+    _, restarted = start_world(["a", "b", "c"][:len(saved)], **flags)
+    for node, (params, position, tensors) in zip(restarted, saved):
+        _load_flat(node.model, params)
+        node.position = position
+        node.diloco.load_checkpoint_tensors(tensors)
+    return restarted
+
+
 def test_a_checkpoint_keeps_the_average_in_flight_and_a_restart_applies_it():
     """Eager: after round 1 the average is in flight. The checkpoint waits for it and keeps it; fresh
     nodes that load the checkpoint (model params, shared state, own term, that average) and train round
@@ -502,17 +518,12 @@ def test_a_checkpoint_keeps_the_average_in_flight_and_a_restart_applies_it():
     world, nodes = start_world(["a", "b"], **flags)
     moves = deltas(2, 2, TinyModel().flat().numel())
     run_rounds(nodes, moves[:1])
-    saved = together(nodes, lambda n: (n.model.flat(), n.position,   # copies, as the checkpoint's staging takes
-                                       {k: v.clone() for k, v in n.diloco.checkpoint_tensors().items()}))
+    saved = checkpoint(nodes)
     for _, _, tensors in saved:
         assert int(tensors["inflight/part"][0]) == -1
         assert torch.allclose(tensors["inflight/average"], torch.stack(moves[0]).mean(0), atol=1e-7)
     run_rounds(nodes, moves[1:])
-    _, restarted = start_world(["a", "b"], **flags)
-    for node, (params, position, tensors) in zip(restarted, saved):
-        _load_flat(node.model, params)
-        node.position = position
-        node.diloco.load_checkpoint_tensors(tensors)
+    restarted = restart(saved, flags)
     run_rounds(restarted, moves[1:])
     assert all(r.reports[-1].applied for r in restarted)
     for node, resumed in zip(nodes, restarted):
@@ -689,24 +700,35 @@ def _params_order(node, fragment_major: torch.Tensor) -> torch.Tensor:
 
 def test_error_feedback_residual_resumes_exactly_from_a_checkpoint():
     """int4 with error feedback: fresh nodes that load a checkpoint (params, shared state, residual) and train
-    on end on exactly the uninterrupted nodes' params; a joiner's residual starts at zero."""
+    on end on exactly the uninterrupted nodes' params and residuals."""
     flags = {"diloco.compression": "int4"}
     _, nodes = start_world(["a", "b"], **flags)
     moves = deltas(2, 3, TinyModel().flat().numel())
     run_rounds(nodes, moves[:1])
-    saved = together(nodes, lambda n: (n.model.flat(), n.position,
-                                       {k: v.clone() for k, v in n.diloco.checkpoint_tensors().items()}))
+    saved = checkpoint(nodes)
     assert all(tensors["feedback/params"].abs().sum() > 0 for _, _, tensors in saved)
     run_rounds(nodes, moves[1:])
-    _, restarted = start_world(["a", "b"], **flags)
-    for node, (params, position, tensors) in zip(restarted, saved):
-        _load_flat(node.model, params)
-        node.position = position
-        node.diloco.load_checkpoint_tensors(tensors)
+    restarted = restart(saved, flags)
     run_rounds(restarted, moves[1:])
     for node, resumed in zip(nodes, restarted):
         assert torch.equal(node.model.flat(), resumed.model.flat())
         assert torch.equal(node.diloco.algorithm.feedback.residual, resumed.diloco.algorithm.feedback.residual)
+
+
+def test_a_node_that_takes_the_runs_state_starts_its_residual_at_zero():
+    """A lagging node (its outer step behind the run's) receives the state: what it dropped before belongs to
+    params it no longer has. The contributors keep theirs."""
+    _, nodes = start_world(["a", "b", "c"], **{"diloco.compression": "int2"})
+    run_rounds(nodes, deltas(3, 1, TinyModel().flat().numel()))
+    residuals = [n.diloco.algorithm.feedback.residual for n in nodes]
+    assert all(r.abs().sum() > 0 for r in residuals)
+    for node, move in zip(nodes, deltas(3, 1, TinyModel().flat().numel(), seed=2)[0]):
+        node.train(move)
+    nodes[2].position = type(nodes[2].position)(step=4, outer_step=0)   # it was frozen: one outer step behind
+    reports = together(nodes, lambda n: n.outer_step())
+    assert not reports[2].applied and nodes[2].diloco.roles.contributing
+    assert torch.equal(residuals[2], torch.zeros_like(residuals[2]))
+    assert residuals[0].abs().sum() > 0 and residuals[1].abs().sum() > 0
 
 
 def test_a_checkpoint_residual_under_another_layout_is_dropped_with_one_line(caplog):
