@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=240)
-    p.add_argument("--compression", default="int8", choices=("none", "int8"))
+    p.add_argument("--compression", default="int8", choices=("none", "int8", "int4", "int2"))
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1)
