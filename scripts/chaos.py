@@ -74,9 +74,10 @@ GRACE = 30
 
 class Chaos:
     def __init__(self, tmp: Path, seed: int, nodes: int, max_nodes: int, overlap: str = "none", net=None,
-                 kinds: list[str] | None = None) -> None:
+                 kinds: list[str] | None = None, compression: str = "none") -> None:
         self.rng, self.seed, self.nodes, self.max_nodes = random.Random(seed), seed, nodes, max_nodes
-        self.overlap, self.net = overlap, net
+        self.net = net
+        self.settings = ("--diloco.overlap", overlap, "--diloco.compression", compression)   # every node's
         if net is None:
             self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN)
         else:
@@ -101,7 +102,7 @@ class Chaos:
         self.cluster.start_train(uid, "--optim.total_steps", "100000", "--ckpt.path", str(tmp / "ckpt" / uid),
                                  "--ckpt.interval", str(2 * INNER), "--ckpt.ram_dir", str(tmp / "shm"),
                                  "--ckpt.grace_period", str(GRACE), "--ckpt.live_recovery",
-                                 "--data.data_world_size", "16", "--diloco.overlap", self.overlap, *extra,
+                                 "--data.data_world_size", "16", *self.settings, *extra,
                                  rank=len(self.live))
         self.tails[uid] = Tail(tmp / uid / "metrics.jsonl")
         self.live.append(uid)
@@ -437,21 +438,22 @@ class Chaos:
             if left:
                 raise Failure(f"partition rules left behind in {left}")
             self.log("network", "-", "no partition rule left; namespaces go with the run")
-        self.log("resume", *resume_check(self.cluster.tmp, survivors, extra=("--diloco.overlap", self.overlap)))
+        self.log("resume", *resume_check(self.cluster.tmp, survivors, extra=self.settings))
 
 
 def run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str = "none",
-        netns: bool = False, kinds: list[str] | None = None) -> dict:
+        netns: bool = False, kinds: list[str] | None = None, compression: str = "none") -> dict:
     if not netns:
-        return _run(seed, events, nodes, max_nodes, tmp, overlap, None, kinds)
+        return _run(seed, events, nodes, max_nodes, tmp, overlap, None, kinds, compression)
     from zb.net.netns import emulated_hosts
 
     with emulated_hosts(max_nodes + 1) as net:     # the store's host and one per node at most
-        return _run(seed, events, nodes, max_nodes, tmp, overlap, net, kinds)
+        return _run(seed, events, nodes, max_nodes, tmp, overlap, net, kinds, compression)
 
 
-def _run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str, net, kinds) -> dict:
-    chaos = Chaos(tmp, seed, nodes, max_nodes, overlap, net, kinds)
+def _run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: str, net, kinds,
+         compression: str) -> dict:
+    chaos = Chaos(tmp, seed, nodes, max_nodes, overlap, net, kinds, compression)
     failures, survived = [], 0
     try:
         for _ in range(nodes):
@@ -494,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep node logs and metrics in this directory")
     p.add_argument("--overlap", default="none", choices=("none", "eager", "streaming"),
                    help="diloco.overlap of every node (streaming: 1 fragment, tau 1)")
+    p.add_argument("--compression", default="none", choices=("none", "int8", "int4", "int2"),
+                   help="diloco.compression of every node (int4 and int2 with error feedback, their default)")
     p.add_argument("--netns", action="store_true",
                    help="every node on an emulated host of its own (network namespaces; root and nft), the store "
                         "on another; adds the link-down and partition events")
@@ -519,13 +523,14 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     tmp = args.keep or Path(tempfile.mkdtemp(prefix=f"zb-chaos-{seed}-"))
     tmp.mkdir(parents=True, exist_ok=True)
-    summary = run(seed, args.events, args.nodes, max_nodes, tmp, args.overlap, args.netns, kinds)
+    summary = run(seed, args.events, args.nodes, max_nodes, tmp, args.overlap, args.netns, kinds, args.compression)
     for failure in summary["failures"]:
         print(failure, file=sys.stderr)          # with the nodes' log tails; the JSON line keeps the first line
     print(json.dumps({**summary, "failures": [f.splitlines()[0] for f in summary["failures"]]}))
     if summary["failures"]:
         print(f"chaos: FAILED with seed {seed} (replay: scripts/chaos.py --seed {seed} --events {args.events} "
-              f"--nodes {args.nodes} --overlap {args.overlap}{' --netns' if args.netns else ''}"
+              f"--nodes {args.nodes} --overlap {args.overlap} --compression {args.compression}"
+              f"{' --netns' if args.netns else ''}"
               f"{' --kinds ' + args.kinds if args.kinds else ''}); logs kept in {tmp}", file=sys.stderr)
         return 1
     if args.keep is None:
