@@ -35,6 +35,7 @@ from pathlib import Path
 
 from _cpu_quota import cpu_quota, quota_unavailable
 
+from zb.collectives import COMPRESSIONS
 from zb.metrics import read_metrics
 from zb.net.netns import emulated_hosts, netns_unavailable
 
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=240)
-    p.add_argument("--compression", default="int8", choices=("none", "int8", "int4", "int2"))
+    p.add_argument("--compression", default="int8", choices=COMPRESSIONS)
     p.add_argument("--outer-lr", type=float, default=1.0)
     p.add_argument("--outer-momentum", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=1)

@@ -49,6 +49,7 @@ from _chaos_checks import (
     tcp_sockets,
 )
 
+from zb.collectives import COMPRESSIONS
 from zb.testing.cluster import PROFILE, TrainCluster
 
 KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "donor-leave"]
@@ -496,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep", type=Path, default=None, help="keep node logs and metrics in this directory")
     p.add_argument("--overlap", default="none", choices=("none", "eager", "streaming"),
                    help="diloco.overlap of every node (streaming: 1 fragment, tau 1)")
-    p.add_argument("--compression", default="none", choices=("none", "int8", "int4", "int2"),
+    p.add_argument("--compression", default="none", choices=COMPRESSIONS,
                    help="diloco.compression of every node (int4 and int2 with error feedback, their default)")
     p.add_argument("--netns", action="store_true",
                    help="every node on an emulated host of its own (network namespaces; root and nft), the store "

@@ -139,6 +139,16 @@ class FakeMesh:
         return None
 
 
+class FakeClock:
+    """A clock that moves only when a test moves it (`now`): for the round clock's decisions."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class ListSink:
     """Metrics events in memory."""
 

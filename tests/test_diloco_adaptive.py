@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from fake_world import FakeClock
 from torch import nn
 
 from zb.config import load_config
@@ -90,14 +91,6 @@ def test_weights_and_run_step():
 
 
 # -- the round clock ----------------------------------------------------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _steps_until_over(rc: RoundClock, clock: FakeClock, step_s: float, step: int = 0) -> int:
     rc.start()
     while True:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from fake_world import TinyModel, start_world, together
+from fake_world import FakeClock, TinyModel, start_world, together
 
 from zb.diloco.checkin import Role
 
@@ -551,14 +551,6 @@ def test_blocking_drops_what_an_overlapped_checkpoint_kept_with_one_line(caplog)
 
 
 # -- streaming with rounds that end by time (diloco.round_seconds) --------------------------------------------
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def timed_streaming_reference(start: torch.Tensor, fragment_of: list[torch.Tensor], moves: dict[str, list],
                               schedule: dict[str, tuple[int, int]], parts: int, alpha: float) -> dict[str, torch.Tensor]:
     """Streaming DiLoCo (arXiv 2501.18512) with parts that end by time: part j syncs fragment j mod P. Node i

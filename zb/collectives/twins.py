@@ -106,16 +106,17 @@ def _scales(mat: torch.Tensor, scheme: Scheme, n: int) -> tuple[torch.Tensor, to
     return scale, inv
 
 
+def _offset(scheme: Scheme) -> int:
+    """What a stored code minus its level is: L, except int8's historical code + 1 (128 for zero)."""
+    return 128 if scheme.bits == 8 else scheme.levels
+
+
 def _codes(mat: torch.Tensor, inv: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     """Unpacked codes in [0, 2L] (int8: in [1, 255]) as int32, one per value of the matrix."""
     y = mat * inv[:, None]
     y = torch.where(torch.isfinite(y), y, torch.zeros_like(y))  # special blocks have inv == 0
     levels = scheme.levels
-    return torch.round(y).clamp_(-levels, levels).to(torch.int32) + (128 if scheme.bits == 8 else levels)
-
-
-def _offset(scheme: Scheme) -> int:
-    return 128 if scheme.bits == 8 else scheme.levels
+    return torch.round(y).clamp_(-levels, levels).to(torch.int32) + _offset(scheme)
 
 
 def _pack(codes: torch.Tensor, scheme: Scheme) -> torch.Tensor:

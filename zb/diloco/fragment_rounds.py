@@ -31,7 +31,8 @@ class FragmentRounds:
         self.clock, self.fragments, self.delay = clock, fragments, delay
         self.fragment = 0                      # the fragment of this part's boundary
         self.after_launch: int | None = None   # steps since this part's launch; None before it
-        self.steps_since = [0] * fragments     # steps since each fragment's last launch
+        self.steps = 0                         # inner steps this node took through the clock
+        self.launched_at = [0] * fragments     # self.steps at each fragment's last launch
 
     def begin(self, outer_step: int, launched: bool) -> None:
         """A part starts: the loop begins, or an outer step just ended (`outer_step`: the run's next one).
@@ -42,7 +43,7 @@ class FragmentRounds:
 
     def after_step(self, step: int) -> tuple[int | None, int | None]:
         """(fragment to launch, fragment to apply) after inner step `step` (this node's counter)."""
-        self.steps_since = [n + 1 for n in self.steps_since]
+        self.steps += 1
         launch = None
         if self.after_launch is None:
             if not self.clock.over(step, lead=self.delay):
@@ -57,9 +58,9 @@ class FragmentRounds:
 
     def take_tokens(self, fragment: int) -> int:
         """The tokens behind `fragment`'s launch now (since its last one); its count starts again."""
-        steps, self.steps_since[fragment] = self.steps_since[fragment], 0
+        steps, self.launched_at[fragment] = self.steps - self.launched_at[fragment], self.steps
         return steps * self.clock.tokens_per_step
 
     def restart_counts(self) -> None:
         """This node took the run's state: its pseudo-gradients start from there."""
-        self.steps_since = [0] * self.fragments
+        self.launched_at = [self.steps] * self.fragments
