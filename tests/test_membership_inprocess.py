@@ -6,6 +6,7 @@ tests (tests/test_elastic_mesh.py) keep what needs processes: signals, the death
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -89,8 +90,11 @@ def start(members: Members, uids: list[str]) -> dict[str, World]:
 
 
 def outer_steps_until_admitted(m: Membership, uid: str) -> World:
-    """A member resolves at each outer step; the first resolution after `uid`'s request admits it."""
-    for _ in range(100):
+    """A member resolves at each outer step; the first resolution after `uid`'s request admits it. Bounded by
+    a generous time, not a count of resolutions: on a loaded machine the joiner's thread may take a while to
+    write its request while resolutions with nothing new return at once."""
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
         world = m.resolve()
         if uid in world.nodes:
             return world

@@ -52,6 +52,14 @@ KEPT: dict[str, tuple[str, ...]] = {
 }
 
 
+def compression_of(run_start: dict) -> str | None:
+    """The node's diloco.compression from its run_start event (None without settings). Only a DiLoCo node
+    publishes a record (zb.status.publisher), and its settings hold the keys not at their default: a missing
+    diloco.compression is "none" (an empty [diloco] table leaves no key at all)."""
+    settings = run_start.get("settings")
+    return str(settings.get("diloco.compression", "none")) if isinstance(settings, dict) else None
+
+
 def _finite(value: Any) -> Any:
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
@@ -101,11 +109,9 @@ class NodeStatus:
 
     # -- events ------------------------------------------------------------------------------
     def _on_run_start(self, r: dict) -> bool:
-        # Only a DiLoCo node publishes a record (zb.status.publisher), and its settings hold the keys not at
-        # their default: a missing diloco.compression is "none" (an empty [diloco] table leaves no key at all).
-        settings = r.get("settings")
-        if isinstance(settings, dict):
-            self._record["compression"] = str(settings.get("diloco.compression", "none"))
+        compression = compression_of(r)
+        if compression is not None:
+            self._record["compression"] = compression
         return True   # the node's identity (KEPT) is news at once
 
     def _on_step(self, r: dict) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from zb.errors import InvalidInput
+from zb.status.record import compression_of
 
 METRICS = "metrics.jsonl"
 POINTS = 2000        # per node and curve, as the live dashboard keeps
@@ -81,9 +82,9 @@ class _Node:
         if kind == "run_start":
             self.row.update(host=e.get("host"), device=e.get("device"),
                             local_world_size=_num(e.get("local_world_size")), pid=_num(e.get("pid")))
-            settings = e.get("settings")
-            if isinstance(settings, dict):   # the keys not at their default, as in zb.status.record
-                self.row["compression"] = str(settings.get("diloco.compression", "none"))
+            compression = compression_of(e)
+            if compression is not None:
+                self.row["compression"] = compression
         elif kind == "step":
             self.steps.append([t, _num(e.get("step")), _num(e.get("loss")), _num(e.get("tokens_per_s"))])
             self.row.update(step=_num(e.get("step")), outer_step=_num(e.get("outer_step")), loss=_num(e.get("loss")),
