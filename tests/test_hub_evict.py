@@ -162,4 +162,7 @@ def test_a_late_prefetch_does_not_fetch_back_a_file_behind_the_resume_point(hub,
     assert cache.prefetch(0, retries=1, pin=False) is None
     evictions = [r.getMessage() for r in caplog.records if "evicted data/train-00000.jsonl" in r.getMessage()]
     assert len(evictions) == 1, "a file behind the resume point was downloaded (and evicted) again"
-    assert cache.prefetch(checkpoint["part"], retries=1, pin=False) is not None   # ahead of it: fetched
+    assert cache.prefetch(checkpoint["part"], retries=1, pin=False) is None       # its reader fetched it already
+    assert checkpoint["part"] + 2 < FILES
+    assert cache.prefetch(FILES - 1, retries=1, pin=False) is not None           # far ahead, not started: fetched
+    assert FILES - 1 in _cached(hub)

@@ -44,6 +44,8 @@ class StreamCache:
         self._owned: dict[int, int] = {}  # file index -> bytes on disk, for files zb fetched
         self._pinned: set[int] = set()    # read by the held-out stream
         self._release = 0                 # files before this index are behind the resume point
+        self._started: set[int] = set()   # files a fetch has begun on (until evicted): no second prefetch
+        self._ahead: dict[int, threading.Event] = {}  # prefetches in flight, set when each one ends
         self._warned = False
         for i, f in enumerate(files):  # fetched by an earlier run of this node (a restart)
             path = ds.cached(f)
@@ -51,29 +53,46 @@ class StreamCache:
                 self._owned[i] = path.stat().st_size
 
     def fetch(self, i: int, retries: int, *, pin: bool) -> Path:
-        """The local copy of file i (downloaded and marked as zb's unless cached); `pin` keeps it."""
+        """The local copy of file i for its reader (downloaded and marked as zb's unless cached); `pin` keeps it.
+        A prefetch of the file in flight is waited for, never raced: two downloads of one file let the later
+        one write it back after the reader had read it and eviction had let it go."""
+        with self._lock:
+            self._started.add(i)
+            if not pin:  # a training stream reads from here (a loader resumed at an earlier position): keep it
+                self._release = min(self._release, i)
+            ahead = self._ahead.get(i)
+        if ahead is not None:
+            ahead.wait()
+        return self._download(i, retries, pin=pin)
+
+    def prefetch(self, i: int, retries: int, *, pin: bool) -> Path | None:
+        """Fetch file i ahead of its reader, unless a fetch of it has started already or the resume point has
+        passed it (a prefetch a busy machine ran late); a prefetch never moves the resume point back."""
+        with self._lock:
+            if i in self._started or (i < self._release and not pin):
+                return None
+            self._started.add(i)
+            done = self._ahead[i] = threading.Event()
+        try:
+            return self._download(i, retries, pin=pin)
+        finally:
+            with self._lock:
+                del self._ahead[i]
+            done.set()
+
+    def _download(self, i: int, retries: int, *, pin: bool) -> Path:
         remote = self.files[i]
         ours = self.ds.cached(remote) is None
         path = self.ds.fetch(remote, retries)
         with self._lock:
             if pin:
                 self._pinned.add(i)
-            else:  # a training stream reads from here (a loader resumed at an earlier position): keep it
-                self._release = min(self._release, i)
             if ours:
                 self._marker(remote).parent.mkdir(parents=True, exist_ok=True)
                 self._marker(remote).touch()
                 self._owned[i] = path.stat().st_size
             self._evict()
         return path
-
-    def prefetch(self, i: int, retries: int, *, pin: bool) -> Path | None:
-        """Fetch file i ahead of its reader, unless the resume point has passed it already: a prefetch that
-        started before the reader moved on (a busy machine) would otherwise download an evicted file again."""
-        with self._lock:
-            if i < self._release and not pin:
-                return None
-        return self.fetch(i, retries, pin=pin)
 
     def release_before(self, i: int) -> None:
         """Files before index i will not be read again from any position the run may resume at."""
@@ -89,6 +108,7 @@ class StreamCache:
             if i in self._pinned:
                 continue
             total -= self._owned.pop(i)
+            self._started.discard(i)  # read again after an epoch wraps: fetched anew
             self._delete(self.files[i])
         if total > self.budget and not self._warned:
             self._warned = True

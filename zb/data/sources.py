@@ -190,7 +190,7 @@ def _fetchers(ds, mine: list, data_cfg: DataConfig, budget: float, held_out: boo
 
 def _with_prefetch(fetch: Callable[[], Path], fetch_next: Callable[[], Path | None] | None) -> Callable[[], Path]:
     """Streaming: while one file is read, the next one downloads in the background (a daemon thread,
-    so exit never waits for it; the file lock keeps it from racing the reader's own fetch)."""
+    so exit never waits for it; with eviction the reader waits for a prefetch of its file in flight)."""
     def ensure() -> Path:
         path = fetch()
         if fetch_next is not None:
