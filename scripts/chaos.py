@@ -10,7 +10,9 @@ the nodes that applied it must hold the same params.
 
 Events: sigkill, sigterm, sigstop (frozen past the heartbeat timeout, then SIGCONT), join (blocking),
 join-live (live recovery, non-blocking), kill-leader (SIGKILL of the lowest live rank during an outer
-step), store-restart (the store SIGKILLed and started again on its port), donor-leave (a live-recovery
+step), store-restart (the current store SIGKILLed and started again on its port), store-loss (the current
+store SIGKILLed for good: every node must move to the next store of elastic.addr, where a standby `zb
+store` waits, and re-form the run there; loopback only), donor-leave (a live-recovery
 joiner's donor frozen as the joiner asks it for the outer state, then SIGKILLed or SIGTERMed: the
 joiner must recover from the other peers and agree with the survivors). With --netns (root, iproute2,
 nft; zb.net.netns builds one namespace and veth per node and one for the store) also: link-down (a
@@ -52,7 +54,11 @@ from _chaos_checks import (
 from zb.collectives import COMPRESSIONS
 from zb.testing.cluster import PROFILE, TrainCluster
 
-KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "donor-leave"]
+KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "store-loss",
+         "donor-leave"]
+LOOPBACK_KINDS = ["store-loss"]            # the namespaced cluster has one store, on a host of its own
+FAILOVER_S = 5.0                           # elastic.store_failover_s of every node
+STANDBYS = 3                               # stores after the first in elastic.addr: at most this many store-losses
 NETNS_KINDS = ["link-down", "partition"]   # only with --netns: faults of the network between hosts
 TOKEN = "chaos-token-0123456789abcdef"
 INNER = 5
@@ -80,12 +86,16 @@ class Chaos:
         self.net = net
         self.settings = ("--diloco.overlap", overlap, "--diloco.compression", compression)   # every node's
         if net is None:
-            self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN)
+            self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN, ZB_ELASTIC_STORE_FAILOVER_S=str(FAILOVER_S))
+            for _ in range(STANDBYS):     # idle `zb store`s the run fails over to, in elastic.addr's order
+                self.cluster.start_store(self.cluster.add_standby())
         else:
             from _chaos_netns import NetnsCluster
 
             self.cluster = NetnsCluster(tmp, nodes, net, ZB_CKPT_TOKEN=TOKEN)
-        self.kinds = kinds or KINDS + (NETNS_KINDS if net is not None else [])
+        self.store_port = self.cluster.port   # the run's current store
+        self.kinds = kinds or [k for k in KINDS if net is None or k not in LOOPBACK_KINDS] + \
+            (NETNS_KINDS if net is not None else [])
         self.tails: dict[str, Tail] = {}
         self.live: list[str] = []
         self.gone: dict[str, int] = {}       # uid -> expected exit code (None: any)
@@ -195,7 +205,8 @@ class Chaos:
 
     def choose(self) -> str:
         joins = ("join", "join-live", "donor-leave")   # donor-leave starts a joiner before a donor leaves
-        allowed = [k for k in self.kinds if not (k in joins and len(self.live) >= self.max_nodes)]
+        allowed = [k for k in self.kinds if not (k in joins and len(self.live) >= self.max_nodes)
+                   and not (k == "store-loss" and self.store_port == self.cluster.standby_ports[-1])]
         return self.rng.choice(allowed)
 
     def inject(self, kind: str) -> None:
@@ -266,22 +277,45 @@ class Chaos:
         self.rows[-1] = (*self.rows[-1][:3], f"{when} at step {step}; {self.rows[-1][3]}")
 
     def ev_store_restart(self) -> None:
-        before_version = max((e["mesh_version"] for u in self.live for e in self.tails[u].events("outer_step")),
-                             default=0)
-        self.cluster.kill_store()
+        before_version = self._newest_version()
+        self.cluster.kill_store(self.store_port)
         down = self.rng.uniform(0.5, 4.0)
         time.sleep(down)
-        self.cluster.start_store()
-        counts = self.outer_counts(self.live)
-        took = self.wait_progress(counts, "the store restart")
-        deadline = time.monotonic() + HANG_BOUND
+        self.cluster.start_store(self.store_port)
+        took, formed = self._wait_reformed(before_version, "the store restart", HANG_BOUND)
+        self.log("store-restart", "store", f"down {down:.1f} s; stepped in {took:.1f} s, new mesh after {formed:.1f} s")
+
+    def ev_store_loss(self) -> None:
+        """The current store SIGKILLed and never started again: every node moves to the next store of the list
+        (within elastic.store_failover_s and one outer step) and the run re-forms there."""
+        before_version = self._newest_version()
+        lost = self.store_port
+        self.cluster.kill_store(lost)
+        self.store_port = self.cluster.standby_ports[[self.cluster.port, *self.cluster.standby_ports].index(lost)]
+        there = self.live[:]
+        took, formed = self._wait_reformed(before_version, "the store loss", HANG_BOUND + FAILOVER_S)
+        silent = [u for u in there if not any(e["to_store"].endswith(f":{self.store_port}")
+                                             for e in self.tails[u].events("store_failover"))]
+        if [u for u in silent if u in self.live]:
+            raise Failure(f"{silent} re-formed without a store_failover event to port {self.store_port}")
+        self.log("store-loss", "store", f"lost :{lost}, run on :{self.store_port}; stepped in {took:.1f} s, "
+                 f"new mesh after {formed:.1f} s")
+
+    def _newest_version(self) -> int:
+        return max((e["mesh_version"] for u in self.live for e in self.tails[u].events("outer_step")), default=0)
+
+    def _wait_reformed(self, before_version: int, what: str, bound: float) -> tuple[float, float]:
+        """(seconds until every live node stepped again, until every one reached a mesh version above
+        `before_version`): the run re-formed on a store that starts empty."""
+        started = time.monotonic()
+        took = self.wait_progress(self.outer_counts(self.live), what, bound)
+        deadline = started + bound
         while not all(self._reseeded(u, before_version) for u in self.live):
             if time.monotonic() > deadline:
                 raise Failure(f"hang: not all of {self.live} reached a mesh version above {before_version} "
-                              f"within {HANG_BOUND:.0f} s of the store restart")
+                              f"within {bound:.0f} s of {what}")
             time.sleep(0.2)
-        self.log("store-restart", "store", f"down {down:.1f} s; stepped in {took:.1f} s, new mesh after "
-                 f"{time.monotonic() - deadline + HANG_BOUND + took:.1f} s")
+        return took, time.monotonic() - started
 
     def _reseeded(self, uid: str, version: int) -> bool:
         return any(e["mesh_version"] > version for e in self.tails[uid].events("outer_step"))

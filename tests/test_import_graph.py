@@ -89,7 +89,7 @@ LAYERS = {
     "models": 1, "data": 1, "collectives": 1, "net": 1, "ckpt": 1, "monitor": 1,
 }
 BASE = {"errors", "config_schema", "config", "config_checks", "config_prime", "model_sizes", "position", "fingerprint",
-        "local_world", "shard_rows", "metrics", "events", "log", "progress", "dial", "stop_signals", "process_exit",
+        "local_world", "shard_rows", "metrics", "events", "log", "progress", "dial", "addresses", "stop_signals", "process_exit",
         "__main__"}
 
 

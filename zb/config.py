@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 from zb import config_prime as prime
+from zb.addresses import valid_store_list
 from zb.config_checks import advisories, problems
 from zb.config_schema import Config
 from zb.errors import InvalidInput, ZbError
@@ -61,6 +62,8 @@ CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "non_negative": (lambda v: v >= 0, "must not be negative"),
     "fraction": (lambda v: 0 <= v < 1, "must be in [0, 1)"),
     "port": (lambda v: 0 < v < 65536, "must be a TCP port (1-65535)"),
+    "store_list": (lambda v: valid_store_list(v), "must be host[:port], or several in failover order: "
+                   "host[:port],host[:port] (each store once, ports 1-65535)"),
     "interval": (lambda v: v >= -1, "must be a step count, 0 (only at the end) or -1 (never)"),
     "node_id": (lambda v: bool(NODE_ID.fullmatch(v)), NODE_ID_RULE + " (it names directories and store keys)"),
     # Every rank builds RoPE tables of seq_length x head_dim at start and a sequence's activations grow with it:

@@ -47,6 +47,8 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "diloco.error_feedback", "has no effect with diloco.compression = none (nothing is dropped)"
     if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
         yield "elastic.link_probe_seconds", "has no effect without elastic.measure_links"
+    if cfg.elastic.store_failover_s != 30.0 and _stores(cfg) < 2:
+        yield "elastic.store_failover_s", "has no effect with one store in elastic.addr (nothing to fail over to)"
     if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.diloco.round_seconds is None and \
             cfg.optim.total_steps % cfg.diloco.inner_steps:
         yield "optim.total_steps", (f"is not a multiple of diloco.inner_steps ({cfg.diloco.inner_steps}): with "
@@ -54,8 +56,19 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
                                     "last outer step are dropped from the final model")
 
 
+def _stores(cfg: Config) -> int:
+    """How many stores elastic.addr names (its range check has already parsed it)."""
+    return len(cfg.elastic.addr.split(",")) if cfg.elastic.addr else 1
+
+
 def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     """(key, what is wrong) for every relation between keys that does not hold."""
+    if _stores(cfg) > 1 and cfg.swarm is not None:
+        yield "elastic.addr", ("names several stores, but a DiLoCo-SWARM run does not fail over yet (its stages' "
+                               "routing lives on one store): name one store")
+    if _stores(cfg) > 1 and cfg.elastic.store_failover_s <= cfg.elastic.heartbeat_interval:
+        yield "elastic.store_failover_s", (f"must exceed elastic.heartbeat_interval ({cfg.elastic.heartbeat_interval}): "
+                                           "a store is judged silent by the heartbeats it missed")
     if cfg.model.name not in model_names(cfg.model.type):
         yield "model.name", f"no such {cfg.model.type} size; valid names: {', '.join(model_names(cfg.model.type))}"
     if cfg.optim.batch_size % cfg.train.micro_bs:

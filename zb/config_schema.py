@@ -257,8 +257,11 @@ class CkptConfig:
 
 @dataclass
 class ElasticConfig:
-    addr: Optional[str] = knob(None, "Address of the global store (`zb store`).", env="GLOBAL_ADDR")
-    port: int = knob(29600, "Port of the global store.", env="GLOBAL_PORT", check="port")
+    addr: Optional[str] = knob(None, "Address of the global store (`zb store`), or several in failover order: "
+                               "host[:port],host[:port] (the run moves to the next when the current one is silent "
+                               "for elastic.store_failover_s).", env="GLOBAL_ADDR", check="store_list")
+    port: int = knob(29600, "Port of the global store (of each elastic.addr entry without one).", env="GLOBAL_PORT",
+                     check="port")
     unique_id: Optional[str] = knob(None, "This node's unique id (generated if absent).", env="GLOBAL_UNIQUE_ID", check="node_id")
     world_size: int = knob(1, "Initial quorum: nodes the first outer step waits for (up to start_timeout).",
                            env="GLOBAL_WORLD_SIZE", check="positive")
@@ -274,6 +277,9 @@ class ElasticConfig:
                                     env="ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS", check="positive")
     pg_timeout: float = knob(60.0, "Timeout of the global gloo groups: building them, and collectives without a tighter deadline of their own.",
                              env="ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS", check="positive")
+    store_failover_s: float = knob(30.0, "Seconds the current store may be silent before the run moves to the next "
+                                   "store of elastic.addr (nodes wait for it at the outer step that finds it silent).",
+                                   check="positive")
     connect_timeout: float = knob(30.0, "Seconds to keep trying to reach the store at start; also the most its "
                                         "handshake may take (something that listens there but is not a zb store is "
                                         "one error after it).", check="positive")

@@ -236,6 +236,19 @@ class Membership(Event):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class StoreFailover(Event):
+    """The run's store stopped answering and this node moved to the next one of elastic.addr (zb.elastic.stores)."""
+
+    EVENT = "store_failover"
+    from_store: str              # the store that went silent (host:port)
+    to_store: str                # the store the run re-formed on
+    silent_s: float              # seconds the old store had not answered any of this node's clients when it moved
+    failovers: int               # this node's moves so far
+    mesh_version: int            # the world formed on the new store
+    global_world_size: int       # nodes in it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Checkpoint(Event):
     """A checkpoint written (or not: ok is false)."""
 
@@ -281,7 +294,7 @@ class Refused(Event):
     reason: str                  # the run's answer
 
 
-RECORDS: tuple[type[Event], ...] = (RunStart, Step, Eval, OuterStep, Membership, Checkpoint, Upload, Recovery,
+RECORDS: tuple[type[Event], ...] = (RunStart, Step, Eval, OuterStep, Membership, StoreFailover, Checkpoint, Upload, Recovery,
                                     Swarm, Refused)
 
 

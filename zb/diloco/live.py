@@ -30,6 +30,7 @@ from zb.ckpt.sidecar.token import read_token
 from zb.config_schema import Config
 from zb.diloco.outer import OuterState
 from zb.elastic import keys
+from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import read_many
 from zb.elastic.world import World
 from zb.errors import EnvironmentFailure
@@ -64,7 +65,8 @@ class LiveSnapshots:
         self.server = serve_in_thread(self.root, self.token, bind, port,
                                       host_option="elastic.live_reco_addr (ZERO_BAND_LIVE_RECO_ADDR)")
         bound_port = int(self.server.address.rsplit(":", 1)[1])
-        self.advertised = advertised_address(bind, bound_port, cfg.elastic.live_reco_addr, cfg.elastic.addr)
+        self.advertised = advertised_address(bind, bound_port, cfg.elastic.live_reco_addr,
+                                             shared_stores(cfg.elastic).current.host if cfg.elastic.addr else None)
         self._writer: threading.Thread | None = None
 
     def publish_address(self, store) -> None:

@@ -38,7 +38,8 @@ from zb.diloco.stripes import StripeLayout
 from zb.diloco.sync import SyncStats
 from zb.diloco.transfer import StateTransfer
 from zb.elastic import ElasticDeviceMesh, localsync
-from zb.elastic.tcpstore import connect, store_errors
+from zb.elastic.stores import shared_stores
+from zb.elastic.tcpstore import store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
 from zb.events import OuterReport, emit
 from zb.fingerprint import check_against, encode
@@ -60,7 +61,7 @@ class DilocoNode:
     `local_group` carries the control messages between the node's local ranks: a gloo group even
     on GPUs (CPU tensors, and long waits raise instead of tripping NCCL's watchdog); None alone.
     The collaborators can be passed in (the in-process fake world of the tests does): `mesh` (default
-    an ElasticDeviceMesh over the run's store), `connect` (a store client; default zb.elastic.tcpstore).
+    an ElasticDeviceMesh over the run's store), `connect` (a store client; default the current store of zb.elastic.stores).
     `work_source`, for a user that counts its own work (DiLoCo-SWARM: micro-batches a stage worker
     processed since the last outer step), makes the average weigh contributors by it, as
     diloco.round_seconds weighs them by tokens."""
@@ -148,7 +149,7 @@ class DilocoNode:
         if self._connect_store is not None:
             return self._connect_store()
         e = self.cfg.elastic
-        return connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
+        return shared_stores(e).connect(e.connect_timeout, e.store_timeout, e.namespace)
 
     def _agree(self, head_fn) -> dict:
         """Local rank 0 runs `head_fn` and shares its JSON result; an error there stops every rank."""

@@ -75,10 +75,11 @@ class Heartbeat(threading.Thread):
     """Bumps this node's counter and observes the watched nodes, every interval, until stopped."""
 
     def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], Any],
-                 watch: Callable[[], list[str]]) -> None:
+                 watch: Callable[[], list[str]], answered: Callable[[], None] = lambda: None) -> None:
+        # answered: called after each beat the store took (zb.elastic.stores times its silence by them)
         super().__init__(name="zb-heartbeat", daemon=True)
         self.uid, self.interval, self.liveness = uid, interval, liveness
-        self._connect, self._watch = connect, watch
+        self._connect, self._watch, self._answered = connect, watch, answered
         self._stop_event = threading.Event()
         self._store: Any = None        # a torch Store client of its own; None until connected, and after a failure
         self.beats = 0
@@ -109,6 +110,7 @@ class Heartbeat(threading.Thread):
                 # A machine too busy to run this thread (or a store too slow to take the beat) shows here.
                 self.worst_gap_s = max(self.worst_gap_s, now - self._last_beat)
             self._last_beat = now
+            self._answered()
             observe_counters(self._store, self.liveness, self._watch())
             self.beats += 1
             if self.outage_since is not None:

@@ -13,12 +13,17 @@
   once, and waiting for a resolution without it, or for an admission it can never get, would hang it;
 - the store going away never raises out of resolve: the node keeps its current world, logs loudly
   and retries at the next call; a restarted (empty) store gets new clients, new requests, a new seed.
+  With a next store in elastic.addr (zb.elastic.stores) the node instead waits at the boundary until
+  the store has been silent for elastic.store_failover_s, moves to the next one and re-forms the
+  world there: seeded once at least half of the last world asked to join (all of it, or half after
+  elastic.heartbeat_timeout), with the run's id, so a node never joins another run's store.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -27,21 +32,38 @@ from torch.distributed import DistStoreError
 from zb.elastic import keys
 from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
+from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.ring import RingPlanner, apply_ring_order
 from zb.elastic.store_state import Snapshot, encode_line, read_snapshot
+from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
 from zb.elastic.tcpstore import StoreUnreachable, store_errors
 from zb.elastic.world import Observation, World, next_world
-from zb.errors import EnvironmentFailure, LeavingRun
+from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
 
 log = logging.getLogger("zb.elastic")
+
+
+@dataclass
+class Quorum:
+    """When a waiting node may seed a world: `full` nodes asked to join, or at least `least` once `grace_at`
+    (monotonic) has passed."""
+
+    full: int
+    least: int
+    grace_at: float
+
+    def met(self, live: int, now: float) -> bool:
+        return live >= self.full or (live >= self.least and now >= self.grace_at)
 
 
 class Membership:
     def __init__(self, cfg, uid: str, token: str, stripes: int, liveness: Liveness,
                  connect: Callable[[], Any], before_join: Callable[[Snapshot], None] | None = None,
-                 ring_backward: bool = False) -> None:
+                 ring_backward: bool = False, stores: StoreList | None = None) -> None:
         self.cfg, self.uid, self.token, self.stripes = cfg, uid, token, stripes
+        self.stores = stores     # the run's stores (None: one, with no failover)
+        self._told_silent = False  # the store's silence was logged (once per outage)
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = RoundDeadlines.from_config(cfg)
         self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
@@ -64,27 +86,99 @@ class Membership:
 
     def _drop_store(self, e: BaseException) -> StoreUnreachable:
         self.store = None
-        log.error("STORE UNREACHABLE during resolution (%s): keeping mesh version %s, training goes on, "
-                  "retrying at the next outer step", str(e).splitlines()[0][:160], self.world and self.world.version)
+        if self._told_silent:   # once per outage: the wait at a boundary asks again every second
+            log.debug("store still unreachable: %s", str(e).splitlines()[0][:160])
+        elif self.stores is not None and self.stores.has_next:
+            log.error("STORE UNREACHABLE (%s): waiting at this boundary until it answers or has been silent for "
+                      "elastic.store_failover_s (%g s), then moving to %s", str(e).splitlines()[0][:160],
+                      self.stores.failover_s, self.stores.addresses[self.stores.index + 1])
+        else:
+            log.error("STORE UNREACHABLE during resolution (%s): keeping mesh version %s, training goes on, "
+                      "retrying at the next outer step", str(e).splitlines()[0][:160], self.world and self.world.version)
+        self._told_silent = True
         return StoreUnreachable(str(e))
 
-    # -- joining -----------------------------------------------------------------------------
-    def join(self, quorum: int, quorum_timeout: float) -> World:
-        """Register and wait for admission; raises EnvironmentFailure after elastic.store_timeout."""
+    def _answered(self) -> None:
+        self._told_silent = False
+        if self.stores is not None:
+            self.stores.answered()
+
+    # -- failover (zb.elastic.stores) ----------------------------------------------------------
+    def _or_fail_over(self, attempt: Callable[[], World]) -> World:
+        """`attempt`, and while the store is silent with a next one in elastic.addr: ask again at the boundary
+        until it answers or elastic.store_failover_s passed, then move to the next store and re-form the world
+        there (a silent next store is waited for and left the same way). Raises StoreUnreachable when there
+        is no next store: the caller trains on with the old world."""
+        while True:
+            try:
+                return attempt()
+            except StoreUnreachable:
+                if self.stores is None:
+                    raise
+            stores = self.stores
+            action = boundary_action(stores.silent_s(), stores.failover_s, stores.has_next)
+            if action == TRAIN_ON:
+                raise StoreUnreachable(f"store {stores.current} does not answer")
+            if action == MOVE:
+                stores.move()
+                self.store, attempt = None, self._reform
+            else:
+                time.sleep(min(10 * self.cfg.polling_interval, 1.0))
+
+    def _reform(self) -> World:
+        """At the store this node just moved to: join the world the run re-formed there, or seed it."""
+        last = self.world
         try:
             store = self.ensure_store()
             snap = read_snapshot(store, None)
+        except store_errors() as e:
+            raise self._drop_store(e) from None
+        my_run = last.run if last else ""
+        if arrival(my_run, snap.world.run if snap.world else None) == OTHER_RUN:
+            assert snap.world is not None
+            raise EnvironmentFailure(f"the next store, {self.stores.current if self.stores else '?'}, holds another "
+                                     f"run (run id {snap.world.run}, this run's is {my_run}): a standby store of "
+                                     "elastic.addr must serve this run alone (or use another elastic.namespace)")
+        size = len(last.nodes) if last else 1
+        quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout)
+        return self._join(quorum)
+
+    # -- joining -----------------------------------------------------------------------------
+    def join(self, quorum: int, quorum_timeout: float) -> World:
+        """Register and wait for admission; raises EnvironmentFailure after elastic.store_timeout (with a
+        next store: moves there when this one stays silent)."""
+        seed = Quorum(full=quorum, least=1, grace_at=time.monotonic() + quorum_timeout)
+        return self._or_fail_over(lambda: self._join(seed))
+
+    # -- joining -----------------------------------------------------------------------------
+    def _join(self, quorum: Quorum) -> World:
+        try:
+            store = self.ensure_store()
+            self._check_same_stores(store)
+            snap = read_snapshot(store, None)
+            self._answered()
             if snap.world is not None and self._before_join is not None:
                 self._reachable_before_join(store, snap)
             last = self.world
             store.append(keys.JOINS, encode_line({
                 "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
                 "last_version": last.version if last else 0,
-                "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes}))
-            self.world = self._wait_admitted(quorum, time.monotonic() + quorum_timeout)
+                "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes,
+                "run": last.run if last else ""}))
+            self.world = self._wait_admitted(quorum)
             return self.world
         except store_errors() as e:
             raise self._drop_store(e) from None
+
+    def _check_same_stores(self, store) -> None:
+        """Every node of a run names the same stores in the same order: else they would fail over apart."""
+        if self.stores is None or len(self.stores.addresses) < 2:
+            return
+        mine = self.stores.text
+        held = store.compare_set(keys.STORES, "", mine).decode()
+        if held != mine:
+            raise InvalidInput(f"elastic.addr (GLOBAL_ADDR) names the stores {mine} but the run's nodes name {held}: "
+                               "every node must list the same stores in the same order")
 
     def _reachable_before_join(self, store, snap: Snapshot) -> None:
         """A first join fails at once on an unreachable member (a misconfigured network). A rejoin (this
@@ -113,10 +207,11 @@ class Membership:
             if snap.world is None:
                 return
 
-    def _wait_admitted(self, quorum: int, quorum_deadline: float) -> World:
+    def _wait_admitted(self, quorum: Quorum) -> World:
         give_up = time.monotonic() + self.cfg.store_timeout
         while time.monotonic() < give_up:
             snap = read_snapshot(self.store, None)
+            self._answered()
             self._check_not_leaving(snap)
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
@@ -125,7 +220,7 @@ class Membership:
                 raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
                                          f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
             self._observe(snap, world)
-            if self._may_seed(world, snap, quorum, quorum_deadline):
+            if self._may_seed(world, snap, quorum):
                 self._seed(world, snap)
             time.sleep(self.cfg.polling_interval)
         raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
@@ -136,16 +231,18 @@ class Membership:
         uids = {r.uid for r in snap.joins[cursor:] if r.uid} | set(world.nodes if world else [])
         observe_counters(self.store, self.liveness, sorted(uids))
 
-    def _may_seed(self, world: World | None, snap: Snapshot, quorum: int, quorum_deadline: float) -> bool:
+    def _may_seed(self, world: World | None, snap: Snapshot, quorum: Quorum) -> bool:
         """With no world, or one whose members are all out (a whole run restarted against a store that
-        outlived it), once the quorum asked to join or its deadline passed: as a fresh store would."""
+        outlived it), once the quorum asked to join: as a fresh store would."""
         if world is not None and not members_all_out(world, snap, self.liveness):
             return False
         live = {r.uid for r in admissible_joiners(world or World(stripes=self.stripes), snap, self.liveness)}
-        return len(live) >= quorum or time.monotonic() >= quorum_deadline
+        return quorum.met(len(live), time.monotonic())
 
     def _seed(self, world: World | None, snap: Snapshot) -> None:
-        base = world or World(stripes=self.stripes)
+        # The run's id goes on from the newest world any joiner was in; a run's first world gets a new one.
+        runs = sorted((r.last_version, r.run) for r in snap.joins if r.run)
+        base = world or World(stripes=self.stripes, run=runs[-1][1] if runs else new_token())
         joiners = admissible_joiners(base, snap, self.liveness)
         obs = Observation(answered=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
                           join_end=len(snap.joins))
@@ -170,7 +267,8 @@ class Membership:
 
     # -- resolving -----------------------------------------------------------------------------
     def resolve(self) -> World:
-        """The next world (this node in it); raises StoreUnreachable if the store cannot be reached.
+        """The next world (this node in it); raises StoreUnreachable if the store cannot be reached (with a
+        next store: only if it cannot be reached either).
 
         A client that fails is re-created once at once: a store restarted at the same address is
         then used in the same call instead of one outer step later.
@@ -178,12 +276,13 @@ class Membership:
         try:
             return self._resolve()
         except StoreUnreachable:
-            return self._resolve()
+            return self._or_fail_over(self._resolve)
 
     def _resolve(self) -> World:
         try:
             store = self.ensure_store()
             snap = read_snapshot(store, None)
+            self._answered()
             self._check_not_leaving(snap)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
@@ -199,7 +298,7 @@ class Membership:
             if self.heartbeat is not None and "evicted" in why else ""
         log.warning("rejoining (%s); last mesh version %d%s", why, self.world.version if self.world else 0, hint)
         quorum = len(self.world.nodes) if self.world else 1
-        return self.join(quorum=quorum, quorum_timeout=self.cfg.sync_deadline)
+        return self._join(Quorum(full=quorum, least=1, grace_at=time.monotonic() + self.cfg.sync_deadline))
 
     def _roll_call(self, world: World) -> World:
         self.store.append(keys.roll_call(world.resolution), encode_line({

@@ -25,7 +25,8 @@ from zb.elastic.membership import Membership
 from zb.elastic.probe import ProbeListener, check_peers, gloo_address, reachable, unreachable_peers
 from zb.elastic.ring import check_link_matrix, publish_link_matrix
 from zb.elastic.store_state import Snapshot
-from zb.elastic.tcpstore import StoreUnreachable, connect, read_many, store_errors
+from zb.elastic.stores import shared_stores
+from zb.elastic.tcpstore import StoreUnreachable, read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
 
@@ -68,6 +69,8 @@ class ElasticDeviceMesh:
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
         self._hosted: Any = None         # the store object when this node hosts it (elastic.host_store)
+        self.stores = shared_stores(cfg)  # elastic.addr: the run's store, or the list it fails over along
+        self._failovers_told = 0       # store_failover events emitted
         self.rebuild_s = 0.0           # seconds the last global group rebuild took
 
     def use_stripes(self, stripes: int) -> None:
@@ -128,17 +131,15 @@ class ElasticDeviceMesh:
 
     # -- local rank 0 --------------------------------------------------------------------------
     def host_store_if_asked(self) -> None:
-        """With elastic.host_store, host the run's store in this process (once): before anything of
-        this node talks to the store, which it is itself."""
+        """With elastic.host_store, host a store of the run in this process (once): before anything of
+        this node talks to the store, which may be itself."""
         if self.cfg.host_store and self._hosted is None:
             from zb.elastic.storehost import host_in_worker
 
-            self._hosted = host_in_worker(self.cfg.addr or "127.0.0.1", self.cfg.port)
+            self._hosted = host_in_worker(self.stores.addresses)
 
     def _connect(self):
-        client = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self._connect_timeout, self.cfg.store_timeout,
-                         self.cfg.namespace)
-        return client
+        return self.stores.connect(self._connect_timeout, self.cfg.store_timeout, self.cfg.namespace)
 
     def _start_head(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -155,7 +156,8 @@ class ElasticDeviceMesh:
         self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
         liveness = Liveness(cfg.heartbeat_timeout)
         self._membership = Membership(cfg, uid, token, self.stripes, liveness, self._connect,
-                                      before_join=self._check_reachable, ring_backward=self.ring_backward)
+                                      before_join=self._check_reachable, ring_backward=self.ring_backward,
+                                      stores=self.stores)
         self._membership.store, self._membership.store_epoch = store, 1
         self._start_threads(uid, token, liveness, store)
         try:
@@ -171,7 +173,8 @@ class ElasticDeviceMesh:
         self._probe.start()
         store.set(keys.probe(uid), self._probe.endpoint)
         members = lambda: list(self._head.world.nodes) if self._head.world else []  # noqa: E731
-        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members)
+        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members,
+                                    answered=self.stores.answered)
         self._head.heartbeat = self._heartbeat
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
@@ -198,7 +201,8 @@ class ElasticDeviceMesh:
     def _payload(self, world, store_ok: bool) -> dict[str, Any]:
         m = self._head
         changed = self.view is None or world.version != self.view.mesh_version or not self._built
-        view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch)
+        view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch,
+                            store_index=self.stores.index)
         return view.to_dict()
 
     def _unreachable_members(self, world) -> set[str]:
@@ -262,6 +266,8 @@ class ElasticDeviceMesh:
             self._follower_setup(view)
         if view.changed or not self._built:
             self._rebuild(view)
+        if self.local_rank == 0:
+            self._tell_failovers(view)
         if self.local_rank == 0 and (self.view is None or view.mesh_version != self.view.mesh_version):
             self._emit(view)
         self.view = view
@@ -269,8 +275,8 @@ class ElasticDeviceMesh:
 
     def _follower_setup(self, view: WorldView) -> None:
         if self._store is None or view.store_epoch != self._store_epoch:
-            self._store = connect(self.cfg.addr or "127.0.0.1", self.cfg.port, self.cfg.connect_timeout,
-                                  self.cfg.store_timeout, self.cfg.namespace)
+            self.stores.follow(view.store_index)
+            self._store = self.stores.connect(self.cfg.connect_timeout, self.cfg.store_timeout, self.cfg.namespace)
             self._store_epoch = view.store_epoch
         if self._deathrattle is None:
             self._deathrattle = Deathrattle(view.uid, view.token, lambda: self._store)
@@ -309,6 +315,16 @@ class ElasticDeviceMesh:
     def _merge_local_failures(self) -> None:
         size = self.view.global_world_size if self.view else 0
         self._failed, self._suspects = localsync.merge_failures(self.local_group, size, self._failed, self._suspects)
+
+    def _tell_failovers(self, view: WorldView) -> None:
+        """One store_failover event per move of this node to the next store (zb.elastic.stores)."""
+        for moved in self.stores.failovers[self._failovers_told:]:
+            self._failovers_told += 1
+            if self.sink is not None:
+                events.emit(self.sink, events.StoreFailover(
+                    from_store=moved.from_store, to_store=moved.to_store, silent_s=moved.silent_s,
+                    failovers=self._failovers_told, mesh_version=view.mesh_version,
+                    global_world_size=view.global_world_size))
 
     def _emit(self, view: WorldView) -> None:
         old_leader = self.view.leader if self.view else None

@@ -6,7 +6,9 @@ import logging
 import socket
 from typing import Callable
 
-from zb.elastic.tcpstore import host, is_public
+from zb.addresses import StoreAddress
+from zb.elastic.tcpstore import NotHostable, host, is_public
+from zb.errors import EnvironmentFailure
 from zb.stop_signals import StopSignals
 
 log = logging.getLogger("zb.elastic")
@@ -32,8 +34,22 @@ def serve(bind: str, port: int, ready: Callable[[dict], None]) -> None:
         del store
 
 
-def host_in_worker(bind: str, port: int):
-    """A worker hosting the store itself (Prime style): returns the store; keep it alive."""
-    log.warning("this node hosts the global store itself (elastic.host_store): it is a single point of "
-                "failure; prefer a separate `zb store` process")
-    return host(bind, port)
+def host_in_worker(addresses: list[StoreAddress]):
+    """A worker hosting a store of the run itself (elastic.host_store): the first entry of elastic.addr this
+    machine can bind (an entry another store holds, or that names another machine, is skipped), so with a
+    list a node can host a standby for the run to fail over to. Returns the store; keep it alive."""
+    for address in addresses:
+        try:
+            store = host(address.host, address.port)
+        except NotHostable:
+            continue
+        if len(addresses) == 1:
+            log.warning("this node hosts the global store itself (elastic.host_store): it is a single point of "
+                        "failure; prefer a separate `zb store` process, or name a standby after it in elastic.addr")
+        else:
+            log.warning("this node hosts the store %s of elastic.addr (elastic.host_store, %d of %d)", address,
+                        addresses.index(address) + 1, len(addresses))
+        return store
+    raise EnvironmentFailure(f"elastic.host_store: no store of elastic.addr ({', '.join(map(str, addresses))}) can be "
+                             "hosted here (each one is taken, or names another machine); name a free address of "
+                             "this machine in the list")

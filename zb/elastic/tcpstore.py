@@ -25,6 +25,11 @@ class StoreUnreachable(EnvironmentFailure):
     """No store answers at the address (yet): at start a clear error, later a retry."""
 
 
+class NotHostable(EnvironmentFailure):
+    """The address is taken (another store) or not one of this machine's: a node hosting a store of a list
+    tries the next entry (zb.elastic.storehost)."""
+
+
 def store_errors() -> tuple[type[BaseException], ...]:
     """Exceptions meaning "the store is unreachable or too slow" (not a bug)."""
     import torch.distributed as dist
@@ -98,7 +103,8 @@ def _listen(addr: str, port: int) -> socket.socket:
         sock.listen(socket.SOMAXCONN)
     except OSError as e:
         sock.close()
-        raise EnvironmentFailure(_bind_message(addr, port, e)) from None
+        failure = NotHostable if e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL) else EnvironmentFailure
+        raise failure(_bind_message(addr, port, e)) from None
     return sock
 
 

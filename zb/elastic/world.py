@@ -25,6 +25,7 @@ class World:
     left: list[str] = field(default_factory=list)     # said goodbye (deathrattle)
     died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
     ring_mbps: float | None = None         # slowest hop of the ring when nodes are in measured ring order (zb.elastic.ring)
+    run: str = ""                          # the run's id: set by its first world, kept through store failovers
 
     @property
     def leader(self) -> str | None:
@@ -58,6 +59,7 @@ class JoinRequest:
     last_version: int = 0      # mesh version of the last world this node was in (0: new)
     last_rank: int = 0         # its rank there
     stripes: int = 1
+    run: str = ""              # id of the run of the last world this node was in ("" for a new node)
 
     def sort_key(self) -> tuple:
         # Nodes of the newest world first, in their old order (a store restart keeps ranks),
@@ -93,7 +95,7 @@ def next_world(old: World, obs: Observation) -> World:
     newest = max([old.version] + [r.last_version for r in admitted])
     changed = nodes != old.nodes or tokens != old.tokens or obs.failure or newest > old.version
     return World(version=newest + 1 if changed else old.version, resolution=old.resolution + 1, nodes=nodes,
-                 tokens=tokens, join_cursor=obs.join_end, stripes=old.stripes,
+                 tokens=tokens, join_cursor=obs.join_end, stripes=old.stripes, run=old.run,
                  joined=_needs_state(keep, admitted), left=left, died=died)
 
 

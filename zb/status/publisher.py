@@ -19,7 +19,8 @@ import time
 from typing import Any, Callable
 
 from zb.elastic import keys
-from zb.elastic.tcpstore import connect, store_errors
+from zb.elastic.stores import StoreList, shared_stores
+from zb.elastic.tcpstore import store_errors
 from zb.errors import ZbError
 from zb.status.record import NodeStatus, encode
 
@@ -42,9 +43,9 @@ def publish_status(sink, cfg, *, is_head: bool):
     first = "recovering" if cfg.ckpt.live_recovery and not cfg.diloco.blocking_join else "joining"
     status = NodeStatus(e.unique_id, state=first, total_steps=cfg.train.max_steps or cfg.optim.total_steps,
                         heartbeat_interval=e.heartbeat_interval, heartbeat_timeout=e.heartbeat_timeout)
-    addr, port = e.addr or "127.0.0.1", e.port
-    publisher = StatusPublisher(status, lambda: connect(addr, port, min(2.0, e.status_interval), OP_TIMEOUT_S),
-                                e.status_interval)
+    stores = shared_stores(e)
+    publisher = StatusPublisher(status, lambda: stores.connect(min(2.0, e.status_interval), OP_TIMEOUT_S),
+                                e.status_interval, stores=stores)
     publisher.start()
     # A node that fails before its training run owns the sink (building the model, say) still says "left".
     atexit.register(publisher.close)
@@ -73,10 +74,11 @@ class StatusSink:
 
 
 class StatusPublisher(threading.Thread):
-    def __init__(self, status: NodeStatus, connect_fn: Callable[[], Any], interval: float) -> None:
+    def __init__(self, status: NodeStatus, connect_fn: Callable[[], Any], interval: float,
+                 stores: StoreList | None = None) -> None:
         super().__init__(name="zb-status", daemon=True)
         self.status, self.interval = status, interval
-        self._connect = connect_fn
+        self._connect, self._stores = connect_fn, stores
         self._wake, self._closing = threading.Event(), threading.Event()
         self._store: Any = None         # a torch Store client; None until connected, and after a failure
         self._history_written = -1
@@ -108,6 +110,8 @@ class StatusPublisher(threading.Thread):
 
     def _publish(self) -> None:
         record, history, version = self.status.snapshot()
+        if self._stores is not None:   # the store this node is on, and how often the run moved it along elastic.addr
+            record.update(store=str(self._stores.current), failovers=len(self._stores.failovers))
         uid = record["uid"]
         try:
             if self._store is None:

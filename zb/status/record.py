@@ -39,6 +39,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "wire_mbps": (float, int), "wire_bytes": (int,), "num_peers": (int,), "started": (float, int),
     "time": (float, int), "heartbeat_interval": (float, int), "heartbeat_timeout": (float, int),
     "steps_per_s": (float, int), "history_version": (int,), "reason": (str,), "compression": (str,),
+    "store": (str,), "failovers": (int,),
 }
 
 
@@ -152,6 +153,9 @@ class NodeStatus:
         """The run refused this node (its settings differ from the run's, say): it ends, not `left`."""
         self._record.update(state="refused", reason=str(r.get("reason") or "")[:300])
         return True
+
+    def _on_store_failover(self, r: dict) -> bool:
+        return True   # published at once, to the store the node moved to (the publisher adds which)
 
     def _on_recovery(self, r: dict) -> bool:
         self._record["state"] = "joining"          # the outer state is here; admission comes next

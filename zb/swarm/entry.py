@@ -55,10 +55,10 @@ def pick_stage(cfg: Config) -> int:
     if stage is not None and stage < sw.stages:
         log.info("stage %d: the stage of the checkpoint this worker resumes", stage)
         return stage
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.stores import shared_stores
 
     e = cfg.elastic
-    store = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
+    store = shared_stores(e).connect(e.connect_timeout, e.store_timeout, e.namespace)
     stage = registry.choose_stage(store, sw.stages)
     log.info("the store chose stage %d for this worker (least measured throughput)", stage)
     return stage

@@ -188,11 +188,12 @@ class StageWorker:
     def store_link(self) -> registry.StoreLink:
         """The swarm's store client: the first connection waits elastic.connect_timeout (the store must be
         there at start), reconnections after an outage try for a second at a time."""
-        from zb.elastic.tcpstore import connect
+        from zb.elastic.stores import shared_stores
 
         e = self.cfg.elastic
-        first = connect(e.addr or "127.0.0.1", e.port, e.connect_timeout, e.store_timeout, e.namespace)
-        link = registry.StoreLink(lambda: connect(e.addr or "127.0.0.1", e.port, 1.0, e.store_timeout, e.namespace))
+        stores = shared_stores(e)
+        first = stores.connect(e.connect_timeout, e.store_timeout, e.namespace)
+        link = registry.StoreLink(lambda: stores.connect(1.0, e.store_timeout, e.namespace))
         link.client = first
         return link
 

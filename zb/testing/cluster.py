@@ -57,7 +57,9 @@ class Cluster:
         self.env = subprocess_env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(self.port), **PROFILE)
         self.env.update(env)
         self.nodes: dict[str, Node] = {}
-        self.store: subprocess.Popen | None = None
+        self.store: subprocess.Popen | None = None      # the `zb store` at self.port
+        self.standby_ports: list[int] = []               # later addresses of elastic.addr (add_standby)
+        self.standbys: dict[int, subprocess.Popen] = {}  # `zb store` processes at those
         self.hosted = None
 
     # -- processes --------------------------------------------------------------------------
@@ -67,15 +69,31 @@ class Cluster:
 
         self.hosted = host("127.0.0.1", self.port)
 
-    def start_store(self) -> None:
-        self.store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(self.port)], env=self.env,
-                                      stdout=subprocess.DEVNULL, stderr=open(self.tmp / "store.err", "a"), cwd=REPO)
-        wait_listening(self.port, 60)
+    def add_standby(self) -> int:
+        """One more store address after the others in GLOBAL_ADDR (elastic.addr's failover list); returns its
+        port. Nothing listens there until start_store(port) or a node hosts it (elastic.host_store)."""
+        self.standby_ports.append(free_port())
+        self.env["GLOBAL_ADDR"] = ",".join(f"127.0.0.1:{p}" for p in [self.port, *self.standby_ports])
+        return self.standby_ports[-1]
 
-    def kill_store(self) -> None:
-        assert self.store is not None, "start_store() first"
-        self.store.kill()
-        self.store.wait(10)
+    def start_store(self, port: int | None = None) -> subprocess.Popen:
+        """A `zb store` at self.port (or at a standby's `port`)."""
+        port = port or self.port
+        proc = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(port)], env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"store-{port}.err", "a"), cwd=REPO)
+        wait_listening(port, 60)
+        if port == self.port:
+            self.store = proc
+        else:
+            self.standbys[port] = proc
+        return proc
+
+    def kill_store(self, port: int | None = None) -> None:
+        """SIGKILL the `zb store` at self.port (or at a standby's `port`)."""
+        store = self.store if port in (None, self.port) else self.standbys[port]
+        assert store is not None, "start_store() first"
+        store.kill()
+        store.wait(10)
 
     def start(self, uid: str, rank: int = 0, world_size: int = 1, *args: str, nproc: int = 0, **env: str) -> Node:
         out, err = self.tmp / f"{uid}.{len(self.nodes)}.out", self.tmp / f"{uid}.{len(self.nodes)}.err"
@@ -98,9 +116,10 @@ class Cluster:
                 node.proc.kill()
             node.proc.wait(10)
         self.hosted = None
-        if self.store is not None and self.store.poll() is None:
-            self.store.kill()
-            self.store.wait(10)
+        for store in [self.store, *self.standbys.values()]:
+            if store is not None and store.poll() is None:
+                store.kill()
+                store.wait(10)
 
     # -- what the survivors agree on ----------------------------------------------------------
     def agreement(self, nodes: list[Node], size: int, after: float = 0.0, timeout: float = 60.0,

@@ -1,0 +1,208 @@
+"""The run's stores: elastic.addr names one, or an ordered list the run fails over along.
+
+`GLOBAL_ADDR=host[:port],host[:port]` (GLOBAL_PORT is the port of an entry without one). One store
+is current at a time. When it has not answered for elastic.store_failover_s, every node moves to the
+next address and the run re-forms there (zb.elastic.membership). The rules are pure functions here,
+tested in-process:
+- `parse_stores`: the list, with one line for an empty entry, a bad port or a store named twice;
+- `start_index`: a starting node goes to the latest address that holds this run's world (a store
+  the run failed over to), else to the first that answers; a store that came back empty after the
+  run moved on is thus never chosen over the one the run is on;
+- `boundary_action`: what a node does at an outer step whose store does not answer: train on the
+  old world (one address), wait for the store at the boundary, or move;
+- `arrival`: what a node does at a store it moved to (re-form, join, or refuse another run);
+- `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store.
+
+Moves go forward only: a node never goes back to an earlier address, so a store that comes back
+after the failover is ignored by every node of the run.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from zb.addresses import StoreAddress, parse_stores
+
+log = logging.getLogger("zb.elastic")
+
+def start_index(holds_run: list[bool | None]) -> int | None:
+    """Where a starting node goes, from what each address held when asked (None: did not answer; True:
+    this run's world; False: answered, no world of this run): the latest address holding the run's world,
+    else the first that answered; None when none answered."""
+    holding = [i for i, held in enumerate(holds_run) if held]
+    if holding:
+        return holding[-1]
+    answered = [i for i, held in enumerate(holds_run) if held is not None]
+    return answered[0] if answered else None
+
+
+TRAIN_ON, WAIT, MOVE = "train on", "wait", "move"
+
+
+def boundary_action(silent_s: float, failover_s: float, has_next: bool) -> str:
+    """At an outer step whose store did not answer, after `silent_s` s without an answer from it:
+    - one address (no next store): train on with the old world and try again at the next outer step;
+    - a next store: wait at the boundary, asking the store again, until it has been silent for
+      elastic.store_failover_s, then move. Every node waits the same way, so nodes that reach the boundary
+      seconds apart still move together instead of one training on with a world the others left."""
+    if not has_next:
+        return TRAIN_ON
+    return MOVE if silent_s >= failover_s else WAIT
+
+
+REFORM, JOIN, OTHER_RUN = "re-form", "join", "another run"
+
+
+def arrival(my_run: str, store_run: str | None) -> str:
+    """At the store a node moved to, given the run id of the world it holds (None: no world yet):
+    re-form the world there (the first nodes to arrive seed it), join the world the others formed
+    there already, or refuse a store that holds another run (it must never mix two runs' nodes)."""
+    if store_run is None:
+        return REFORM
+    if my_run and store_run and store_run != my_run:
+        return OTHER_RUN
+    return JOIN
+
+
+def reform_quorum(last_world_size: int) -> int:
+    """Nodes of the last world that must arrive before the world re-forms at a new store: at least half,
+    so no node trains alone in a minority that lost the others on the way (a partition)."""
+    return max(1, (last_world_size + 1) // 2)
+
+
+@dataclass
+class Failover:
+    """One move of this node to the next store."""
+
+    from_store: str
+    to_store: str
+    silent_s: float        # seconds the old store had not answered any of this node's clients
+    index: int             # position of the new store in elastic.addr
+
+
+@dataclass
+class StoreList:
+    """The stores of one node process and which one is current: every client of the process (membership,
+    heartbeat, goodbyes, status, the DiLoCo node's writes) connects through it, so all follow a move."""
+
+    addresses: list[StoreAddress]
+    failover_s: float = 30.0
+    index: int = 0
+    failovers: list[Failover] = field(default_factory=list)
+    _last_answer: float = field(default_factory=time.monotonic)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _start_lock: threading.Lock = field(default_factory=threading.Lock)
+    _started: bool = False
+
+    @property
+    def current(self) -> StoreAddress:
+        return self.addresses[self.index]
+
+    @property
+    def has_next(self) -> bool:
+        return self.index + 1 < len(self.addresses)
+
+    @property
+    def text(self) -> str:
+        """The list as every node of the run must name it (checked at join)."""
+        return ",".join(str(a) for a in self.addresses)
+
+    def answered(self) -> None:
+        """A client of this process got an answer from the current store."""
+        with self._lock:
+            self._last_answer = time.monotonic()
+
+    def silent_s(self) -> float:
+        with self._lock:
+            return time.monotonic() - self._last_answer
+
+    def move(self) -> Failover:
+        """Make the next address current (forward only)."""
+        with self._lock:
+            assert self.index + 1 < len(self.addresses), "move() only with a next store"
+            silent = time.monotonic() - self._last_answer
+            self.index += 1
+            self._last_answer = time.monotonic()   # the new store gets its own elastic.store_failover_s
+            moved = Failover(str(self.addresses[self.index - 1]), str(self.current), round(silent, 3), self.index)
+            self.failovers.append(moved)
+        log.warning("store %s silent for %.1f s: moving the run to the next store, %s (%d of %d in elastic.addr)",
+                    moved.from_store, silent, moved.to_store, self.index + 1, len(self.addresses))
+        return moved
+
+    def follow(self, index: int) -> None:
+        """A local rank takes the store its node's head is on (never an earlier one)."""
+        with self._lock:
+            self.index = max(self.index, min(index, len(self.addresses) - 1))
+            self._started = True
+
+    def connect(self, connect_timeout: float, op_timeout: float, namespace: str = "") -> Any:
+        """A client of the current store (the first call of a process with several stores picks where to start)."""
+        from zb.elastic.tcpstore import connect
+
+        if not self._started:
+            self._start(connect_timeout, namespace)
+        address = self.current
+        client = connect(address.host, address.port, connect_timeout, op_timeout, namespace)
+        self.answered()
+        return client
+
+    def _start(self, connect_timeout: float, namespace: str) -> None:
+        """Ask every store what it holds and start where `start_index` says; a store that does not answer is
+        warned about once (the run goes on without it until it answers); none answering within
+        `connect_timeout` is the usual "store unreachable" failure of the connect that follows."""
+        with self._start_lock:
+            if self._started:
+                return
+            if len(self.addresses) > 1:
+                deadline = time.monotonic() + connect_timeout
+                while True:
+                    held = [_holds_world(a, namespace) for a in self.addresses]
+                    index = start_index(held)
+                    if index is not None or time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.5)
+                for address, h in zip(self.addresses, held):
+                    if h is None and index is not None:
+                        log.warning("store %s of elastic.addr does not answer: the run goes on without it (a failover "
+                                    "to it waits for it like any silent store)", address)
+                if index is None:
+                    return   # none answers: the connect that follows says so; the next one asks again
+                self.index = index
+                if index > 0:
+                    log.info("starting on store %s: it holds the run's world (the run failed over to it)", self.current)
+            self._started = True
+
+
+def _holds_world(address: StoreAddress, namespace: str) -> bool | None:
+    """Whether the store at `address` holds a world under `namespace` (None: it does not answer)."""
+    import socket
+
+    from zb.elastic import keys
+    from zb.elastic.tcpstore import connect, read_many, store_errors
+    from zb.errors import ZbError
+
+    try:
+        socket.create_connection((address.host, address.port), timeout=2.0).close()
+        client = connect(address.host, address.port, 2.0, 5.0, namespace)
+        return bool(read_many(client, [keys.WORLD])[0])
+    except store_errors() + (ZbError,):
+        return None
+
+
+_shared: dict[tuple, StoreList] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_stores(cfg) -> StoreList:
+    """The process's StoreList for elastic config `cfg` (made on first use): one per process, since a node is
+    one process (its other local ranks are processes of their own and follow their head's view)."""
+    addresses = parse_stores(cfg.addr or "127.0.0.1", cfg.port)
+    key = (tuple(addresses), cfg.namespace)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = StoreList(addresses, cfg.store_failover_s)
+        return _shared[key]
