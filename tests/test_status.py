@@ -264,7 +264,7 @@ def test_an_unreachable_store_is_logged_once_and_retried(caplog, store):
 
 
 # -- the reader ----------------------------------------------------------------------------------
-def _node(store, uid: str, **fields) -> None:
+def _node(store, uid: str, /, **fields) -> None:
     rec = {"format": 1, "uid": uid, "state": "training", "host": "h-" + uid, "device": "cpu", "local_world_size": 1,
            "heartbeat_interval": 0.05, "heartbeat_timeout": 0.6, "total_steps": 100, "time": time.time(), **fields}
     store.append(keys.STATUS_INDEX, uid + "\n")
@@ -572,9 +572,13 @@ def test_report_refusals(tmp_path):
     (["--store", "127.0.0.1:1", "--interval", "5"], 2, "--interval goes with --watch or --serve"),
     (["--from", "tests", "--timeout", "5"], 2, "--timeout has no effect with --from"),
     (["--from", "tests", "--json", "--out", "r.html"], 2, "--out and --force have no effect with --json"),
+    (["--store", "127.0.0.1:PORT,,127.0.0.1:1"], 2, "has an empty entry"),
+    (["--store", "127.0.0.1:1,127.0.0.1:2,127.0.0.1:1"], 2, "names the store 127.0.0.1:1 twice"),
+    (["--store", "127.0.0.1:1,nohostport"], 2, "--store 'nohostport': expected HOST:PORT"),
+    (["--store", "127.0.0.1:PORT,127.0.0.1:PORT2", "--timeout", "0.5"], 1, "unreachable after 0.5 s"),
 ])
 def test_bad_invocations_are_one_line(args, code, message):
-    args = [a.replace("PORT", str(free_port())) for a in args]
+    args = [a.replace("PORT2", str(free_port())).replace("PORT", str(free_port())) for a in args]
     proc = zb_process("status", *args, timeout=60)
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
@@ -691,3 +695,113 @@ def test_a_refused_node_publishes_refused_with_its_reason_not_left():
     plain = NodeStatus("n", state="training", total_steps=10, heartbeat_interval=1.0, heartbeat_timeout=5.0)
     plain.end()
     assert plain.snapshot()[0]["state"] == "left"
+
+
+# -- several stores (elastic.addr's failover list) ----------------------------------------------------
+def _failed_over_run(second) -> str:
+    """A run that moved to `second`: its world and records are there (each node moved once); its address."""
+    where = f"127.0.0.1:{second.port}"
+    _world(second, ["a", "b"])
+    _node(second, "a", step=20, store=where, failovers=1)
+    _node(second, "b", step=20, store=where, failovers=1)
+    _node(second, "late", state="left", store=where, failovers=0)
+    _beat(second, "a", "b", "late")
+    return where
+
+
+def test_status_reads_the_store_the_run_failed_over_to(store):
+    first = host("127.0.0.1", 0)              # answers, holds no run (it came back empty, say)
+    b = _failed_over_run(store)
+    a = f"127.0.0.1:{first.port}"
+    proc = zb_process("status", "--store", f"{a},{b}", "--json", timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["source"] == b and doc["stores"]["current"] == b and doc["stores"]["failovers"] == 1
+    assert doc["stores"]["list"] == [{"address": a, "answers": True, "holds_run": False, "current": False},
+                                     {"address": b, "answers": True, "holds_run": True, "current": True}]
+    nodes = {n["uid"]: n for n in doc["nodes"]}
+    assert nodes["a"]["store"] == b and nodes["a"]["failovers"] == 1 and nodes["late"]["failovers"] == 0
+
+
+def test_a_store_of_the_list_that_does_not_answer_is_listed_not_fatal(store):
+    b = _failed_over_run(store)
+    silent = f"127.0.0.1:{free_port()}"      # nothing listens there
+    proc = zb_process("status", "--store", f"{silent},{b}", "--timeout", "5", timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert f"store {b} (current; 1 failover so far; {silent} does not answer)" in proc.stdout
+    assert proc.stdout.count("store 127.0.0.1") == 1 and f"run on {b}: mesh v3, 2 node(s)" in proc.stdout
+
+
+def test_open_reader_picks_as_a_starting_node_does(store):
+    from zb.addresses import StoreAddress
+    from zb.status.reader import open_reader
+
+    first = host("127.0.0.1", 0)
+    a, b = StoreAddress("127.0.0.1", first.port), StoreAddress("127.0.0.1", store.port)
+    silent = StoreAddress("127.0.0.1", free_port())
+    reader = open_reader([a, b], 5.0)
+    assert reader.where == str(a), "no world anywhere: the first that answers"
+    assert [s["holds_run"] for s in reader.stores] == [False, False] and reader.several
+    _world(first, ["x"])
+    _world(store, ["a"])
+    assert open_reader([a, b], 5.0).where == str(b), "the latest holding a world: the run moved there"
+    assert open_reader([b, a], 5.0).where == str(a), "order is the list's, not the ports'"
+    started = time.monotonic()
+    reader = open_reader([silent, b], 5.0)
+    assert reader.where == str(b) and time.monotonic() - started < 4, "a refused port does not answer, at once"
+    assert [s["answers"] for s in reader.stores] == [False, True]
+    with pytest.raises(EnvironmentFailure, match="unreachable after 0.5 s"):
+        open_reader([silent, StoreAddress("127.0.0.1", free_port())], 0.5)
+    single = open_reader([b], 5.0)
+    assert not single.several and single.read()["stores"] == {
+        "current": str(b), "failovers": 0, "list": [{"address": str(b), "answers": True, "holds_run": True,
+                                                      "current": True}]}
+
+
+def test_a_dashboard_that_finds_no_run_on_its_store_picks_again(store):
+    from zb.addresses import StoreAddress
+    from zb.status.reader import open_reader
+
+    first = host("127.0.0.1", 0)
+    a, b = StoreAddress("127.0.0.1", first.port), StoreAddress("127.0.0.1", store.port)
+    _world(first, ["x"])
+    board = Dashboard(listen("127.0.0.1", 0), lambda: open_reader([a, b], 5.0), 30.0, f"{a},{b}")
+    try:
+        board.sample()
+        assert board.document()["source"] == str(a)
+        first.delete_key(keys.WORLD)             # the store the run was on came back empty ...
+        _failed_over_run(store)                  # ... and the run is on the next one
+        board.sample()
+        assert "error" in board.document() and board._reader is None, "no run there: the next refresh picks again"
+        board.sample()
+        doc = board.document()
+        assert doc["source"] == str(b) and doc["stores"]["failovers"] == 1 and "error" not in doc
+    finally:
+        board._server.server_close()     # never started: nothing to shut down but its socket
+
+
+def test_the_stores_line_only_when_there_is_something_to_say():
+    import io
+
+    from rich.console import Console
+
+    from zb.cli.status import status_table, status_view, stores_line
+
+    def doc(listed, failovers, current="s2:1"):
+        return {"source": current, "run": {}, "nodes": [],
+                "stores": {"current": current, "failovers": failovers,
+                           "list": [{"address": a, "answers": ok} for a, ok in listed]}}
+
+    assert stores_line(doc([("s2:1", True)], 0)) is None, "one store, no failover: the table alone, as ever"
+    assert stores_line({"source": "x", "run": {}, "nodes": []}) is None
+    assert stores_line(doc([("s2:1", True)], 2)) == "store s2:1 (current; 2 failovers so far)"
+    assert stores_line(doc([("s1:1", False), ("s2:1", True)], 1)) == \
+        "store s2:1 (current; 1 failover so far; s1:1 does not answer)"
+    assert stores_line(doc([("s1:1", False), ("s2:1", True), ("s3:1", False)], 0)) == \
+        "store s2:1 (current; no failover so far; s1:1, s3:1 do not answer)"
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(status_view(doc([("s2:1", True)], 0)))
+    plain = console.file.getvalue()
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(status_table(doc([("s2:1", True)], 0)))
+    assert plain == console.file.getvalue()

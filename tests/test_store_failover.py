@@ -4,12 +4,14 @@ loopback: a `zb store` SIGKILLed for good, the run re-formed on the next store, 
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
 import pytest
 
-from zb.testing.cluster import Cluster, TrainCluster
+from zb.testing.cluster import Cluster, TrainCluster, hashes_by_mesh
+from zb.testing.procs import wait_until
 
 FAILOVER = {"ZB_ELASTIC_STORE_FAILOVER_S": "3"}
 
@@ -69,6 +71,27 @@ def test_a_store_that_comes_back_after_the_failover_is_ignored_and_a_new_node_fi
     assert "starting on store 127.0.0.1:%d" % cluster.standby_ports[0] in c.err.read_text()
 
 
+def test_a_node_that_saw_the_store_revived_follows_the_run_to_the_next_one(cluster):
+    """a and b give up on the store after 2 s, c would wait 60: the store comes back in between. c must not
+    train on there alone (a revived store is seeded by at least half the world) and follows the run once the
+    others mark the revived store as left (keys.MOVED)."""
+    cluster.start_store()
+    cluster.start_store(cluster.standby_ports[0])
+    a, b = cluster.start("a", 0, 3, ZB_ELASTIC_STORE_FAILOVER_S="2"), cluster.start("b", 1, 3, ZB_ELASTIC_STORE_FAILOVER_S="2")
+    c = cluster.start("c", 2, 3, ZB_ELASTIC_STORE_FAILOVER_S="60")
+    first = cluster.agreement([a, b, c], 3)
+    cluster.kill_store()
+    killed = time.time()
+    wait_until(lambda: _moved(a, cluster.standby_ports[0]) and _moved(b, cluster.standby_ports[0]), 60,
+               "a and b on the standby", alive=[a.proc, b.proc])
+    cluster.start_store()                     # revived, empty: c reconnects to it
+    view = cluster.agreement([a, b, c], 3, after=time.time(), store_ok=True, timeout=90)
+    assert view["version"] > first["version"]
+    assert _moved(c, cluster.standby_ports[0]), "c followed the run to the standby"
+    assert not [s for s in c.events("step") if s["time"] > killed and s["size"] < 3 and s["store_ok"]], \
+        "c trained in a world of its own on the revived store"
+
+
 def test_a_node_naming_other_stores_is_refused_at_join(cluster):
     cluster.start_store()
     a = cluster.start("a", 0, 1)
@@ -125,3 +148,111 @@ def test_training_nodes_apply_every_outer_step_once_and_agree_across_the_failove
             assert steps == sorted(set(steps)), "an inner step done twice"
     finally:
         run.close()
+
+
+# -- the kill aimed at a moment: inside an all-reduce, inside a joiner's state transfer (soak). Several stores
+# in a row are killed, each aimed, until the metrics show one kill landed there; every node must agree at every
+# all-reduce they took together, whatever the moments were. ---------------------------------------------------
+# An all-reduce longer than the round's compute: 8 layers of dim 256, fp32, 8 tokens per inner step, H = 1.
+BIG = ("--model.type", "llama3", "--model.name", "debugmodel", "--data.seq_length", "8", "--optim.batch_size", "1",
+       "--train.micro_bs", "1", "--diloco.inner_steps", "1", "--diloco.compression", "none")
+TRIES = 4
+
+
+def _window(e: dict) -> tuple[float, float]:
+    """(start, end) on the wall clock of the all-reduce an outer_step event reports."""
+    end = e["time"] - e["h2d_s"]
+    return end - e["allreduce_s"], end
+
+
+def _aimed_kills(run: TrainCluster, uids: list[str], landed) -> int:
+    """Kill the run's current store at the moment `landed(killed_at)` is about, TRIES times at most (a standby
+    after each), until `landed` says a kill landed there; returns the try that did (-1: none)."""
+    ports = [run.port, *run.standby_ports]
+    for k in range(TRIES):
+        aim = landed(None)                   # when to kill
+        time.sleep(max(0.0, aim - time.time()))
+        killed = time.time()
+        run.kill_store(ports[k])
+        for uid in uids:
+            run.wait_for(uid, lambda u=uid: len(run.metrics(u, "store_failover")) == k + 1, f"move {k + 1}")
+        if landed(killed):
+            return k
+    return -1
+
+
+def _stop_and_agree(run: TrainCluster, uids: list[str]) -> None:
+    for uid in uids:
+        run.procs[uid].send_signal(signal.SIGTERM)
+    for uid in uids:
+        assert run.finish(uid) == 128 + signal.SIGTERM, run.log(uid)
+    hashes = [hashes_by_mesh(run, uid, len(uids)) for uid in uids]
+    shared = sorted(set.intersection(*(set(h) for h in hashes)))
+    assert len(shared) >= 3, hashes
+    for key in shared:
+        assert len({h[key] for h in hashes}) == 1, f"all-reduce {key} (mesh version, index)"
+    for uid in uids:
+        outer = [e["outer_step"] for e in run.metrics(uid, "outer_step")]
+        assert outer == sorted(set(outer)), f"{uid}: an outer step done twice"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_the_store_killed_inside_an_all_reduce(tmp_path):
+    run = TrainCluster(tmp_path, 3, **FAILOVER)
+    try:
+        for _ in range(TRIES):
+            run.start_store(run.add_standby())
+        uids = [f"n{i}" for i in range(3)]
+        for i, uid in enumerate(uids):
+            run.start_train(uid, *BIG, "--optim.total_steps", "100000", rank=i)
+        run.wait_outer("n0", 3)
+
+        def landed(killed: float | None):
+            events = [e for e in run.metrics("n0", "outer_step") if "allreduce_s" in e]
+            if killed is None:               # aim at the middle of the next all-reduce, from the last two
+                last, prev = events[-1], events[-2]
+                start, end = _window(last)
+                return end + (last["time"] - prev["time"]) - (end - start) / 2
+            return any(_window(e)[0] <= killed <= _window(e)[1] for u in uids
+                       for e in run.metrics(u, "outer_step") if "allreduce_s" in e)
+
+        assert _aimed_kills(run, uids, landed) >= 0, f"no kill of {TRIES} landed inside an all-reduce"
+        run.wait_outer("n0", len(run.metrics("n0", "outer_step")) + 3)
+        _stop_and_agree(run, uids)
+    finally:
+        run.close()
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_the_store_killed_while_a_joiner_receives_the_state(tmp_path):
+    """A joiner is admitted, the store is killed as the state transfer starts (the donor's hand-over follows
+    the membership event that admits it); the joiner must end up with the run's params."""
+    for attempt in range(TRIES):
+        (tmp_path / str(attempt)).mkdir()
+        run = TrainCluster(tmp_path / str(attempt), 3, **FAILOVER)
+        try:
+            run.start_store(run.add_standby())
+            for i in range(2):
+                run.start_train(f"n{i}", *BIG, "--optim.total_steps", "100000", rank=i)
+            run.wait_outer("n0", 2)
+            run.start_train("late", *BIG, "--optim.total_steps", "100000", rank=2)
+            run.wait_for("late", lambda: any("late" in e["joined"] for e in run.metrics("late", "membership")),
+                         "admitted")
+            killed = time.time()
+            run.kill_store()
+            run.wait_for("late", lambda: len(run.metrics("late", "store_failover")) == 1, "moved to the standby")
+            run.wait_outer("late", 4)
+            _stop_and_agree(run, ["n0", "n1", "late"])
+            received = re.search(r"(\d\d):(\d\d):(\d\d) I .*received the run's state from rank \d+ in ([\d.]+) s",
+                                 (run.tmp / "late.log").read_text())
+            assert received, run.log("late")
+            h, m, s, took = received.groups()
+            day = time.strftime("%Y-%m-%d", time.localtime(killed))
+            done = time.mktime(time.strptime(f"{day} {h}:{m}:{s}", "%Y-%m-%d %H:%M:%S"))
+            if done - float(took) - 1.0 <= killed <= done + 1.0:   # the log's clock has whole seconds
+                return
+        finally:
+            run.close()
+    raise AssertionError(f"the kill never landed inside the joiner's state transfer in {TRIES} attempts")

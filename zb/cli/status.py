@@ -11,7 +11,10 @@ from zb.cli.types import TEXT, FiniteFloatRange
 
 EPILOG = """Examples: zb status --store 10.0.0.1:29600 (one table); zb status --watch (refreshing; the store
 from GLOBAL_ADDR/GLOBAL_PORT); zb status --serve --http-port 8600 (a dashboard at http://127.0.0.1:8600/);
-zb status --from logs/sim/run1 --out run1.html (a report). States: training, joining (admitted or
+zb status --from logs/sim/run1 --out run1.html (a report). A run with several stores (elastic.addr
+10.0.0.1:29600,10.0.0.2:29600, in failover order): --store takes the same list and reads the store the run
+is on (the latest holding the run, else the first that answers), and a line under the table names it, the
+failovers so far and the stores that do not answer. States: training, joining (admitted or
 waiting to be, receiving the run's state), recovering (fetching a live-recovery snapshot), leaving (said
 goodbye), left, refused (the run turned it away: its settings differ from the run's), silent (no
 heartbeat for two intervals), dead (none for the heartbeat timeout, or dropped by the run, or out of
@@ -23,8 +26,9 @@ DEFAULT_HTTP_PORT = 8600
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)
-@click.option("--store", type=TEXT, default=None, metavar="HOST:PORT",
-              help="The run's store (`zb store`) [default: GLOBAL_ADDR:GLOBAL_PORT from the environment].")
+@click.option("--store", type=TEXT, default=None, metavar="HOST:PORT[,HOST:PORT...]",
+              help="The run's store (`zb store`), or its stores in failover order, as elastic.addr lists them "
+                   "[default: GLOBAL_ADDR:GLOBAL_PORT from the environment].")
 @click.option("--watch", is_flag=True, help="Refresh the table every --interval seconds until Ctrl-C.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document on stdout (with --watch, one line per refresh).")
@@ -36,7 +40,7 @@ DEFAULT_HTTP_PORT = 8600
 @click.option("--interval", type=FiniteFloatRange(min=0.2, max=3600), default=2.0, show_default=True,
               help="Seconds between refreshes (--watch, --serve).")
 @click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True, max=3600), default=10.0, show_default=True,
-              help="Seconds to wait for the store to answer.")
+              help="Seconds to wait for the store (with several, for any of them) to answer.")
 @click.option("--from", "from_paths", type=TEXT, multiple=True, metavar="PATH",
               help="A finished run's metrics: metrics.jsonl files or directories holding them (repeatable). "
                    "Writes an HTML report instead of reading a store.")
@@ -54,16 +58,16 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     if from_paths:
         return _report(from_paths, out or "report.html", force, as_json)
-    host, port = _store_address(store)
-    where = f"{host}:{port}"
+    addresses = _store_addresses(store)
+    where = ",".join(str(a) for a in addresses)
     if serve:
-        return _serve(host, port, where, bind, DEFAULT_HTTP_PORT if http_port is None else http_port, interval,
+        return _serve(addresses, where, bind, DEFAULT_HTTP_PORT if http_port is None else http_port, interval,
                       timeout, as_json)
-    from zb.status.reader import RunReader, open_store, sample_window
+    from zb.status.reader import open_reader, sample_window
 
-    reader = RunReader(open_store(host, port, timeout), where)
+    reader = open_reader(addresses, timeout)
     if watch:
-        return _watch(reader, host, port, where, interval, timeout, as_json)
+        return _watch(reader, addresses, where, interval, timeout, as_json)
     doc = reader.read()
     live = [n["uid"] for n in doc["nodes"] if n["state"] not in ("left", "dead", "refused")]
     if live:
@@ -110,19 +114,24 @@ def _check_given(watch: bool, serve: bool, from_paths, as_json: bool, out, force
         raise InvalidInput("; ".join(useless))
 
 
-def _store_address(store: str | None) -> tuple[str, int]:
+def _store_addresses(store: str | None) -> list:
+    """--store's stores (each HOST:PORT), else GLOBAL_ADDR's (a port-less entry on GLOBAL_PORT), in failover order."""
+    from zb.addresses import parse_stores
     from zb.errors import InvalidInput
-    from zb.net.iperf import parse_host_port
 
     if store is None:
         addr, port = os.environ.get("GLOBAL_ADDR"), os.environ.get("GLOBAL_PORT", "29600")
         if not addr:
             raise InvalidInput("no store given: pass --store HOST:PORT (the address of `zb store`) or set GLOBAL_ADDR")
-        store = f"{addr}:{port}"
-    try:
-        return parse_host_port(store, "--store")
-    except ValueError as e:
-        raise InvalidInput(str(e)) from None
+        if not port.strip().isdigit() or not 1 <= int(port) <= 65535:
+            raise InvalidInput(f"GLOBAL_PORT {port!r}: a port is a number from 1 to 65535")
+        return parse_stores(addr, int(port), what="GLOBAL_ADDR")
+    addresses = parse_stores(store, 0, what="--store")      # port 0: the entry named none (no port can be 0)
+    for entry, address in zip(store.split(","), addresses):
+        if address.port == 0:
+            bracket = " (an IPv6 host in brackets: [HOST]:PORT)" if ":" in address.host else ""
+            raise InvalidInput(f"--store {entry.strip()!r}: expected HOST:PORT with a port in 1..65535{bracket}")
+    return addresses
 
 
 def _show(doc: dict, as_json: bool) -> None:
@@ -141,11 +150,36 @@ def _print_table(doc: dict) -> None:
     from zb.cli.terminal import stdout
 
     console = stdout if stdout.is_terminal else Console(width=200, highlight=False, soft_wrap=True)
-    console.print(status_table(doc))
+    console.print(status_view(doc))
 
 
-def _watch(reader, host: str, port: int, where: str, interval: float, timeout: float, as_json: bool) -> None:
-    """Refresh until Ctrl-C (exit 0); a store that goes away is shown and reconnected to."""
+def stores_line(doc: dict) -> str | None:
+    """The line under the table for a run with several stores or a failover: "store B (current; 1 failover so
+    far; A does not answer)". None for one store that never failed over (the table alone, as ever)."""
+    stores = doc.get("stores") or {}
+    listed, failovers = stores.get("list") or [], stores.get("failovers") or 0
+    if len(listed) < 2 and not failovers:
+        return None
+    parts = ["current", f"{failovers} failover{'' if failovers == 1 else 's'} so far" if failovers
+             else "no failover so far"]
+    silent = [s["address"] for s in listed if not s.get("answers")]
+    if silent:
+        parts.append(f"{', '.join(silent)} {'does' if len(silent) == 1 else 'do'} not answer")
+    return f"store {stores.get('current') or doc.get('source')} ({'; '.join(parts)})"
+
+
+def status_view(doc: dict):
+    """The table, and under it the stores line when there is one."""
+    from rich.console import Group
+    from rich.text import Text
+
+    table, line = status_table(doc), stores_line(doc)
+    return table if line is None else Group(table, Text(line))
+
+
+def _watch(reader, addresses: list, where: str, interval: float, timeout: float, as_json: bool) -> None:
+    """Refresh until Ctrl-C (exit 0); a store that goes away (or, of several, holds no run) is shown and
+    reconnected to: with several stores the next refresh picks again, by the rule the first pick used."""
     import time
 
     from rich.live import Live
@@ -153,7 +187,7 @@ def _watch(reader, host: str, port: int, where: str, interval: float, timeout: f
     from zb.cli.terminal import interactive, print_json, stderr, stdout
     from zb.elastic.tcpstore import store_errors
     from zb.errors import EnvironmentFailure
-    from zb.status.reader import RunReader, open_store
+    from zb.status.reader import open_reader
 
     live = Live(console=stdout, auto_refresh=False) if interactive() and not as_json else None
     try:
@@ -162,17 +196,19 @@ def _watch(reader, host: str, port: int, where: str, interval: float, timeout: f
         while True:
             try:
                 if reader is None:
-                    reader = RunReader(open_store(host, port, timeout), where)
+                    reader = open_reader(addresses, timeout)
                 doc = reader.read()
                 if as_json:
                     print_json(doc)
                 elif live:
-                    live.update(status_table(doc), refresh=True)
+                    live.update(status_view(doc), refresh=True)
                 else:
                     _print_table(doc)
             except store_errors() + (EnvironmentFailure,) as e:
                 reader = None
-                stderr.print(f"store {where}: {str(e).splitlines()[0][:200]}; retrying in {interval:g} s", markup=False)
+                stores = "stores" if len(addresses) > 1 else "store"
+                stderr.print(f"{stores} {where}: {str(e).splitlines()[0][:200]}; retrying in {interval:g} s",
+                             markup=False)
             time.sleep(interval)
     except KeyboardInterrupt:
         pass
@@ -181,15 +217,15 @@ def _watch(reader, host: str, port: int, where: str, interval: float, timeout: f
             live.stop()
 
 
-def _serve(host: str, port: int, where: str, bind: str, http_port: int, interval: float, timeout: float,
+def _serve(addresses: list, where: str, bind: str, http_port: int, interval: float, timeout: float,
            as_json: bool) -> None:
     from zb.cli.terminal import print_json, stderr
-    from zb.status.reader import RunReader, open_store
+    from zb.status.reader import open_reader
     from zb.status.server import Dashboard, listen
     from zb.stop_signals import StopSignals
 
     sock = listen(bind, http_port)     # before the store: a taken port fails at once
-    board = Dashboard(sock, lambda: RunReader(open_store(host, port, timeout), where), interval, where).start()
+    board = Dashboard(sock, lambda: open_reader(addresses, timeout), interval, where).start()
     try:
         with StopSignals() as stop:
             if as_json:

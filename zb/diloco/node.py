@@ -100,6 +100,7 @@ class DilocoNode:
         self._fresh_view = False
         self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
         self._claimed_in: int | None = None   # the store client epoch whose store holds this node's claims
+        self._client_epoch: int | None = None  # the head's store client epoch when self.store was last trusted
         if cfg.diloco.compression != "none":
             from zb.collectives import kernels
 
@@ -308,6 +309,8 @@ class DilocoNode:
         self._digest = drift.BackgroundDigest(self._outer.flat) if self.dcfg.drift_guard else None
         if self.cfg.train.log_model_hash:
             report.params_hash = self.params_hash()
+        if view.store_epoch != self._client_epoch:   # the head made a new client (a restarted store, or the run
+            self.store, self._client_epoch = None, view.store_epoch   # moved on to the next one): so does this rank
         if self.live is not None:
             self._publish_live(position, view)
         self._save_position(data_state)

@@ -75,11 +75,14 @@ class Heartbeat(threading.Thread):
     """Bumps this node's counter and observes the watched nodes, every interval, until stopped."""
 
     def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], Any],
-                 watch: Callable[[], list[str]], answered: Callable[[], None] = lambda: None) -> None:
-        # answered: called after each beat the store took (zb.elastic.stores times its silence by them)
+                 watch: Callable[[], list[str]], answered: Callable[[], None] = lambda: None,
+                 store_index: Callable[[], int] = lambda: 0) -> None:
+        # answered: called after each beat the store took (zb.elastic.stores times its silence by them);
+        # store_index: the current store's place in elastic.addr: the client is made anew when it changes
         super().__init__(name="zb-heartbeat", daemon=True)
         self.uid, self.interval, self.liveness = uid, interval, liveness
-        self._connect, self._watch, self._answered = connect, watch, answered
+        self._connect, self._watch, self._answered, self._store_index = connect, watch, answered, store_index
+        self._index = 0
         self._stop_event = threading.Event()
         self._store: Any = None        # a torch Store client of its own; None until connected, and after a failure
         self.beats = 0
@@ -102,7 +105,8 @@ class Heartbeat(threading.Thread):
 
     def _beat(self) -> None:
         try:
-            if self._store is None:
+            if self._store is None or self._index != self._store_index():   # none yet, or the run moved on
+                self._index = self._store_index()
                 self._store = self._connect()
             self._store.add(keys.heartbeat(self.uid), 1)
             now = time.monotonic()

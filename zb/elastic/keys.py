@@ -12,6 +12,7 @@ ROOT = "zb"
 WORLD = f"{ROOT}/world"          # JSON of the current World; written only with compare_set
 JOINS = f"{ROOT}/joins"          # append-only: one JSON join request per line
 GONE = f"{ROOT}/gone"            # append-only: "<uid> <token>" per line (the deathrattle)
+MOVED = f"{ROOT}/moved"          # the index in elastic.addr the run moved on to from this store ("" while it is here)
 STORES = f"{ROOT}/stores"        # elastic.addr's list as the run's first node named it (compare_set): all must match
 
 

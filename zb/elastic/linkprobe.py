@@ -47,9 +47,10 @@ class LinkProber:
     """The two background threads of one node (see the module docstring)."""
 
     def __init__(self, uid: str, address: str, connect: Callable[[], Any], members: Callable[[], list[str]],
-                 seconds: float) -> None:
+                 seconds: float, store_index: Callable[[], int] = lambda: 0) -> None:
+        # store_index: the current store's place in elastic.addr; the threads' clients are made anew when it changes
         self.uid, self.seconds = uid, seconds
-        self._connect, self._members = connect, members
+        self._connect, self._members, self._store_index = connect, members, store_index
         self._server = LinkServer(address, 0)
         self.endpoint = f"{address}:{self._server.port}"
         self.rows: dict[str, float] = {}        # sender uid -> Mbit/s into this node
@@ -65,6 +66,19 @@ class LinkProber:
         for t in self._threads:
             t.start()
 
+    def publish_to(self, store) -> None:
+        """This node's endpoint and rows into a store that lacks them (restarted empty, or the next one)."""
+        store.set(keys.link_server(self.uid), self.endpoint)
+        store.set(keys.links_into(self.uid), json.dumps(self.rows, sort_keys=True))
+
+    def _client(self, store, index: list[int]):
+        """`store`, or a new client when there is none or the run moved to another store since (`index` holds
+        the store index the client was made at)."""
+        if store is None or index[0] != self._store_index():
+            index[0] = self._store_index()
+            store = self._connect()
+        return store
+
     def stop(self) -> None:
         self._stop.set()
         self._server.close()
@@ -73,7 +87,7 @@ class LinkProber:
 
     # -- receiver ----------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
-        store = None
+        store, index = None, [0]
         while not self._stop.is_set():
             taken = self._server.take_any(wait_s=0.5)
             if taken is None:
@@ -88,12 +102,12 @@ class LinkProber:
             self.rows[src] = round(m.mbps, 3)
             log.info("link %s -> %s: %.1f Mbit/s, rtt %.2f ms (measured in the background)", src, self.uid,
                      m.mbps, m.rtt_ms or 0.0)
-            store = self._publish(store)
+            store = self._publish(store, index)
 
-    def _publish(self, store):
+    def _publish(self, store, index: list[int]):
         """All of this node's rows into its own key (so a restarted store gets every row back)."""
         try:
-            store = store or self._connect()
+            store = self._client(store, index)
             store.set(keys.links_into(self.uid), json.dumps(self.rows, sort_keys=True))
             return store
         except store_errors() + (EnvironmentFailure,) as e:
@@ -102,11 +116,11 @@ class LinkProber:
 
     # -- sender ------------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        store = None
+        store, index = None, [0]
         while not self._stop.wait(IDLE_S):
             members = [u for u in self._members() if u != self.uid and time.monotonic() >= self._not_before.get(u, 0.0)]
             try:
-                store = store or self._connect()
+                store = self._client(store, index)
                 endpoints = read_many(store, [keys.link_server(u) for u in members])
             except store_errors() + (EnvironmentFailure,):
                 store = None

@@ -44,6 +44,14 @@ from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
 log = logging.getLogger("zb.elastic")
 
 
+class RunMoved(Exception):
+    """The store read says the run moved on to a later store of elastic.addr (keys.MOVED): follow it."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"the run moved on to store {index + 1} of elastic.addr")
+        self.index = index
+
+
 @dataclass
 class Quorum:
     """When a waiting node may seed a world: `full` nodes asked to join, or at least `least` once `grace_at`
@@ -111,7 +119,15 @@ class Membership:
         is no next store: the caller trains on with the old world."""
         while True:
             try:
-                return attempt()
+                world = attempt()
+                if attempt == self._reform and self.stores is not None:
+                    self.stores.mark_moved(self.cfg.namespace, self.cfg.store_timeout)
+                return world
+            except RunMoved as moved:
+                assert self.stores is not None
+                self.stores.move(to=moved.index)
+                self.store, attempt = None, self._reform
+                continue
             except StoreUnreachable:
                 if self.stores is None:
                     raise
@@ -157,9 +173,14 @@ class Membership:
             self._check_same_stores(store)
             snap = read_snapshot(store, None)
             self._answered()
+            self._check_snapshot(snap)
             if snap.world is not None and self._before_join is not None:
                 self._reachable_before_join(store, snap)
             last = self.world
+            # The counter moves before the request names this node: on a store it reaches through a new client
+            # (the next one of the list, or one restarted) its heartbeat thread may not have beaten yet, and a
+            # counter the leader has read as missing for elastic.heartbeat_timeout is a dead node's.
+            store.add(keys.heartbeat(self.uid), 1)
             store.append(keys.JOINS, encode_line({
                 "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
                 "last_version": last.version if last else 0,
@@ -172,7 +193,7 @@ class Membership:
 
     def _check_same_stores(self, store) -> None:
         """Every node of a run names the same stores in the same order: else they would fail over apart."""
-        if self.stores is None or len(self.stores.addresses) < 2:
+        if self.stores is None or not self.stores.has_other:
             return
         mine = self.stores.text
         held = store.compare_set(keys.STORES, "", mine).decode()
@@ -203,7 +224,7 @@ class Membership:
                     warned = True
             time.sleep(max(self.cfg.heartbeat_interval, 0.5))
             snap = read_snapshot(store, None)
-            self._check_not_leaving(snap)
+            self._check_snapshot(snap)
             if snap.world is None:
                 return
 
@@ -212,7 +233,7 @@ class Membership:
         while time.monotonic() < give_up:
             snap = read_snapshot(self.store, None)
             self._answered()
-            self._check_not_leaving(snap)
+            self._check_snapshot(snap)
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
                 return world
@@ -252,6 +273,7 @@ class Membership:
             # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
             # each read of the snapshot down the slow path of read_many, a round trip per key.
             self.store.append(keys.GONE, "")
+            self.store.append(keys.MOVED, "")
 
     def _forget(self, resolution: int) -> None:
         """Delete a finished roll call's keys (every member has moved past it)."""
@@ -274,7 +296,7 @@ class Membership:
         then used in the same call instead of one outer step later.
         """
         try:
-            return self._resolve()
+            return self._or_fail_over(self._resolve)
         except StoreUnreachable:
             return self._or_fail_over(self._resolve)
 
@@ -283,7 +305,7 @@ class Membership:
             store = self.ensure_store()
             snap = read_snapshot(store, None)
             self._answered()
-            self._check_not_leaving(snap)
+            self._check_snapshot(snap)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
             assert self.world is not None  # resolve follows a join, which set it (or raised)
@@ -298,7 +320,10 @@ class Membership:
             if self.heartbeat is not None and "evicted" in why else ""
         log.warning("rejoining (%s); last mesh version %d%s", why, self.world.version if self.world else 0, hint)
         quorum = len(self.world.nodes) if self.world else 1
-        return self._join(Quorum(full=quorum, least=1, grace_at=time.monotonic() + self.cfg.sync_deadline))
+        # With a failover list a store revived at its address is seeded by at least half the world, as a new one
+        # is: else a few nodes that saw it come back could train there apart from the rest, who moved on.
+        least = reform_quorum(quorum) if self.stores is not None and self.stores.has_other else 1
+        return self._join(Quorum(full=quorum, least=least, grace_at=time.monotonic() + self.cfg.sync_deadline))
 
     def _roll_call(self, world: World) -> World:
         self.store.append(keys.roll_call(world.resolution), encode_line({
@@ -309,7 +334,7 @@ class Membership:
         t0 = time.monotonic()
         while True:
             snap = read_snapshot(self.store, world.resolution)
-            self._check_not_leaving(snap)
+            self._check_snapshot(snap)
             if snap.raw_world.decode() != world.encode():
                 return self._accept(snap.world)
             self._observe(snap, world)
@@ -336,6 +361,12 @@ class Membership:
         except DistStoreError as e:
             if "timeout" not in str(e):
                 raise
+
+    def _check_snapshot(self, snap: Snapshot) -> None:
+        """Every snapshot read: this node did not say goodbye, and the run has not moved on from this store."""
+        self._check_not_leaving(snap)
+        if snap.moved is not None and self.stores is not None and snap.moved > self.stores.index:
+            raise RunMoved(snap.moved)
 
     def _check_not_leaving(self, snap: Snapshot) -> None:
         if (self.uid, self.token) in snap.gone:

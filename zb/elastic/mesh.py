@@ -71,6 +71,7 @@ class ElasticDeviceMesh:
         self._hosted: Any = None         # the store object when this node hosts it (elastic.host_store)
         self.stores = shared_stores(cfg)  # elastic.addr: the run's store, or the list it fails over along
         self._failovers_told = 0       # store_failover events emitted
+        self._endpoints_epoch = 1      # the head's store client epoch that holds its probe endpoint and link rows
         self.rebuild_s = 0.0           # seconds the last global group rebuild took
 
     def use_stripes(self, stripes: int) -> None:
@@ -174,14 +175,15 @@ class ElasticDeviceMesh:
         store.set(keys.probe(uid), self._probe.endpoint)
         members = lambda: list(self._head.world.nodes) if self._head.world else []  # noqa: E731
         self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members,
-                                    answered=self.stores.answered)
+                                    answered=self.stores.answered, store_index=lambda: self.stores.index)
         self._head.heartbeat = self._heartbeat
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
         self._heartbeat.start()
         if self.cfg.measure_links:
             from zb.elastic.linkprobe import LinkProber
 
-            self._links = LinkProber(uid, gloo_address(), self._connect, members, self.cfg.link_probe_seconds)
+            self._links = LinkProber(uid, gloo_address(), self._connect, members, self.cfg.link_probe_seconds,
+                                     store_index=lambda: self.stores.index)
             self._links.start(store)
 
     def _resolve_head(self) -> dict[str, Any]:
@@ -196,7 +198,24 @@ class ElasticDeviceMesh:
             world = m.resolve()
         except StoreUnreachable:
             return self._payload(before, store_ok=False)
+        self._republish_endpoints()
         return self._payload(world, store_ok=True)
+
+    def _republish_endpoints(self) -> None:
+        """A store this node's head reaches through a new client (restarted empty, or the next one of the list)
+        lacks the node's probe endpoint and link rows: put them back, or peers cannot tell its crash from a
+        slow beat and the ring order forgets its links."""
+        m = self._head
+        if m.store is None or m.store_epoch == self._endpoints_epoch:
+            return
+        try:
+            if self._probe is not None:
+                m.store.set(keys.probe(m.uid), self._probe.endpoint)
+            if self._links is not None:
+                self._links.publish_to(m.store)
+            self._endpoints_epoch = m.store_epoch
+        except store_errors() as e:
+            log.debug("could not publish this node's endpoints (next outer step retries): %s", e)
 
     def _payload(self, world, store_ok: bool) -> dict[str, Any]:
         m = self._head

@@ -33,16 +33,18 @@ class Snapshot:
     joins: list[JoinRequest]
     answers: list[Answer]
     events: int = 0    # events of the roll call read (keys.roll_call_events): what a waiter waits past
+    moved: int | None = None   # the run moved on from this store to this index of elastic.addr (keys.MOVED)
 
 
 def read_snapshot(store, resolution: int | None) -> Snapshot:
     """World, goodbyes and joins, plus the answers to the roll call of `resolution` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS]
+    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED]
     if resolution is not None:
         names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[3]) if len(raw) > 3 else [], events=_count(raw[4]) if len(raw) > 4 else 0)
+                    answers=_answers(raw[4]) if len(raw) > 4 else [], events=_count(raw[5]) if len(raw) > 5 else 0,
+                    moved=_count(raw[3]) or None)
 
 
 def _count(raw: bytes) -> int:

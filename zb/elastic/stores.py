@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zb.addresses import StoreAddress, parse_stores
+from zb.errors import ZbError
 
 log = logging.getLogger("zb.elastic")
 
@@ -107,6 +108,11 @@ class StoreList:
         return self.index + 1 < len(self.addresses)
 
     @property
+    def has_other(self) -> bool:
+        """More than one store: failover is on."""
+        return len(self.addresses) > 1
+
+    @property
     def text(self) -> str:
         """The list as every node of the run must name it (checked at join)."""
         return ",".join(str(a) for a in self.addresses)
@@ -120,17 +126,22 @@ class StoreList:
         with self._lock:
             return time.monotonic() - self._last_answer
 
-    def move(self) -> Failover:
-        """Make the next address current (forward only)."""
+    def move(self, to: int | None = None) -> Failover:
+        """Make the next address current, or address `to` (the run moved there: zb.elastic.keys.MOVED);
+        forward only."""
         with self._lock:
             assert self.index + 1 < len(self.addresses), "move() only with a next store"
-            silent = time.monotonic() - self._last_answer
-            self.index += 1
+            silent, old = time.monotonic() - self._last_answer, self.index
+            self.index = self.index + 1 if to is None else max(self.index + 1, min(to, len(self.addresses) - 1))
             self._last_answer = time.monotonic()   # the new store gets its own elastic.store_failover_s
-            moved = Failover(str(self.addresses[self.index - 1]), str(self.current), round(silent, 3), self.index)
+            moved = Failover(str(self.addresses[old]), str(self.current), round(silent, 3), self.index)
             self.failovers.append(moved)
-        log.warning("store %s silent for %.1f s: moving the run to the next store, %s (%d of %d in elastic.addr)",
-                    moved.from_store, silent, moved.to_store, self.index + 1, len(self.addresses))
+        if to is None:
+            log.warning("store %s silent for %.1f s: moving the run to the next store, %s (%d of %d in elastic.addr)",
+                        moved.from_store, silent, moved.to_store, self.index + 1, len(self.addresses))
+        else:
+            log.warning("the run moved on from store %s to %s (%d of %d in elastic.addr): following it",
+                        moved.from_store, moved.to_store, self.index + 1, len(self.addresses))
         return moved
 
     def follow(self, index: int) -> None:
@@ -140,15 +151,44 @@ class StoreList:
             self._started = True
 
     def connect(self, connect_timeout: float, op_timeout: float, namespace: str = "") -> Any:
-        """A client of the current store (the first call of a process with several stores picks where to start)."""
-        from zb.elastic.tcpstore import connect
+        """A client of the current store (the first call of a process with several stores picks where to start).
+        A move while it connected makes it a client of the old store: StoreUnreachable then, and the caller's
+        next attempt reaches the new one. A client kept across calls checks `index` against the one it was made
+        at (a store revived at an old address would otherwise keep it)."""
+        from zb.elastic.tcpstore import StoreUnreachable, connect
 
         if not self._started:
             self._start(connect_timeout, namespace)
-        address = self.current
+        index, address = self.index, self.current
         client = connect(address.host, address.port, connect_timeout, op_timeout, namespace)
+        if self.index != index:
+            raise StoreUnreachable(f"the run moved from {address} to {self.current} while connecting")
         self.answered()
         return client
+
+    def mark_moved(self, namespace: str, give_up_s: float) -> None:
+        """Tell the earlier stores that the run moved on (keys.MOVED = the current index), in the background
+        and for up to `give_up_s`: nodes that stayed on a store revived at an old address (its restart was
+        slower than elastic.store_failover_s for some nodes and not for others) read it at their next
+        resolution and follow, so the run never goes on as two."""
+        index = self.index
+
+        def tell() -> None:
+            from zb.elastic import keys
+            from zb.elastic.tcpstore import connect, store_errors
+
+            deadline = time.monotonic() + give_up_s
+            pending = list(self.addresses[:index])
+            while pending and time.monotonic() < deadline:
+                address = pending[0]
+                try:
+                    connect(address.host, address.port, 1.0, 5.0, namespace).set(keys.MOVED, str(index))
+                    pending.pop(0)
+                except store_errors() + (ZbError,):
+                    pending.append(pending.pop(0))   # not (yet) back: the others first, then again
+                    time.sleep(0.5)
+
+        threading.Thread(target=tell, name="zb-store-moved", daemon=True).start()
 
     def _start(self, connect_timeout: float, namespace: str) -> None:
         """Ask every store what it holds and start where `start_index` says; a store that does not answer is
@@ -178,19 +218,27 @@ class StoreList:
 
 
 def _holds_world(address: StoreAddress, namespace: str) -> bool | None:
-    """Whether the store at `address` holds a world under `namespace` (None: it does not answer)."""
+    """Whether the store at `address` holds a world under `namespace` that the run has not moved on from
+    (None: it does not answer)."""
     import socket
 
-    from zb.elastic import keys
-    from zb.elastic.tcpstore import connect, read_many, store_errors
-    from zb.errors import ZbError
+    from zb.elastic.tcpstore import connect, store_errors
 
     try:
         socket.create_connection((address.host, address.port), timeout=2.0).close()
         client = connect(address.host, address.port, 2.0, 5.0, namespace)
-        return bool(read_many(client, [keys.WORLD])[0])
+        return holds_run(client)
     except store_errors() + (ZbError,):
         return None
+
+
+def holds_run(client) -> bool:
+    """Whether the store behind `client` holds a world the run has not moved on from (keys.MOVED)."""
+    from zb.elastic import keys
+    from zb.elastic.tcpstore import read_many
+
+    world, moved = read_many(client, [keys.WORLD, keys.MOVED])
+    return bool(world) and not moved
 
 
 _shared: dict[tuple, StoreList] = {}

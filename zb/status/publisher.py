@@ -79,6 +79,7 @@ class StatusPublisher(threading.Thread):
         super().__init__(name="zb-status", daemon=True)
         self.status, self.interval = status, interval
         self._connect, self._stores = connect_fn, stores
+        self._index = 0                 # the store's place in elastic.addr when the client was made
         self._wake, self._closing = threading.Event(), threading.Event()
         self._store: Any = None         # a torch Store client; None until connected, and after a failure
         self._history_written = -1
@@ -114,7 +115,9 @@ class StatusPublisher(threading.Thread):
             record.update(store=str(self._stores.current), failovers=len(self._stores.failovers))
         uid = record["uid"]
         try:
-            if self._store is None:
+            index = self._stores.index if self._stores is not None else 0
+            if self._store is None or index != self._index:   # none yet, or the run moved on to another store
+                self._index = index
                 self._store = self._connect()
                 self._store.append(keys.STATUS_INDEX, uid + "\n")   # again after a store restart: it is empty
                 self._history_written = -1

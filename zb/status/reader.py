@@ -7,19 +7,26 @@ for the histories that changed, at most `history_budget` of them (see scripts/be
 Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this process's own clock, by
 when a node's heartbeat counter was last seen changing; so a reader that has watched for less than
 a heartbeat interval cannot know an age yet (`sample` watches for one).
+
+A run with several stores (elastic.addr `host:port,host:port`, in failover order) is read from the
+one it is on: `open_reader` asks each store whether it holds a world and picks by the rule the nodes
+start by (zb.elastic.stores.start_index); a store that does not answer is listed, not fatal.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from typing import Any, Iterator
 
+from zb.addresses import StoreAddress
 from zb.elastic import keys
 from zb.elastic.store_state import read_snapshot
+from zb.elastic.stores import holds_run, start_index
 from zb.elastic.tcpstore import read_lines, store_errors
-from zb.errors import EnvironmentFailure
+from zb.errors import EnvironmentFailure, ZbError
 from zb.status.record import decode_history, decode_record
 
 DEFAULT_HB_INTERVAL, DEFAULT_HB_TIMEOUT = 2.0, 10.0
@@ -57,11 +64,73 @@ def open_store(host: str, port: int, timeout: float):
                             use_libuv=True, wait_for_workers=False)
 
 
+_HINT = "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)"
+
+
+def open_reader(addresses: list[StoreAddress], timeout: float) -> "RunReader":
+    """A reader of the run on `addresses` (elastic.addr's list, in failover order). One address: its store,
+    as open_store opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the
+    run is read from the one zb.elastic.stores.start_index picks (the latest holding a world, else the first
+    that answers), as a starting node picks it. As the nodes do, a store whose port refuses is one that
+    does not answer; the stores are asked again until one answers or `timeout` s pass (then one
+    EnvironmentFailure line)."""
+    if len(addresses) == 1:
+        only = addresses[0]
+        return RunReader(open_store(only.host, only.port, timeout), str(only))
+    deadline = time.monotonic() + timeout
+    with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
+        while True:
+            found = _ask_stores(addresses, timeout, deadline)
+            held = [None if f is None else f[1] for f in found]
+            index = start_index(held)
+            if index is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    if index is None:
+        raise EnvironmentFailure(f"stores {','.join(str(a) for a in addresses)} unreachable after {timeout:g} s "
+                                 "(none of them answers); is `zb store` running there? check --store")
+    client = found[index]
+    assert client is not None   # start_index picks a store that answered
+    reader = RunReader(client[0], str(addresses[index]))
+    reader.stores = [{"address": str(a), "answers": h is not None, "holds_run": h} for a, h in zip(addresses, held)]
+    return reader
+
+
+def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float) -> list[tuple[Any, bool] | None]:
+    """(client, holds a world) of each address, asked in parallel; None where it did not answer by `deadline`
+    (a refused or unresolvable address is None at once; one that never replies is left to its daemon thread)."""
+    found: list[tuple[Any, bool] | None] = [None] * len(addresses)
+
+    def ask(i: int, address: StoreAddress) -> None:
+        import socket
+
+        from zb.dial import store_client
+
+        answer_s = max(0.1, deadline - time.monotonic())
+        try:
+            socket.create_connection((address.host, address.port), timeout=min(2.0, answer_s)).close()
+            client = store_client(address.host, address.port, timeout, answer_s, _HINT, use_libuv=True,
+                                  wait_for_workers=False)
+            found[i] = (client, holds_run(client))
+        except (OSError, ZbError) + store_errors():
+            pass
+
+    threads = [threading.Thread(target=ask, args=(i, a), name=f"zb-status-ask-{a}", daemon=True)
+               for i, a in enumerate(addresses)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.1, deadline - time.monotonic()))
+    return list(found)
+
+
 class RunReader:
     """Reads the run; remembers heartbeat counters across refreshes to judge liveness on its own clock."""
 
     def __init__(self, store, where: str, history_budget: int = 64) -> None:
         self.store, self.where, self.history_budget = store, where, history_budget
+        # The run's stores as open_reader found them when it picked this one (one store: only this one).
+        self.stores: list[dict[str, Any]] = [{"address": where, "answers": True, "holds_run": None}]
         self._hist_seen: dict[str, int | None] = {}    # uid -> history_version last read
         self._hist_read: dict[str, float] = {}         # uid -> when it was last read (monotonic)
         self._beats: dict[str, tuple[bytes, float | None, float]] = {}   # uid -> (value, changed at, first seen)
@@ -114,10 +183,26 @@ class RunReader:
         self._observe(uids, raw[n:])
         nodes = [self._node(u, records[u], world, snap.gone, pending) for u in uids]
         nodes.sort(key=_order)
-        doc = {"source": self.where, "time": round(time.time(), 3), "nodes": nodes, "run": _run(world, nodes, records)}
+        doc = {"source": self.where, "time": round(time.time(), 3), "nodes": nodes, "run": _run(world, nodes, records),
+               "stores": self._stores(world is not None, nodes)}
         if with_history:
             doc["history"] = self._histories(records)
         return doc
+
+    @property
+    def several(self) -> bool:
+        """Whether the run has several stores (a reader that loses its store, or finds no run, picks again)."""
+        return len(self.stores) > 1
+
+    def _stores(self, holds_run: bool, nodes: list[dict]) -> dict[str, Any]:
+        """The run's stores in failover order (whether each answered when this one was picked), the one read,
+        and the failovers so far: the most any node's record counts (each node counts its own moves)."""
+        listed = [dict(s, current=s["address"] == self.where) for s in self.stores]
+        for entry in listed:
+            if entry["current"]:
+                entry.update(answers=True, holds_run=holds_run)
+        counts = [n["failovers"] for n in nodes if isinstance(n.get("failovers"), int)]
+        return {"current": self.where, "failovers": max(counts, default=0), "list": listed}
 
     def _histories(self, records: dict[str, dict | None]) -> dict[str, dict]:
         """The histories that changed since this reader last read them, the longest unread first, at most
@@ -159,7 +244,7 @@ class RunReader:
         row = {k: rec.get(k) for k in ("host", "device", "local_world_size", "step", "outer_step", "total_steps",
                                         "loss", "eval_loss", "tokens_per_s", "allreduce_s", "wire_mbps", "wire_bytes",
                                         "compression", "num_peers", "steps_per_s", "mesh_version", "pid",
-                                        "heartbeat_interval", "heartbeat_timeout")}
+                                        "heartbeat_interval", "heartbeat_timeout", "store", "failovers")}
         row.update(uid=uid, global_rank=world.nodes.index(uid) if world and uid in world.nodes else None,
                    state=_state(uid, rec, world, gone, pending, age, watched), published=rec.get("state"),
                    heartbeat_age_s=None if age is None else round(age, 2), heartbeat_watched_s=round(watched, 2),

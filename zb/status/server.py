@@ -3,6 +3,8 @@
 Read-only: GET / is the page (zb.status.page), GET /api/status the newest document; nothing else is
 served and nothing is written to the store. Browsers never reach the store: however many tabs poll,
 the store sees one sampler. The server binds exactly the address it is given, as `zb store` does.
+With several stores (elastic.addr's failover list) the sampler reads the one zb.status.reader.open_reader
+picks, and picks again at the refresh after that store stops answering or holds no run.
 """
 
 from __future__ import annotations
@@ -105,9 +107,11 @@ class Dashboard:
                 self._reader = self._open_reader()
             doc = self.history.merge(self._reader.read(with_history=True))
         except NoRun as e:
+            if self._reader is not None and self._reader.several:
+                self._reader = None  # of several stores, the run may be on another by the next refresh: pick again
             doc, error = None, str(e)
         except store_errors() + (EnvironmentFailure,) as e:
-            self._reader = None      # a restarted store needs a new client
+            self._reader = None      # a restarted store needs a new client (of several: the store is picked again)
             doc, error = None, f"store {self.where} unreachable ({str(e).splitlines()[0][:160]}); retrying"
         if doc is None:
             with self._lock:

@@ -1,0 +1,138 @@
+"""Store failover's decision paths in one process: real `Membership` objects with heartbeat threads, each node
+a thread, over two in-process stores; the first is shut down for good and the run must re-form on the second
+(with the quorum, the run's id and the refusals of zb.elastic.stores). The process tests
+(tests/test_store_failover.py) keep what needs processes: `zb store`, the gloo groups, training."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from zb.addresses import StoreAddress
+from zb.config_schema import ElasticConfig
+from zb.elastic import keys
+from zb.elastic.heartbeat import Heartbeat, Liveness
+from zb.elastic.membership import Membership
+from zb.elastic.stores import StoreList
+from zb.elastic.world import World
+from zb.errors import EnvironmentFailure
+
+# A live member beats 25 times per timeout: a busy machine (the suite's two workers) does not make it look dead.
+CFG = ElasticConfig(store_timeout=30, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.2,
+                    heartbeat_timeout=5.0, store_failover_s=1.0)
+
+
+def _master():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=10))
+
+
+class Run:
+    """Nodes of one run over two stores, the second a standby."""
+
+    def __init__(self, cfg: ElasticConfig = CFG) -> None:
+        self.cfg = cfg
+        self.first, self.second = _master(), _master()
+        self.addresses = [StoreAddress("127.0.0.1", s.port) for s in (self.first, self.second)]
+        self.nodes: dict[str, Membership] = {}
+        self.beats: list[Heartbeat] = []
+
+    def add(self, uid: str) -> Membership:
+        stores = StoreList(self.addresses, self.cfg.store_failover_s)
+        connect = lambda: stores.connect(0.5, 10.0)  # noqa: E731
+        m = Membership(self.cfg, uid, f"tok-{uid}", 1, Liveness(self.cfg.heartbeat_timeout), connect, stores=stores)
+        hb = Heartbeat(uid, self.cfg.heartbeat_interval, m.liveness, connect,
+                       lambda: list(m.world.nodes) if m.world else [], answered=stores.answered)
+        m.heartbeat = hb
+        hb.start()
+        self.nodes[uid], self.beats = m, [*self.beats, hb]
+        return m
+
+    def together(self, uids: list[str], fn) -> dict[str, World | BaseException]:
+        out: dict[str, World | BaseException] = {}
+
+        def run(uid: str) -> None:
+            try:
+                out[uid] = fn(self.nodes[uid])
+            except BaseException as e:  # noqa: BLE001 - returned to the test
+                out[uid] = e
+
+        threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in uids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.cfg.store_timeout + 30)
+        assert not any(t.is_alive() for t in threads), "a member did not finish"
+        return out
+
+    def start(self, uids: list[str]) -> dict[str, World]:
+        for uid in uids:
+            self.add(uid)
+        worlds = self.together(uids, lambda m: m.join(quorum=len(uids), quorum_timeout=10.0))
+        assert all(isinstance(w, World) for w in worlds.values()), worlds
+        return worlds  # type: ignore[return-value]
+
+    def lose_first_store(self) -> None:
+        del self.first          # the in-process server goes with its last reference: connections reset
+
+    def close(self) -> None:
+        for hb in self.beats:
+            hb.stop()
+
+
+@pytest.fixture
+def run():
+    r = Run()
+    yield r
+    r.close()
+
+
+def test_the_run_reforms_on_the_next_store_with_every_node_and_its_id(run):
+    before = run.start(["a", "b", "c"])["a"]
+    assert before.run
+    run.lose_first_store()
+    after = run.together(["a", "b", "c"], lambda m: m.resolve())
+    worlds = list(after.values())
+    assert all(isinstance(w, World) for w in worlds), after
+    assert len({w.encode() for w in worlds}) == 1            # one world, read by all
+    world = worlds[0]
+    assert sorted(world.nodes) == ["a", "b", "c"] and world.run == before.run and world.version > before.version
+    assert world.joined == []                                # all were in the newest world: nobody needs state
+    for m in run.nodes.values():
+        assert [f.to_store for f in m.stores.failovers] == [str(run.addresses[1])]
+        assert m.stores.failovers[0].silent_s >= CFG.store_failover_s
+
+
+def test_a_node_that_never_arrives_is_left_behind_after_the_grace(run):
+    run.start(["a", "b", "c"])
+    run.beats[2].stop()                                      # c is gone with the store
+    run.lose_first_store()
+    after = run.together(["a", "b"], lambda m: m.resolve())
+    assert all(isinstance(w, World) and sorted(w.nodes) == ["a", "b"] for w in after.values()), after
+
+
+def test_a_lone_node_of_a_larger_world_does_not_train_alone_at_the_next_store():
+    r = Run(dataclasses.replace(CFG, store_timeout=8.0))
+    try:
+        r.start(["a", "b", "c"])
+        for hb in r.beats[1:]:
+            hb.stop()                                        # b and c never reach the next store
+        r.lose_first_store()
+        (outcome,) = r.together(["a"], lambda m: m.resolve()).values()
+        assert isinstance(outcome, EnvironmentFailure) and "not admitted" in str(outcome)
+    finally:
+        r.close()
+
+
+def test_a_next_store_holding_another_run_is_refused(run):
+    run.start(["a"])
+    client = dist.TCPStore("127.0.0.1", run.second.port, use_libuv=True, timeout=timedelta(seconds=10))
+    client.set(keys.WORLD, World(version=7, nodes=["z"], tokens={"z": "t"}, run="another-run").encode())
+    run.lose_first_store()
+    (outcome,) = run.together(["a"], lambda m: m.resolve()).values()
+    assert isinstance(outcome, EnvironmentFailure), outcome
+    assert "holds another run (run id another-run" in str(outcome) and "\n" not in str(outcome)
