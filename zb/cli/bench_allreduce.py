@@ -89,10 +89,13 @@ def _run(world_size: int, store: str | None, rank: int | None, cfg) -> dict | No
         return spawn_local(world_size, cfg, free_port())
     if rank is None or rank >= world_size:
         raise InvalidInput("--store needs --rank R with 0 <= R < --world-size")
-    host, _, port = store.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidInput(f"--store {store!r}: expected HOST:PORT with a port in 1..65535")
-    store_client = connect_store(host.strip("[]"), int(port), rank, world_size, cfg.rendezvous_timeout_s,
+    from zb.net.iperf import parse_host_port
+
+    try:
+        host, port = parse_host_port(store, "--store")
+    except ValueError as e:
+        raise InvalidInput(str(e)) from None
+    store_client = connect_store(host, port, rank, world_size, cfg.rendezvous_timeout_s,
                                  raise_hint=", or raise --timeout")
     return run_rank(store_client, rank, world_size, cfg)
 

@@ -9,7 +9,11 @@ from zb.cli.types import TEXT
 
 EPILOG = """The store and gloo have no authentication: across the internet, run nodes and the store
 on a private network (WireGuard, Tailscale) and bind the store to that network's address. The dashboard
-(--http-port) is read-only and listens on the same address as the store."""
+(--http-port) is read-only and listens on the same address as the store.
+
+A standby for a run that must outlive its store is one more `zb store` on another machine, named after the
+first in every node's GLOBAL_ADDR (host:port,host:port): the run moves there when the first has been
+silent for elastic.store_failover_s (30 s)."""
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}, epilog=EPILOG)

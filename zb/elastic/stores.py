@@ -2,9 +2,9 @@
 
 `GLOBAL_ADDR=host[:port],host[:port]` (GLOBAL_PORT is the port of an entry without one). One store
 is current at a time. When it has not answered for elastic.store_failover_s, every node moves to the
-next address and the run re-forms there (zb.elastic.membership). The rules are pure functions here,
+next address and the run re-forms there (zb.elastic.membership). The list is read by zb.addresses
+(one line for an empty entry, a bad port or a store named twice). The rules are pure functions here,
 tested in-process:
-- `parse_stores`: the list, with one line for an empty entry, a bad port or a store named twice;
 - `start_index`: a starting node goes to the latest address that holds this run's world (a store
   the run failed over to), else to the first that answers; a store that came back empty after the
   run moved on is thus never chosen over the one the run is on;
@@ -14,7 +14,9 @@ tested in-process:
 - `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store.
 
 Moves go forward only: a node never goes back to an earlier address, so a store that comes back
-after the failover is ignored by every node of the run.
+after the failover is ignored by every node of the run. Nodes that re-formed mark the stores they left
+(keys.MOVED, `StoreList.mark_moved`): a node that stayed on a store revived at its address (its silence
+was shorter than elastic.store_failover_s on that node's clock) reads the mark and follows.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from zb.addresses import StoreAddress, parse_stores
 from zb.errors import ZbError
 
 log = logging.getLogger("zb.elastic")
+
 
 def start_index(holds_run: list[bool | None]) -> int | None:
     """Where a starting node goes, from what each address held when asked (None: did not answer; True:

@@ -48,6 +48,9 @@ class MeshConfig:
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); ValueError naming `what` when malformed."""
+    if "," in text:   # a run's failover list (elastic.addr) names stores this command does not fail over along
+        raise ValueError(f"{what} {text!r}: one HOST:PORT here (the command's own meeting point; a list of stores "
+                         "is for zb train and zb status)")
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} {text!r}: expected HOST:PORT with a port in 1..65535")
