@@ -51,3 +51,13 @@ def test_link_down_and_partition_in_namespaces(tmp_path, capsys):
     assert "partition" in out and "one world of" in out, out
     after = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert after == before, f"namespaces left behind: {after}"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_stores_lost_in_a_row(tmp_path, capsys):
+    """Seed 6: three store-losses and node kills in one run; each loss moves the run to the next standby of
+    elastic.addr and every node there logs the move."""
+    out = _run(capsys, "--seed", "6", "--events", "4", "--nodes", "3", "--kinds", "store-loss,sigkill,join",
+               "--keep", str(tmp_path))
+    assert " store-loss " in out and "run on :" in out, out

@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zb.diloco")
 
+BEST_EFFORT_CONNECT_S = 2.0   # the most an after-step write waits for the store (see _write_store)
+
 FINGERPRINT_KEY = "zb/run/fingerprint"
 
 
@@ -145,12 +147,13 @@ class DilocoNode:
                  view.global_world_size, view.mesh_version, self.slot, self.roles.joining_note())
         return self.slot
 
-    def connect(self) -> Any:
-        """A new client of the run's store."""
+    def connect(self, wait_s: float | None = None) -> Any:
+        """A new client of the run's store, waiting for it up to `wait_s` (default elastic.connect_timeout)."""
         if self._connect_store is not None:
             return self._connect_store()
         e = self.cfg.elastic
-        return shared_stores(e).connect(e.connect_timeout, e.store_timeout, e.namespace)
+        return shared_stores(e).connect(e.connect_timeout if wait_s is None else min(wait_s, e.connect_timeout),
+                                        e.store_timeout, e.namespace)
 
     def _agree(self, head_fn) -> dict:
         """Local rank 0 runs `head_fn` and shares its JSON result; an error there stops every rank."""
@@ -461,7 +464,9 @@ class DilocoNode:
         restarted): reconnect; a failure drops it again, and the next outer step writes again. True when
         it was written."""
         try:
-            self.store = self.store or self.connect()
+            # A short wait: a store that is down (restarting, or lost for good and about to be failed over) held
+            # the training loop for elastic.connect_timeout per write (20 s measured for a joiner).
+            self.store = self.store or self.connect(wait_s=BEST_EFFORT_CONNECT_S)
             write(self.store)
             return True
         except store_errors() + (EnvironmentFailure,) as e:
