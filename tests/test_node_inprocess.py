@@ -732,3 +732,34 @@ def test_a_checkpoint_residual_under_another_layout_is_dropped_with_one_line(cap
     _, (plain,) = start_world(["b"], **{"diloco.compression": "int4"})
     plain.diloco.load_checkpoint_tensors({**plain.diloco.checkpoint_tensors()} | {"feedback/params": torch.ones(3)})
     assert "error-feedback residual (params) does not fit" in caplog.text
+
+
+def clipped_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], k: float) -> torch.Tensor:
+    """Robust aggregation (diloco.clip): each round, a node's pseudo-gradient whose norm exceeds k times the
+    lower median of the round's norms is scaled down to that bound before the average."""
+    theta = torch.nn.Parameter(start.clone())
+    opt = outer_sgd(theta)
+    for round_moves in moves:
+        norms = [float(m.norm()) for m in round_moves]
+        bound = k * sorted(norms)[(len(norms) - 1) // 2]
+        theta.grad = torch.stack([m * min(1.0, bound / n) for m, n in zip(round_moves, norms)]).mean(0)
+        opt.step()
+    return theta.detach()
+
+
+def test_clip_bounds_an_outsized_pseudo_gradient_as_the_single_process_math():
+    """Node b sends its update x1000 every round: with diloco.clip = 2 every node holds the reference's params
+    and names b as clipped; without clipping the same poison moves the params hundreds of times further."""
+    start = TinyModel().flat()
+    moves = deltas(3, 3, start.numel())
+    for round_moves in moves:
+        round_moves[1] = round_moves[1] * 1000
+    world, nodes = start_world(["a", "b", "c"], **{"diloco.clip": "2"})
+    run_rounds(nodes, moves)
+    expected = clipped_reference(start, moves, 2.0)
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), expected, atol=1e-5)
+        assert node.reports[-1].clipped == ["b"] and node.reports[-1].applied
+    clean = blocking_reference(start, [[m if i != 1 else m / 1000 for i, m in enumerate(r)] for r in moves])
+    poisoned = blocking_reference(start, moves)
+    assert float((poisoned - clean).norm()) > 100 * float((expected - clean).norm())

@@ -63,6 +63,12 @@ def _stores(cfg: Config) -> int:
 
 def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     """(key, what is wrong) for every relation between keys that does not hold."""
+    if cfg.diloco is not None and cfg.diloco.clip is not None:
+        if cfg.diloco.clip < 1:
+            yield "diloco.clip", "must be at least 1 (the median contribution itself is never scaled)"
+        if cfg.diloco.overlap != "none":
+            yield "diloco.clip", (f"cannot combine with diloco.overlap = {cfg.diloco.overlap} yet: the norms are "
+                                  "compared in the check-in, which an overlapped all-reduce has already left behind")
     if _stores(cfg) > 1 and cfg.swarm is not None:
         yield "elastic.addr", ("names several stores, but a DiLoCo-SWARM run does not fail over yet (its stages' "
                                "routing lives on one store): name one store")

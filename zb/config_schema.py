@@ -227,6 +227,10 @@ class DilocoConfig:
                                   "the budget ends within tau steps; 0 syncs each fragment blocking).", check="non_negative", run_defining=True)
     fragment_alpha: float = knob(0.5, "Streaming: alpha, merge of a synced fragment: local * alpha + outer * (1 - alpha).",
                                  run_defining=True)
+    clip: Optional[float] = knob(None, "Robust aggregation (blocking DiLoCo): a contributor whose pseudo-gradient norm "
+                                 "exceeds this many times the round's median norm is scaled down to that bound before "
+                                 "the average (the same decision on every node, logged with both norms); at least 1. "
+                                 "Unset: averaged as they are.")
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
                              "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
 

@@ -176,6 +176,7 @@ class OuterReport:
     round_tokens: int | None = optional(alongside="round_steps")   # the run's tokens in the round
     round_weight: float | None = optional(alongside="round_steps")  # this node's weight in the average
     run_step: int | None = off_the_line(None)   # diloco.round_seconds: the run's step after the round (the loop moves there)
+    clipped: list[str] | None = optional()   # diloco.clip: the nodes whose pseudo-gradients were scaled down
     note: str = off_the_line("")                # why nothing was applied, when that is expected (the log line's)
 
 

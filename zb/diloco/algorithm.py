@@ -46,9 +46,11 @@ class CheckIn:
 
     def report(self) -> OuterReport:
         """The outer step's report as far as the check-in knows it."""
+        clipped = [self.view.nodes[r] for r in self.plan.clipped()] if self.plan and self.stats else []
         return OuterReport(mesh_version=self.view.mesh_version, global_world_size=self.view.global_world_size,
                            num_peers=len(self.plan.contributors) if self.plan else 0, attempts=self.attempts,
-                           resolve_s=round(self.resolve_s, 4), checkin_s=round(self.checkin_s, 4))
+                           resolve_s=round(self.resolve_s, 4), checkin_s=round(self.checkin_s, 4),
+                           clipped=clipped or None)
 
 
 class Boundary(Protocol):

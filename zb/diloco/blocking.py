@@ -56,7 +56,8 @@ class BlockingAlgorithm(OuterAlgorithm):
         def sync(residual: torch.Tensor | None) -> SyncStats:
             return sync_pseudo_gradient(self.outer, node.mesh.global_pg, node.dcfg, streams,
                                         zeros=view.global_rank not in plan.contributors, scale=len(plan.contributors),
-                                        weight=share_weight(node, plan, view.global_rank), residual=residual)
+                                        weight=share_weight(node, plan, view.global_rank), residual=residual,
+                                        clip=plan.scales[view.global_rank] if plan.scales else 1.0)
 
         if self.feedback is None:
             return sync(None)

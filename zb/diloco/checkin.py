@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zb.collectives import PeerFailure
+from zb.diloco.clip import clip_scales, from_bits, to_bits
 
 
 class Role(IntEnum):
@@ -55,12 +56,19 @@ class Plan:
     steps: list[int] = field(default_factory=list)          # every rank's step counter
     round_steps: list[int] = field(default_factory=list)    # diloco.round_seconds: inner steps of this round
     round_tokens: list[int] = field(default_factory=list)   # ... and tokens (the weights of the average)
+    norms: list[float] = field(default_factory=list)        # diloco.clip: each rank's pseudo-gradient norm
+    scales: list[float] = field(default_factory=list)       # diloco.clip: the factor each rank's is scaled by
+
+    def clipped(self) -> list[int]:
+        """Ranks whose pseudo-gradients diloco.clip scales down in this outer step."""
+        return [r for r, s in enumerate(self.scales) if s < 1.0]
 
 
 
 def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None,
               digests: list[int] | None = None, arrived: list[int] | None = None,
-              round_steps: list[int] | None = None, round_tokens: list[int] | None = None) -> Plan:
+              round_steps: list[int] | None = None, round_tokens: list[int] | None = None,
+              norms: list[float] | None = None, clip: float | None = None) -> Plan:
     n = len(roles)
     steps = steps or [0] * n
     digests = digests or [UNKNOWN_DIGEST] * n
@@ -81,7 +89,8 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     return Plan(contributors=contributors, appliers=appliers, receivers=receivers,
                 donor=first if receivers else None, run_outer_step=run_outer_step, run_step=steps[first],
                 average_ok=average_ok, steps=list(steps), round_steps=list(round_steps or [0] * n),
-                round_tokens=list(round_tokens or [0] * n))
+                round_tokens=list(round_tokens or [0] * n), norms=list(norms or [0.0] * n),
+                scales=clip_scales(list(norms or [0.0] * n), contributors, clip))
 
 
 def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> list[int]:
@@ -110,16 +119,17 @@ def digest_value(digest: bytes) -> int:
 
 def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, *, outer_step: int, step: int,
              deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = Arrived.NONE,
-             round_steps: int = 0, round_tokens: int = 0) -> Plan:
-    """All-reduce every rank's (role, outer step, step, digest, arrived, round steps, round tokens) and
-    derive the plan; PeerFailure if a peer is missing. Each rank writes only its own column, so SUM
-    assembles the table."""
-    table = torch.zeros(7, size, dtype=torch.int64)
-    table[:, rank] = torch.tensor([role, outer_step, step, digest, arrived, round_steps, round_tokens],
-                                  dtype=torch.int64)
+             round_steps: int = 0, round_tokens: int = 0, norm: float = 0.0, clip: float | None = None) -> Plan:
+    """All-reduce every rank's (role, outer step, step, digest, arrived, round steps, round tokens, pseudo-
+    gradient norm) and derive the plan (with diloco.clip's factors); PeerFailure if a peer is missing. Each
+    rank writes only its own column, so SUM assembles the table."""
+    table = torch.zeros(8, size, dtype=torch.int64)
+    table[:, rank] = torch.tensor([role, outer_step, step, digest, arrived, round_steps, round_tokens,
+                                   to_bits(norm)], dtype=torch.int64)
     try:
         pg.allreduce([table]).wait(timedelta(seconds=deadline_s))
     except Exception as e:  # noqa: BLE001 - gloo names an address; the retry resolves the world anyway
         raise PeerFailure(f"outer-step check-in failed: {str(e).splitlines()[0]}", rank=None) from None
-    roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens = table.tolist()
-    return make_plan(roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens)
+    roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens, bits = table.tolist()
+    return make_plan(roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens,
+                     [from_bits(b) for b in bits], clip)

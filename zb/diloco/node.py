@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, cast
@@ -335,6 +336,10 @@ class DilocoNode:
         # This node's steps and tokens of the round (the weights of the average, when weighted).
         work = self.rounds.work() if self.rounds is not None else \
             self.work_source() if self.work_source is not None else rounds.RoundWork(0, 0)
+        # diloco.clip: this node's pseudo-gradient norm, compared with the others' in the check-in (blocking only:
+        # zb.config_checks refuses it with overlap). Its stripes are summed over its local ranks.
+        norm = math.sqrt(localsync.sum_float(self.local_group, self._outer.pseudo_gradient_sq())) \
+            if sync is not None and self.dcfg.clip is not None and self.roles.contributing else 0.0
         view = plan = stats = None
         attempts, resolve_s, checkin_s = 0, 0.0, 0.0
         for attempts in range(1, self.dcfg.retry_all_reduce + 2):
@@ -355,9 +360,11 @@ class DilocoNode:
                     plan = checkin.check_in(self.mesh.global_pg, view.global_rank, view.global_world_size,
                                             self.roles.role, outer_step=position.outer_step, step=position.step,
                                             deadline_s=_deadline(self.cfg), digest=digest, arrived=arrived,
-                                            round_steps=work.steps, round_tokens=work.tokens)
+                                            round_steps=work.steps, round_tokens=work.tokens, norm=norm,
+                                            clip=self.dcfg.clip)
                     checkin_s += time.perf_counter() - t0
                     self._note_lagging(view, plan, position.outer_step)
+                    self._note_clipped(view, plan)
                     stats = sync(view, plan) if sync is not None else None
                 elif sync is not None:
                     stats = SyncStats()          # a rank with no stripe sends nothing
@@ -441,6 +448,16 @@ class DilocoNode:
             log.warning("this node's outer params are not the run's (it is at outer step %d, the run at %d, or its "
                         "params differ from the majority's): it receives the run's state instead of contributing",
                         outer_step, plan.run_outer_step)
+
+    def _note_clipped(self, view, plan: checkin.Plan) -> None:
+        """diloco.clip's decision, the same on every node (a pure function of the check-in table)."""
+        if not self.local.is_head:
+            return
+        contributing = sorted(plan.norms[r] for r in plan.contributors)
+        for r in plan.clipped():
+            log.warning("diloco.clip: node %s's pseudo-gradient norm %.4g is over %g x the round's median %.4g: scaled "
+                        "down by %.3g", view.nodes[r], plan.norms[r], self.dcfg.clip,
+                        contributing[(len(contributing) - 1) // 2], plan.scales[r])
 
     def _reassert_claims(self, view) -> None:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a

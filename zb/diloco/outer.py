@@ -107,6 +107,19 @@ class OuterState:
         torch.sub(self.flat.data, grad, out=grad)
 
     @torch.no_grad()
+    def pseudo_gradient_sq(self) -> float:
+        """Fill flat.grad with this rank's pseudo-gradient and return its sum of squares (diloco.clip); on a node
+        whose FSDP shards are not its stripes, a collective over its local ranks."""
+        if self.layout.identity:
+            for index in range(len(self.params)):
+                self.pseudo_gradient_of(index)
+        else:
+            self.fill_pseudo_gradients()
+        grad = self.flat.grad
+        assert grad is not None  # the pseudo-gradient buffer: set in __init__, never cleared
+        return float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+
+    @torch.no_grad()
     def pseudo_gradient_of(self, index: int) -> torch.Tensor:
         """Fill and return the pseudo-gradient view of parameter `index`: outer - current (already
         filled by fill_pseudo_gradients when the stripes are not this rank's FSDP shards)."""

@@ -82,13 +82,14 @@ class _Reducer(threading.Thread):
 def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: DilocoConfig,
                          streams: Sequence[dist.ProcessGroup] = (), *, scale: int | None = None,
                          zeros: bool = False, weight: float | None = None,
-                         residual: torch.Tensor | None = None) -> SyncStats:
+                         residual: torch.Tensor | None = None, clip: float = 1.0) -> SyncStats:
     """Fill outer.flat.grad with the replica group's pseudo-gradients summed and divided by `scale`
     (default: the group size, i.e. the average; DiLoCo passes the number of contributing nodes so
     that a joiner's zeros never shrink the update). With `zeros`, this rank sends zeros (a joiner).
     With `weight` (diloco.round_seconds), this rank sends weight * its pseudo-gradient and the sum is
     not divided: the weights of the group sum to 1 (zb.diloco.rounds). `residual`: this rank's error
-    feedback, in the flat buffer's order. Raises PeerFailure when a transfer fails."""
+    feedback, in the flat buffer's order. `clip`: the factor diloco.clip scales this rank's pseudo-gradient by
+    (zb.diloco.clip). Raises PeerFailure when a transfer fails."""
     t0 = time.perf_counter()
     ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
     reducer = _Reducer(outer, group, streams, cfg, residual)
@@ -104,8 +105,8 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
             if not zeros:
                 t1 = time.perf_counter()
                 g = outer.pseudo_gradient_of(index)
-                if weight is not None:
-                    g.mul_(weight)
+                if weight is not None or clip != 1.0:
+                    g.mul_((1.0 if weight is None else weight) * clip)
                 d2h_s += time.perf_counter() - t1
             while next_bucket < len(ranges) and ranges[next_bucket][1] <= end:
                 reducer.todo.put(ranges[next_bucket])

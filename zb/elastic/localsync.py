@@ -71,6 +71,18 @@ def all_ok(group, ok: bool) -> bool:
     return bool(flag.item())
 
 
+def sum_float(group, value: float) -> float:
+    """The sum of every local rank's `value`."""
+    if group is None:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    total = torch.tensor([value], dtype=torch.float64, device=_device(group))
+    dist.all_reduce(total, group=group)
+    return float(total.item())
+
+
 def all_gather_bytes(group, data: bytes) -> list[bytes]:
     """Every local rank's `data` (of equal length on every rank), in local rank order."""
     if group is None:

@@ -1,0 +1,54 @@
+"""diloco.clip (zb.diloco.clip): which contributions are scaled, by how much, and how the norms ride in the
+check-in; the node's outer step against a single-process reference is in tests/test_node_inprocess.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from zb.config import load_config
+from zb.diloco.checkin import make_plan
+from zb.diloco.clip import clip_scales, from_bits, to_bits
+from zb.errors import InvalidInput
+
+
+def test_an_outsized_contribution_is_scaled_to_k_times_the_median():
+    assert clip_scales([1.0, 1000.0, 2.0], [0, 1, 2], 3.0) == [1.0, pytest.approx(6.0 / 1000.0), 1.0]
+
+
+def test_with_two_contributors_the_larger_is_bounded_by_the_smaller():
+    assert clip_scales([1.0, 1000.0], [0, 1], 2.0) == [1.0, pytest.approx(0.002)]
+    assert clip_scales([1.0, 1.5], [0, 1], 2.0) == [1.0, 1.0]          # within k: as they are
+
+
+def test_only_contributors_count_and_are_scaled():
+    # Rank 0 receives the state (not a contributor): its norm neither sets the median nor gets a factor.
+    assert clip_scales([900.0, 1.0, 1.0, 50.0], [1, 2, 3], 2.0) == [1.0, 1.0, 1.0, pytest.approx(0.04)]
+
+
+def test_off_alone_or_non_finite_leaves_everything_as_it_is():
+    assert clip_scales([1.0, 1000.0, 2.0], [0, 1, 2], None) == [1.0, 1.0, 1.0]
+    assert clip_scales([1000.0], [0], 2.0) == [1.0]
+    # A NaN norm is the non-finite skip's case (every node skips the step); the rest are judged without it.
+    assert clip_scales([math.nan, 1.0, 100.0], [0, 1, 2], 2.0) == [1.0, 1.0, pytest.approx(0.02)]
+
+
+def test_the_plan_carries_the_same_factors_on_every_rank():
+    norms = [1.0, 1000.0, 2.0]
+    plans = [make_plan([0, 0, 0], [5, 5, 5], norms=norms, clip=3.0) for _ in range(3)]
+    assert all(p.scales == plans[0].scales for p in plans) and plans[0].clipped() == [1]
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, 1e-30, 3.0e38, 123456.789])
+def test_a_norm_travels_as_its_bits(value):
+    assert from_bits(to_bits(value)) == value
+    assert from_bits(to_bits(value) + 0) == value     # summed with the zeros of the other ranks' columns
+
+
+def test_clip_is_refused_where_it_cannot_act():
+    with pytest.raises(InvalidInput, match="diloco.clip.*cannot combine with diloco.overlap = eager"):
+        load_config([], {"diloco.clip": "3", "diloco.overlap": "eager"}, environ={})
+    with pytest.raises(InvalidInput, match="diloco.clip.*at least 1"):
+        load_config([], {"diloco.clip": "0.5"}, environ={})
+    assert load_config([], {"diloco.clip": "3"}, environ={}).diloco.clip == 3.0

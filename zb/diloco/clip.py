@@ -1,0 +1,43 @@
+"""diloco.clip: robust aggregation of the pseudo-gradients (blocking DiLoCo).
+
+Every contributor's pseudo-gradient norm travels in the check-in table (zb.diloco.checkin); every node
+then computes the same factors from the same numbers: a contribution whose norm exceeds k times the
+median norm of the round's contributors (k = diloco.clip) is scaled down to k times that median before
+the all-reduce. One node's outsized update (a bug, a diverged node, a hostile one) then moves the average
+by at most k times what a typical node moves it. The median is the lower one (with two contributors,
+the smaller norm), so with two nodes the larger of the two is bounded by the other.
+
+What it does not stop: an update of normal size that points the wrong way (a sign flip) is averaged in
+like any other and moves the average by at most 2/M of one update (M contributors); nor several hostile
+nodes that are the majority of a round.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import struct
+
+
+def clip_scales(norms: list[float], contributors: list[int], k: float | None) -> list[float]:
+    """Per rank, the factor its pseudo-gradient is scaled by (1.0: as it is). Non-finite norms are left alone:
+    the non-finite skip (every node skips the outer step) takes such a round."""
+    scales = [1.0] * len(norms)
+    finite = [norms[r] for r in contributors if math.isfinite(norms[r])]
+    if k is None or len(finite) < 2:
+        return scales
+    bound = k * statistics.median_low(finite)
+    for r in contributors:
+        if math.isfinite(norms[r]) and norms[r] > bound > 0:
+            scales[r] = bound / norms[r]
+    return scales
+
+
+def to_bits(value: float) -> int:
+    """A float64 as the int64 of its bits: how a norm rides in the int64 check-in table (a column only its
+    rank writes, summed with zeros, so the bits arrive as they left)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def from_bits(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
