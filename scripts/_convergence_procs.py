@@ -22,6 +22,8 @@ from zb.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 
 
+HOSTILE = Path(__file__).resolve().parent / "_hostile_node.py"
+
 def base_env(**extra: str) -> dict[str, str]:
     """The caller's env, the repo on PYTHONPATH, one torch thread per process (several processes
     share 2 cores: more threads only oversubscribe them, and made a run ~10x slower)."""
@@ -45,16 +47,17 @@ class Procs:
         self.procs: dict[str, subprocess.Popen] = {}
         workdir.mkdir(parents=True, exist_ok=True)
 
-    def spawn(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], launcher: list[str] | None = None, **env: str) -> subprocess.Popen:
+        """`python -m zb ARGV` (or `python LAUNCHER... ARGV`, e.g. the hostile node's driver)."""
         err = open(self.workdir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "zb", *argv], env=dict(self.env, **env), cwd=REPO,
+        proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "zb"]), *argv], env=dict(self.env, **env), cwd=REPO,
                                 stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         err.close()
         self.procs[name] = proc
         return proc
 
-    def train(self, name: str, args: list[str], **env: str) -> subprocess.Popen:
-        return self.spawn(name, ["train", *args, "--log.dir", str(self.workdir / name)], **env)
+    def train(self, name: str, args: list[str], launcher: list[str] | None = None, **env: str) -> subprocess.Popen:
+        return self.spawn(name, ["train", *args, "--log.dir", str(self.workdir / name)], launcher, **env)
 
     def metrics(self, name: str, event: str) -> list[dict]:
         path = self.workdir / name / "metrics.jsonl"
@@ -128,10 +131,11 @@ def run_single(workdir: Path, args: list[str], timeout: float) -> dict[str, list
         procs.close()
 
 
-def run_nodes(workdir: Path, args: list[str], nodes: int, timeout: float, kill_at: int | None = None
-              ) -> tuple[dict[str, list[dict]], list[str]]:
+def run_nodes(workdir: Path, args: list[str], nodes: int, timeout: float, kill_at: int | None = None,
+              hostile: float | None = None) -> tuple[dict[str, list[dict]], list[str]]:
     """`zb store` plus `nodes` DiLoCo nodes. With `kill_at`, the last node is SIGKILLed once it has
-    logged that outer step and a new node (another unique id, same preferred rank) joins at once.
+    logged that outer step and a new node (another unique id, same preferred rank) joins at once. With
+    `hostile`, the last node sends its pseudo-gradient times that factor (scripts/_hostile_node.py).
     Returns ({name: metrics records}, names of the nodes alive at the end)."""
     profile = ELASTIC_PROFILE if kill_at is not None else {}
     procs = Procs(workdir, base_env(**profile), timeout)
@@ -140,7 +144,8 @@ def run_nodes(workdir: Path, args: list[str], nodes: int, timeout: float, kill_a
         env = dict(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(port), GLOBAL_WORLD_SIZE=str(nodes))
         names = [f"node{i}" for i in range(nodes)]
         for i, name in enumerate(names):
-            procs.train(name, args, GLOBAL_RANK=str(i), GLOBAL_UNIQUE_ID=name, **env)
+            launcher = [str(HOSTILE), str(hostile)] if hostile is not None and i == nodes - 1 else None
+            procs.train(name, args, launcher, GLOBAL_RANK=str(i), GLOBAL_UNIQUE_ID=name, **env)
         if kill_at is not None:
             victim = names[-1]
             procs.wait_outer(victim, kill_at)

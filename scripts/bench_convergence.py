@@ -14,6 +14,9 @@ Rows (every one a real `zb train` run on the built-in offline data, whose entrop
                   new node joins at once; ends by checking that all live nodes agree (params_hash)
   eager-hH-C      as diloco-hH-C with diloco.overlap = eager (the all-reduce behind the next round)
   streaming-hH-C  as diloco-hH-C with diloco.overlap = streaming (--fragments, --fragment-delay, --fragment-alpha)
+  poison-hH-C     as diloco-hH-C, but the last node sends its pseudo-gradient x1000 every round
+                  (scripts/_hostile_node.py); flip-hH-C: the last node sends it sign-flipped
+  ...-clipK       any DiLoCo row with diloco.clip = K (robust aggregation), e.g. poison-h10-fp32-clip2
 Single, dp and node 0 of every DiLoCo row train on data shard 0 of N and are evaluated on the same
 held-out shard, so their final held-out losses are comparable. DiLoCo losses are node 0's eval after
 the final outer step (params are identical on all nodes then). Seeds are interleaved (seed 1 of every
@@ -38,7 +41,8 @@ from _convergence_procs import run_nodes, run_single  # noqa: E402
 from _convergence_report import report  # noqa: E402
 
 DEFAULT_ROWS = "single,dp,diloco-h10-fp32,diloco-h10-int8,diloco-h50-fp32,diloco-h50-int8,elastic-h10-fp32"
-ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming)-h(\d+)-(fp32|int8|int4|int2)(-noef)?)$")
+ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming|poison|flip)-h(\d+)-(fp32|int8|int4|int2)(-noef)?"
+                 r"(-clip([\d.]+))?)$")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -73,8 +77,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for row in args.rows:
         m = ROW.match(row)
         if m is None:
-            p.error(f"unknown row {row!r}: use single, dp, or diloco-, elastic-, eager- or streaming-h<H>-"
-                    "<fp32|int8|int4|int2>[-noef]")
+            p.error(f"unknown row {row!r}: use single, dp, or diloco-, elastic-, eager-, streaming-, poison- or "
+                    "flip-h<H>-<fp32|int8|int4|int2>[-noef][-clipK]")
         if m.group(3) and args.steps % int(m.group(3)):
             p.error(f"--steps {args.steps} is not a multiple of H in {row}")
     return args
@@ -103,12 +107,15 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
         diloco = [*feedback, "--diloco.inner_steps", str(h), "--diloco.compression", compression, "--diloco.outer_lr",
                   str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum), "--train.log_model_hash",
                   "--diloco.overlap", m.group(2) if m.group(2) in ("eager", "streaming") else "none"]
+        if m.group(7):
+            diloco += ["--diloco.clip", m.group(7)]
         if m.group(2) == "streaming":
             diloco += ["--diloco.fragments", str(args.fragments), "--diloco.fragment_delay", str(args.fragment_delay),
                        "--diloco.fragment_alpha", str(args.fragment_alpha)]
         kill_at = max(1, args.steps // h // 3) if m.group(2) == "elastic" else None
+        hostile = {"poison": 1000.0, "flip": -1.0}.get(m.group(2))
         records, live = run_nodes(workdir, [*train_args(args, seed, args.batch), *diloco], args.nodes,
-                                  args.timeout, kill_at)
+                                  args.timeout, kill_at, hostile)
         result = summarize(records, live)
     return dict(row=row, seed=seed, wall_s=round(time.monotonic() - started, 1), **result)
 
