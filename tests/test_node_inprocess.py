@@ -747,9 +747,11 @@ def clipped_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], k: f
     return theta.detach()
 
 
-def test_clip_bounds_an_outsized_pseudo_gradient_as_the_single_process_math():
+def test_clip_bounds_an_outsized_pseudo_gradient_as_the_single_process_math(caplog):
     """Node b sends its update x1000 every round: with diloco.clip = 2 every node holds the reference's params
-    and names b as clipped; without clipping the same poison moves the params hundreds of times further."""
+    and names b as clipped (reported once clipped 3 outer steps in a row); without clipping the same poison
+    moves the params hundreds of times further."""
+    caplog.set_level("WARNING", logger="zb.diloco")
     start = TinyModel().flat()
     moves = deltas(3, 3, start.numel())
     for round_moves in moves:
@@ -763,3 +765,4 @@ def test_clip_bounds_an_outsized_pseudo_gradient_as_the_single_process_math():
     clean = blocking_reference(start, [[m if i != 1 else m / 1000 for i, m in enumerate(r)] for r in moves])
     poisoned = blocking_reference(start, moves)
     assert float((poisoned - clean).norm()) > 100 * float((expected - clean).norm())
+    assert "node b was clipped in 3 outer steps in a row" in caplog.text

@@ -805,3 +805,25 @@ def test_the_stores_line_only_when_there_is_something_to_say():
     console = Console(file=io.StringIO(), width=250, color_system=None)
     console.print(status_table(doc([("s2:1", True)], 0)))
     assert plain == console.file.getvalue()
+
+
+def test_the_clipped_nodes_of_the_newest_outer_step_are_shown():
+    """diloco.clip: each node's record keeps who was clipped at its last outer step; the run shows the newest
+    node's list and the table says it under itself (and nothing when nobody was)."""
+    from zb.cli.status import clipped_line
+    from zb.status.reader import _run
+
+    records = {}
+    for uid, outer, clipped in (("a", 4, ["c"]), ("b", 3, ["b"])):
+        s = _status(uid)
+        s.observe({"event": "outer_step", "time": 3.0, "outer_step": outer, "step": 5 * outer, "mesh_version": 1,
+                   "global_world_size": 3, "num_peers": 3, "clipped": clipped})
+        records[uid] = decode_record(encode(s.snapshot()[0]))
+    assert records["a"]["clipped"] == ["c"]
+    run = _run(None, [], records)
+    assert run["clipped"] == ["c"]                      # the newest outer step's (a's, at 4)
+    assert clipped_line({"run": {**run, "outer_step": 4}}) == "diloco.clip scaled down c at outer step 4"
+    s = _status("a")
+    s.observe({"event": "outer_step", "time": 4.0, "outer_step": 5, "step": 25, "mesh_version": 1,
+               "global_world_size": 3, "num_peers": 3})
+    assert s.snapshot()[0]["clipped"] == [] and clipped_line({"run": {"clipped": []}}) is None

@@ -168,13 +168,22 @@ def stores_line(doc: dict) -> str | None:
     return f"store {stores.get('current') or doc.get('source')} ({'; '.join(parts)})"
 
 
+def clipped_line(doc: dict) -> str | None:
+    """The line under the table when diloco.clip scaled down a node's pseudo-gradient at the newest outer step."""
+    run = doc.get("run") or {}
+    clipped = run.get("clipped") or []
+    if not clipped:
+        return None
+    return f"diloco.clip scaled down {', '.join(clipped)} at outer step {run.get('outer_step')}"
+
+
 def status_view(doc: dict):
-    """The table, and under it the stores line when there is one."""
+    """The table, and under it the stores and diloco.clip lines when there are any."""
     from rich.console import Group
     from rich.text import Text
 
-    table, line = status_table(doc), stores_line(doc)
-    return table if line is None else Group(table, Text(line))
+    table, lines = status_table(doc), [line for line in (stores_line(doc), clipped_line(doc)) if line]
+    return Group(table, *(Text(line) for line in lines)) if lines else table
 
 
 def _watch(reader, addresses: list, where: str, interval: float, timeout: float, as_json: bool) -> None:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zb.diloco")
 
+CLIPPED_REPORT_AFTER = 3     # diloco.clip: outer steps in a row a node is clipped before it is reported
 BEST_EFFORT_CONNECT_S = 2.0   # the most an after-step write waits for the store (see _write_store)
 
 FINGERPRINT_KEY = "zb/run/fingerprint"
@@ -104,6 +105,7 @@ class DilocoNode:
         self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
         self._claimed_in: int | None = None   # the store client epoch whose store holds this node's claims
         self._client_epoch: int | None = None  # the head's store client epoch when self.store was last trusted
+        self._clipped_rounds: dict[str, int] = {}  # diloco.clip: node id -> outer steps in a row it was clipped
         if cfg.diloco.compression != "none":
             from zb.collectives import kernels
 
@@ -454,6 +456,12 @@ class DilocoNode:
         if not self.local.is_head:
             return
         contributing = sorted(plan.norms[r] for r in plan.contributors)
+        clipped = {view.nodes[r] for r in plan.clipped()}
+        self._clipped_rounds = {u: self._clipped_rounds.get(u, 0) + 1 for u in clipped}
+        for uid, in_a_row in self._clipped_rounds.items():
+            if in_a_row >= CLIPPED_REPORT_AFTER:
+                log.error("diloco.clip: node %s was clipped in %d outer steps in a row: a diverged or hostile node? "
+                          "(its updates count for at most diloco.clip x the median)", uid, in_a_row)
         for r in plan.clipped():
             log.warning("diloco.clip: node %s's pseudo-gradient norm %.4g is over %g x the round's median %.4g: scaled "
                         "down by %.3g", view.nodes[r], plan.norms[r], self.dcfg.clip,

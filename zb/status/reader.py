@@ -310,7 +310,9 @@ def _run(world, nodes: list[dict], records: dict[str, dict | None]) -> dict[str,
     if training and step is not None and total and total > step and rate and rate > 0:   # a finished run has none
         eta = (total - step) / rate
     tps = [n["tokens_per_s"] for n in training if isinstance(n["tokens_per_s"], (int, float))]
-    return {"mesh_version": world.version if world else None, "world_size": len(world.nodes) if world else 0,
+    newest = max((r for r in records.values() if r), key=lambda r: r.get("outer_step") or 0, default=None)
+    clipped = [u for u in (newest or {}).get("clipped") or [] if isinstance(u, str)]
+    return {"clipped": clipped, "mesh_version": world.version if world else None, "world_size": len(world.nodes) if world else 0,
             "leader": leader, "step": step, "outer_step": max((n["outer_step"] or 0 for n in counted), default=None),
             "total_steps": total, "tokens_per_s": round(sum(tps), 1) if tps else None,
             "eta_s": round(eta, 1) if eta is not None else None,

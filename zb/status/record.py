@@ -39,7 +39,7 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "wire_mbps": (float, int), "wire_bytes": (int,), "num_peers": (int,), "started": (float, int),
     "time": (float, int), "heartbeat_interval": (float, int), "heartbeat_timeout": (float, int),
     "steps_per_s": (float, int), "history_version": (int,), "reason": (str,), "compression": (str,),
-    "store": (str,), "failovers": (int,),
+    "store": (str,), "failovers": (int,), "clipped": (list,),
 }
 
 
@@ -131,6 +131,7 @@ class NodeStatus:
 
     def _on_outer_step(self, r: dict) -> bool:
         self._update(world_size=r.get("global_world_size"))
+        self._record["clipped"] = [str(u) for u in r.get("clipped") or []]   # diloco.clip, this outer step
         self._record["state"] = "training"
         self._outer.append([r.get("time"), r.get("outer_step"), r.get("allreduce_s"), r.get("wire_mbps"),
                             r.get("global_world_size")])
