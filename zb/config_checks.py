@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
+from zb.addresses import parse_stores
 from zb.config_schema import Config, DilocoConfig
 from zb.model_sizes import model_names
 
@@ -58,7 +59,7 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
 
 def _stores(cfg: Config) -> int:
     """How many stores elastic.addr names (its range check has already parsed it)."""
-    return len(cfg.elastic.addr.split(",")) if cfg.elastic.addr else 1
+    return len(parse_stores(cfg.elastic.addr, cfg.elastic.port)) if cfg.elastic.addr else 1
 
 
 def problems(cfg: Config) -> Iterator[tuple[str, str]]:

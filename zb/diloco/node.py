@@ -106,6 +106,7 @@ class DilocoNode:
         self._claimed_in: int | None = None   # the store client epoch whose store holds this node's claims
         self._client_epoch: int | None = None  # the head's store client epoch when self.store was last trusted
         self._clipped_rounds: dict[str, int] = {}  # diloco.clip: node id -> outer steps in a row it was clipped
+        self._clipped_counted = -1                  # the outer step those counts include
         if cfg.diloco.compression != "none":
             from zb.collectives import kernels
 
@@ -366,7 +367,7 @@ class DilocoNode:
                                             clip=self.dcfg.clip)
                     checkin_s += time.perf_counter() - t0
                     self._note_lagging(view, plan, position.outer_step)
-                    self._note_clipped(view, plan)
+                    self._note_clipped(view, plan, position.outer_step)
                     stats = sync(view, plan) if sync is not None else None
                 elif sync is not None:
                     stats = SyncStats()          # a rank with no stripe sends nothing
@@ -451,13 +452,16 @@ class DilocoNode:
                         "params differ from the majority's): it receives the run's state instead of contributing",
                         outer_step, plan.run_outer_step)
 
-    def _note_clipped(self, view, plan: checkin.Plan) -> None:
-        """diloco.clip's decision, the same on every node (a pure function of the check-in table)."""
+    def _note_clipped(self, view, plan: checkin.Plan, outer_step: int) -> None:
+        """diloco.clip's decision, the same on every node (a pure function of the check-in table); a retried
+        attempt of the same outer step does not count again toward the nodes clipped in a row."""
         if not self.local.is_head:
             return
         contributing = sorted(plan.norms[r] for r in plan.contributors)
-        clipped = {view.nodes[r] for r in plan.clipped()}
-        self._clipped_rounds = {u: self._clipped_rounds.get(u, 0) + 1 for u in clipped}
+        if outer_step != self._clipped_counted:
+            self._clipped_counted = outer_step
+            clipped = {view.nodes[r] for r in plan.clipped()}
+            self._clipped_rounds = {u: self._clipped_rounds.get(u, 0) + 1 for u in clipped}
         for uid, in_a_row in self._clipped_rounds.items():
             if in_a_row >= CLIPPED_REPORT_AFTER:
                 log.error("diloco.clip: node %s was clipped in %d outer steps in a row: a diverged or hostile node? "

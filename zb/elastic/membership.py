@@ -117,16 +117,17 @@ class Membership:
         until it answers or elastic.store_failover_s passed, then move to the next store and re-form the world
         there (a silent next store is waited for and left the same way). Raises StoreUnreachable when there
         is no next store: the caller trains on with the old world."""
+        moved_on = False   # this call moved to a later store: the ones left are marked once the world re-formed
         while True:
             try:
                 world = attempt()
-                if attempt == self._reform and self.stores is not None:
+                if moved_on and self.stores is not None:
                     self.stores.mark_moved(self.cfg.namespace, self.cfg.store_timeout)
                 return world
             except RunMoved as moved:
                 assert self.stores is not None
                 self.stores.move(to=moved.index)
-                self.store, attempt = None, self._reform
+                self.store, attempt, moved_on = None, self._reform, True
                 continue
             except StoreUnreachable:
                 if self.stores is None:
@@ -137,7 +138,7 @@ class Membership:
                 raise StoreUnreachable(f"store {stores.current} does not answer")
             if action == MOVE:
                 stores.move()
-                self.store, attempt = None, self._reform
+                self.store, attempt, moved_on = None, self._reform, True
             else:
                 time.sleep(min(10 * self.cfg.polling_interval, 1.0))
 
@@ -170,7 +171,7 @@ class Membership:
     def _join(self, quorum: Quorum) -> World:
         try:
             store = self.ensure_store()
-            self._check_same_stores(store)
+            self.check_same_stores(store)
             snap = read_snapshot(store, None)
             self._answered()
             self._check_snapshot(snap)
@@ -191,8 +192,9 @@ class Membership:
         except store_errors() as e:
             raise self._drop_store(e) from None
 
-    def _check_same_stores(self, store) -> None:
-        """Every node of a run names the same stores in the same order: else they would fail over apart."""
+    def check_same_stores(self, store) -> None:
+        """Every node of a run names the same stores in the same order: else they would fail over apart. Checked
+        at every join (a store moved to holds no list yet) and at start, before any thread of the node runs."""
         if self.stores is None or not self.stores.has_other:
             return
         mine = self.stores.text

@@ -160,6 +160,7 @@ class ElasticDeviceMesh:
                                       before_join=self._check_reachable, ring_backward=self.ring_backward,
                                       stores=self.stores)
         self._membership.store, self._membership.store_epoch = store, 1
+        self._membership.check_same_stores(store)   # a refusal before the threads start: nothing left running
         self._start_threads(uid, token, liveness, store)
         try:
             world = self._membership.join(quorum=cfg.world_size, quorum_timeout=cfg.start_timeout)
