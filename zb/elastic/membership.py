@@ -231,7 +231,9 @@ class Membership:
                 return
 
     def _wait_admitted(self, quorum: Quorum) -> World:
-        give_up = time.monotonic() + self.cfg.store_timeout
+        # Never before the quorum's grace has passed (elastic.start_timeout can exceed elastic.store_timeout):
+        # a first node whose peers start slowly seeds with those present then, as start_timeout promises.
+        give_up = max(time.monotonic() + self.cfg.store_timeout, quorum.grace_at + self.cfg.heartbeat_timeout)
         while time.monotonic() < give_up:
             snap = read_snapshot(self.store, None)
             self._answered()
