@@ -158,7 +158,7 @@ class _Inner:
 def _connect_to(store_obj):
     from zb.elastic.tcpstore import connect
 
-    return lambda: connect("127.0.0.1", store_obj.port, 2.0, 5.0)
+    return lambda: connect("127.0.0.1", store_obj.port, 30.0, 30.0)
 
 
 def test_publisher_writes_the_record_and_says_goodbye(store):

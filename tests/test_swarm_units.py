@@ -278,8 +278,8 @@ def test_stage_namespace_keeps_the_users_own():
 def test_namespaced_clients_do_not_see_each_other(store):
     from zb.elastic.tcpstore import connect
 
-    a = connect("127.0.0.1", store.port, 5, 5, "swarm/s0")
-    b = connect("127.0.0.1", store.port, 5, 5, "swarm/s1")
+    a = connect("127.0.0.1", store.port, 30, 30, "swarm/s0")
+    b = connect("127.0.0.1", store.port, 30, 30, "swarm/s1")
     a.set("zb/world", "A")
     assert not b.check(["zb/world"]) and store.check(["swarm/s0/zb/world"])
 
@@ -292,8 +292,8 @@ def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespac
     from zb.elastic import keys
     from zb.elastic.tcpstore import connect
 
-    mesh_side = connect("127.0.0.1", store.port, 5, 5, registry.stage_namespace("runA", 0))
-    link = registry.StoreLink(lambda: connect("127.0.0.1", store.port, 5, 5, "runA"))
+    mesh_side = connect("127.0.0.1", store.port, 30, 30, registry.stage_namespace("runA", 0))
+    link = registry.StoreLink(lambda: connect("127.0.0.1", store.port, 30, 30, "runA"))
     live = registry.Liveness(link, timeout=0.3)
     mesh_side.add(keys.heartbeat("u"), 1)
     assert live.alive(0, ["u"]) == {"u"}
@@ -311,7 +311,7 @@ def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
 
     port = free_port()
     host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)
-    link = registry.StoreLink(lambda: connect("127.0.0.1", port, 0.5, 2))
+    link = registry.StoreLink(lambda: connect("127.0.0.1", port, 3, 5))
     assert link.run(lambda s: s.add("n", 1)) == 1
     del host                                                   # the store goes away
     assert link.run(lambda s: s.add("n", 1), fallback="known") == "known"
