@@ -311,7 +311,7 @@ def test_zb_store_serves_until_sigterm_and_warns_on_wildcard_bind():
         proc.terminate()
         assert proc.wait(30) == 0
         err = proc.stderr.read()
-        assert "no authentication" in err and f"GLOBAL_PORT={port}" in err
+        assert "anyone who reaches" in err and "--new-secret" in err and f"GLOBAL_PORT={port}" in err
     finally:
         proc.kill()
         proc.wait(10)

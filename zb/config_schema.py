@@ -306,6 +306,10 @@ class ElasticConfig:
                           "swarm/s<stage>/ by itself).")
     status_interval: float = knob(5.0, "Seconds between this node's status records in the store (for `zb status` and its "
                                   "dashboard; also after every outer step); 0 publishes none.", check="non_negative")
+    secret_file: Optional[str] = knob(None, "The run secret (a file; make one with `zb store --new-secret FILE`): every "
+                                      "record this node writes to the store is sealed with it and every record read "
+                                      "must open with it, so only nodes holding it join; the checkpoint sidecar's token "
+                                      "derives from it. Also --secret-file.")
 
 
 @dataclass

@@ -39,10 +39,16 @@ def _flag_like(key: str) -> bool:
     return KEYS[key].type is bool or "true" in KEYS[key].aliases
 
 
+# Short spellings shared with the commands that take no config (zb store, zb status, ...).
+SHORT_FLAGS = {"elastic.secret_file": "--secret-file"}
+
+
 def _option(spec: KeySpec) -> Callable:
     names = [f"--{spec.key}"]
     if "_" in spec.key:
         names.append(f"--{spec.key.replace('_', '-')}")
+    if spec.key in SHORT_FLAGS:
+        names.append(SHORT_FLAGS[spec.key])
     kwargs: dict[str, Any] = {"type": str, "default": None, "help": _help(spec), "metavar": spec.type.__name__.upper()}
     if _flag_like(spec.key):
         # `--train.log_model_hash` alone means true, as in Prime; `--train.log_model_hash false` also works.

@@ -41,6 +41,8 @@ DEFAULT_HTTP_PORT = 8600
               help="Seconds between refreshes (--watch, --serve).")
 @click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True, max=3600), default=10.0, show_default=True,
               help="Seconds to wait for the store (with several, for any of them) to answer.")
+@click.option("--secret-file", type=TEXT, default=None, envvar="ZB_ELASTIC_SECRET_FILE", show_envvar=True,
+              help="The run secret (elastic.secret_file), for a run whose store was started with one.")
 @click.option("--from", "from_paths", type=TEXT, multiple=True, metavar="PATH",
               help="A finished run's metrics: metrics.jsonl files or directories holding them (repeatable). "
                    "Writes an HTML report instead of reading a store.")
@@ -48,7 +50,8 @@ DEFAULT_HTTP_PORT = 8600
               help="With --from: the report's file [default: report.html].")
 @click.option("--force", is_flag=True, help="With --from: overwrite --out if it exists.")
 def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port: int | None, bind: str,
-           interval: float, timeout: float, from_paths: tuple[str, ...], out: str | None, force: bool) -> None:
+           interval: float, timeout: float, secret_file: str | None, from_paths: tuple[str, ...], out: str | None,
+           force: bool) -> None:
     """Show a run: every node's id, host, rank, device, state, heartbeat age, step, loss, tokens/s and
     last all-reduce, and the run's mesh version, leader, tokens/s and ETA, read from the run's store."""
     _check_combination(store, watch, serve, http_port, from_paths, out, force)
@@ -60,14 +63,17 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
         return _report(from_paths, out or "report.html", force, as_json)
     addresses = _store_addresses(store)
     where = ",".join(str(a) for a in addresses)
+    from zb.secret import read_secret
+
+    secret = read_secret(secret_file) if secret_file else None
     if serve:
         return _serve(addresses, where, bind, DEFAULT_HTTP_PORT if http_port is None else http_port, interval,
-                      timeout, as_json)
+                      timeout, as_json, secret)
     from zb.status.reader import open_reader, sample_window
 
-    reader = open_reader(addresses, timeout)
+    reader = open_reader(addresses, timeout, secret)
     if watch:
-        return _watch(reader, addresses, where, interval, timeout, as_json)
+        return _watch(reader, addresses, where, interval, timeout, as_json, secret)
     doc = reader.read()
     live = [n["uid"] for n in doc["nodes"] if n["state"] not in ("left", "dead", "refused")]
     if live:
@@ -101,13 +107,16 @@ def _check_given(watch: bool, serve: bool, from_paths, as_json: bool, out, force
     ctx = click.get_current_context()
     given = {name for name in ("bind", "interval", "timeout")
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
+    if ctx.get_parameter_source("secret_file") is ParameterSource.COMMANDLINE:   # not ZB_ELASTIC_SECRET_FILE
+        given.add("secret_file")
     useless = []
     if "bind" in given and not serve:
         useless.append("--bind goes with --serve")
     if "interval" in given and not (watch or serve):
         useless.append("--interval goes with --watch or --serve")
-    if "timeout" in given and from_paths:
-        useless.append("--timeout has no effect with --from (no store is read)")
+    for name in ("timeout", "secret_file"):
+        if name in given and from_paths:
+            useless.append(f"--{name.replace('_', '-')} has no effect with --from (no store is read)")
     if from_paths and as_json and (out is not None or force):
         useless.append("--out and --force have no effect with --json (the document goes to stdout)")
     if useless:
@@ -186,7 +195,8 @@ def status_view(doc: dict):
     return Group(table, *(Text(line) for line in lines)) if lines else table
 
 
-def _watch(reader, addresses: list, where: str, interval: float, timeout: float, as_json: bool) -> None:
+def _watch(reader, addresses: list, where: str, interval: float, timeout: float, as_json: bool,
+           secret: bytes | None) -> None:
     """Refresh until Ctrl-C (exit 0); a store that goes away (or, of several, holds no run) is shown and
     reconnected to: with several stores the next refresh picks again, by the rule the first pick used."""
     import time
@@ -205,7 +215,7 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
         while True:
             try:
                 if reader is None:
-                    reader = open_reader(addresses, timeout)
+                    reader = open_reader(addresses, timeout, secret)
                 doc = reader.read()
                 if as_json:
                     print_json(doc)
@@ -227,14 +237,14 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
 
 
 def _serve(addresses: list, where: str, bind: str, http_port: int, interval: float, timeout: float,
-           as_json: bool) -> None:
+           as_json: bool, secret: bytes | None) -> None:
     from zb.cli.terminal import print_json, stderr
     from zb.status.reader import open_reader
     from zb.status.server import Dashboard, listen
     from zb.stop_signals import StopSignals
 
     sock = listen(bind, http_port)     # before the store: a taken port fails at once
-    board = Dashboard(sock, lambda: open_reader(addresses, timeout), interval, where).start()
+    board = Dashboard(sock, lambda: open_reader(addresses, timeout, secret), interval, where).start()
     try:
         with StopSignals() as stop:
             if as_json:

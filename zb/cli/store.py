@@ -7,9 +7,12 @@ import click
 
 from zb.cli.types import TEXT
 
-EPILOG = """The store and gloo have no authentication: across the internet, run nodes and the store
-on a private network (WireGuard, Tailscale) and bind the store to that network's address. The dashboard
-(--http-port) is read-only and listens on the same address as the store.
+EPILOG = """With a run secret (--new-secret FILE makes one; copy it to every node and pass it as --secret-file,
+elastic.secret_file or ZB_ELASTIC_SECRET_FILE) only nodes holding it join: every record in the store is
+sealed with it. Without one, anyone who reaches the port can join the run. The secret does not encrypt:
+across the internet, also run nodes and the store on a private network (WireGuard, Tailscale) and bind the
+store to that network's address (README, "Security"). The dashboard (--http-port) is read-only and listens
+on the same address as the store.
 
 A standby for a run that must outlive its store is one more `zb store` on another machine, named after the
 first in every node's GLOBAL_ADDR (host:port,host:port): the run moves there when the first has been
@@ -23,12 +26,23 @@ silent for elastic.store_failover_s (30 s)."""
               help="TCP port to listen on. Workers reach it as GLOBAL_PORT.")
 @click.option("--http-port", type=click.IntRange(0, 65535), default=None,
               help="Also serve the run's live dashboard (read-only) on this port of --host (0: a free one).")
+@click.option("--secret-file", type=TEXT, default=None, envvar="ZB_ELASTIC_SECRET_FILE", show_envvar=True,
+              help="The run secret: only nodes holding the same file join (see below).")
+@click.option("--new-secret", type=TEXT, default=None, metavar="FILE",
+              help="Write a new run secret to FILE (never over an existing file) and use it.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON document (address, port, env) on stdout once listening.")
-def store(host: str, port: int, http_port: int | None, as_json: bool) -> None:
+def store(host: str, port: int, http_port: int | None, secret_file: str | None, new_secret: str | None,
+          as_json: bool) -> None:
     """Host the global store that nodes of a run coordinate through (heartbeats, joins, the world)."""
     from zb.cli.terminal import print_json, stderr, warn
     from zb.elastic.storehost import serve
+    from zb.secret import read_secret, write_new_secret
+
+    if secret_file and new_secret:
+        raise click.UsageError("--secret-file and --new-secret both name the run secret: give one")
+    secret = write_new_secret(new_secret) if new_secret else read_secret(secret_file) if secret_file else None
+    secret_path = new_secret or secret_file
 
     # Bound before the store, so a taken port fails before anything listens.
     http_sock = None
@@ -39,9 +53,14 @@ def store(host: str, port: int, http_port: int | None, as_json: bool) -> None:
     boards = []
 
     def ready(info: dict) -> None:
-        if info["public"]:
-            warn(f"{host} may be reachable from the internet: the store and gloo have no authentication; "
+        if secret is None and not info["loopback"]:
+            warn(f"anyone who reaches {host}:{info['port']} can join the run and write its store: start it with "
+                 "--new-secret FILE (or --secret-file) and give the file to every node")
+        elif info["public"]:
+            warn(f"{host} may be reachable from the internet: the run secret authenticates, it does not encrypt; "
                  "put the run on a private network (WireGuard/Tailscale) and bind to its address")
+        if secret_path:
+            info["env"]["ZB_ELASTIC_SECRET_FILE"] = secret_path
         if http_sock is not None:
             boards.append(_dashboard(http_sock, info))
             info["dashboard"] = boards[0].url
@@ -49,12 +68,13 @@ def store(host: str, port: int, http_port: int | None, as_json: bool) -> None:
             print_json(info)
         stderr.print(f"zb store listening on {info['host']}:{info['port']} (Ctrl-C to stop). Point workers at it:")
         stderr.print("  " + "  ".join(f"{k}={v}" for k, v in info["env"].items()))
-        stderr.print(f"  or: zb train --elastic.addr {info['addr']} --elastic.port {info['port']}")
+        stderr.print(f"  or: zb train --elastic.addr {info['addr']} --elastic.port {info['port']}"
+                     + (f" --secret-file {secret_path}" if secret_path else ""))
         if boards:
             stderr.print(f"  dashboard (read-only): {boards[0].url}", markup=False)
 
     try:
-        serve(host, port, ready)
+        serve(host, port, ready, secret)
     finally:
         for board in boards:
             board.close()

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from zb.collectives import all_reduce
 from zb.errors import EnvironmentFailure
 from zb.process_exit import uses_gloo
+from zb.signed_store import prefixed
 
 
 @dataclass
@@ -73,11 +74,11 @@ def make_group(store: dist.Store, prefix: str, rank: int, world: int, timeout: t
     uses_gloo()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME")
     if not ifname:
-        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, timeout)
+        return dist.ProcessGroupGloo(prefixed(store, prefix), rank, world, timeout)
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub calls it Options
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname.split(",")[0])]
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed(store, prefix), rank, world, opts)
 
 
 def _input(cfg: BenchConfig, rank: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.elastic import keys
+from zb.signed_store import prefixed
 
 log = logging.getLogger("zb.diloco")
 
@@ -42,7 +43,7 @@ class StreamGroups:
             self.groups, self.version = [], None
             prefix = keys.mesh_prefix(view.mesh_version, self.local_rank)
             try:
-                self.groups = [dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{self.tag}{j}", store),
+                self.groups = [dist.ProcessGroupGloo(prefixed(store, f"{prefix}/{self.tag}{j}"),
                                                      view.global_rank, view.global_world_size, self.timeout)
                                for j in range(self.first, self.first + self.extra)]
             except RuntimeError as e:

@@ -7,6 +7,8 @@ A restarted store is empty: every reader treats a missing key as "nothing yet".
 
 from __future__ import annotations
 
+import re
+
 ROOT = "zb"
 
 WORLD = f"{ROOT}/world"          # JSON of the current World; written only with compare_set
@@ -19,6 +21,18 @@ STORES = f"{ROOT}/stores"        # elastic.addr's list as the run's first node n
 def heartbeat(uid: str) -> str:
     """Counter bumped by the node's heartbeat thread (`add`)."""
     return f"{ROOT}/hb/{uid}"
+
+
+# Counters (`add`): with a run secret they are the only values not sealed (zb.signed_store), since the store
+# parses them as integers. Each is a liveness or wake-up signal, never a decision: anyone who reaches the store
+# can bump one, which at worst keeps a dead node looking alive until a collective blames it, or wakes a waiter.
+# DiLoCo-SWARM's stage-arrival counter (zb.swarm.registry.ARRIVALS) is one too.
+_COUNTERS = re.compile(rf"(?:^|/)(?:{ROOT}/hb/[^/]+|{ROOT}/roll_call/\d+/events|swarm/arrivals)$")
+
+
+def is_counter(key: str) -> bool:
+    """Whether the full key (under any namespace) is one of the counters above."""
+    return _COUNTERS.search(key) is not None
 
 
 def roll_call(resolution: int) -> str:

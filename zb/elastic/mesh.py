@@ -29,6 +29,7 @@ from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import StoreUnreachable, read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
+from zb.signed_store import prefixed
 
 if TYPE_CHECKING:
     from zb.elastic.linkprobe import LinkProber
@@ -320,7 +321,7 @@ class ElasticDeviceMesh:
         pg, ok = None, True
         if self.replica is not None:
             try:
-                prefix = dist.PrefixStore(keys.mesh_prefix(view.mesh_version, self.replica), store)
+                prefix = prefixed(store, keys.mesh_prefix(view.mesh_version, self.replica))
                 pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
                                            timedelta(seconds=self.cfg.pg_timeout))
             except (RuntimeError,) + store_errors() as e:

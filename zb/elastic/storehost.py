@@ -7,8 +7,9 @@ import socket
 from typing import Callable
 
 from zb.addresses import StoreAddress
-from zb.elastic.tcpstore import NotHostable, host, is_public
+from zb.elastic.tcpstore import NotHostable, host, is_loopback, is_public
 from zb.errors import EnvironmentFailure
+from zb.signed_store import write_marker
 from zb.stop_signals import StopSignals
 
 log = logging.getLogger("zb.elastic")
@@ -19,14 +20,18 @@ def worker_address(bind: str) -> str:
     return socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
 
 
-def serve(bind: str, port: int, ready: Callable[[dict], None]) -> None:
-    """Host the store until SIGINT/SIGTERM; `ready` gets the address info once it listens."""
+def serve(bind: str, port: int, ready: Callable[[dict], None], secret: bytes | None = None) -> None:
+    """Host the store until SIGINT/SIGTERM; `ready` gets the address info once it listens. With the run's
+    `secret`, the store holds the run marker from the start (zb.signed_store): only nodes with the secret join."""
     store = host(bind, port)
     addr = worker_address(bind)
+    if secret is not None:
+        write_marker(store, secret, f"{addr}:{store.port}")
     # Handlers first: whoever reads the ready line may signal at once.
     try:
         with StopSignals() as stop:
             ready({"host": bind, "port": store.port, "addr": addr, "public": is_public(bind),
+                   "loopback": is_loopback(bind), "secret": secret is not None,
                    "env": {"GLOBAL_ADDR": addr, "GLOBAL_PORT": str(store.port)}})
             stop.wait()
     finally:

@@ -29,6 +29,7 @@ from typing import Any
 
 from zb.addresses import StoreAddress, parse_stores
 from zb.errors import ZbError
+from zb.secret import read_secret
 
 log = logging.getLogger("zb.elastic")
 
@@ -95,6 +96,7 @@ class StoreList:
 
     addresses: list[StoreAddress]
     failover_s: float = 30.0
+    secret: bytes | None = field(default=None, repr=False)   # elastic.secret_file's: every client seals its records
     index: int = 0
     failovers: list[Failover] = field(default_factory=list)
     _last_answer: float = field(default_factory=time.monotonic)
@@ -163,7 +165,7 @@ class StoreList:
         if not self._started:
             self._start(connect_timeout, namespace)
         index, address = self.index, self.current
-        client = connect(address.host, address.port, connect_timeout, op_timeout, namespace)
+        client = connect(address.host, address.port, connect_timeout, op_timeout, namespace, self.secret)
         if self.index != index:
             raise StoreUnreachable(f"the run moved from {address} to {self.current} while connecting")
         self.answered()
@@ -185,7 +187,7 @@ class StoreList:
             while pending and time.monotonic() < deadline:
                 address = pending[0]
                 try:
-                    connect(address.host, address.port, 1.0, 5.0, namespace).set(keys.MOVED, str(index))
+                    connect(address.host, address.port, 1.0, 5.0, namespace, self.secret).set(keys.MOVED, str(index))
                     pending.pop(0)
                 except store_errors() + (ZbError,):
                     pending.append(pending.pop(0))   # not (yet) back: the others first, then again
@@ -203,7 +205,7 @@ class StoreList:
             if len(self.addresses) > 1:
                 deadline = time.monotonic() + connect_timeout
                 while True:
-                    held = [_holds_world(a, namespace) for a in self.addresses]
+                    held = [_holds_world(a, namespace, self.secret) for a in self.addresses]
                     index = start_index(held)
                     if index is not None or time.monotonic() >= deadline:
                         break
@@ -220,7 +222,7 @@ class StoreList:
             self._started = True
 
 
-def _holds_world(address: StoreAddress, namespace: str) -> bool | None:
+def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) -> bool | None:
     """Whether the store at `address` holds a world under `namespace` that the run has not moved on from
     (None: it does not answer)."""
     import socket
@@ -229,7 +231,7 @@ def _holds_world(address: StoreAddress, namespace: str) -> bool | None:
 
     try:
         socket.create_connection((address.host, address.port), timeout=2.0).close()
-        client = connect(address.host, address.port, 2.0, 5.0, namespace)
+        client = connect(address.host, address.port, 2.0, 5.0, namespace, secret)
         return holds_run(client)
     except store_errors() + (ZbError,):
         return None
@@ -252,8 +254,9 @@ def shared_stores(cfg) -> StoreList:
     """The process's StoreList for elastic config `cfg` (made on first use): one per process, since a node is
     one process (its other local ranks are processes of their own and follow their head's view)."""
     addresses = parse_stores(cfg.addr or "127.0.0.1", cfg.port)
-    key = (tuple(addresses), cfg.namespace)
+    key = (tuple(addresses), cfg.namespace, cfg.secret_file)
     with _shared_lock:
         if key not in _shared:
-            _shared[key] = StoreList(addresses, cfg.store_failover_s)
+            secret = read_secret(cfg.secret_file) if cfg.secret_file else None
+            _shared[key] = StoreList(addresses, cfg.store_failover_s, secret=secret)
         return _shared[key]

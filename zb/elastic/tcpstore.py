@@ -16,7 +16,9 @@ from datetime import timedelta
 from typing import Sequence
 
 from zb.dial import store_client, unresolvable
+from zb.elastic import keys
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.signed_store import authenticated, prefixed
 
 log = logging.getLogger("zb.elastic")
 
@@ -57,18 +59,20 @@ def _wait_reachable(addr: str, port: int, timeout: float) -> None:
                              "elastic.connect_timeout")
 
 
-def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, namespace: str = ""):
+def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, namespace: str = "",
+            secret: bytes | None = None):
     """A client of the store at addr:port; EnvironmentFailure after `connect_timeout` s if unreachable.
 
     With a `namespace` (elastic.namespace) every key goes under that prefix: the membership, meshes and
     answers of runs in different namespaces never meet, so one store can hold several runs (each stage
-    of a DiLoCo-SWARM run is one), with no key name changed anywhere else."""
-    import torch.distributed as dist
-
+    of a DiLoCo-SWARM run is one), with no key name changed anywhere else. With a `secret` (elastic.secret_file)
+    every record is sealed and opened (zb.signed_store); InvalidInput when the run's secret is another, or
+    the run has one and `secret` is None."""
     _wait_reachable(addr, port, connect_timeout)
     client = store_client(addr, port, max(connect_timeout, op_timeout), connect_timeout,
                           "check elastic.addr/elastic.port (GLOBAL_ADDR/GLOBAL_PORT)", StoreUnreachable, use_libuv=True)
-    return dist.PrefixStore(namespace.rstrip("/"), client) if namespace else client
+    store = authenticated(client, secret, f"{addr}:{port}", keys.is_counter)
+    return prefixed(store, namespace) if namespace else store
 
 
 def host(addr: str, port: int):
@@ -129,6 +133,15 @@ def is_public(addr: str) -> bool:
         if parsed.is_unspecified or not (parsed.is_loopback or parsed.is_private or parsed.is_link_local):
             return True
     return False
+
+
+def is_loopback(addr: str) -> bool:
+    """True when every address `addr` resolves to is a loopback one (only this machine reaches it)."""
+    try:
+        ips = {str(info[4][0]) for info in socket.getaddrinfo(addr, None)}
+    except socket.gaierror:
+        return False
+    return all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips)
 
 
 def read_many(store, keys: Sequence[str]) -> list[bytes]:

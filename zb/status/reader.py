@@ -26,7 +26,8 @@ from zb.elastic import keys
 from zb.elastic.store_state import read_snapshot
 from zb.elastic.stores import holds_run, start_index
 from zb.elastic.tcpstore import read_lines, store_errors
-from zb.errors import EnvironmentFailure, ZbError
+from zb.errors import EnvironmentFailure, InvalidInput, ZbError
+from zb.signed_store import authenticated
 from zb.status.record import decode_history, decode_record
 
 DEFAULT_HB_INTERVAL, DEFAULT_HB_TIMEOUT = 2.0, 10.0
@@ -49,9 +50,10 @@ def _quiet_stderr() -> Iterator[None]:
         os.close(saved)
 
 
-def open_store(host: str, port: int, timeout: float):
+def open_store(host: str, port: int, timeout: float, secret: bytes | None = None):
     """A read-only client of the store at host:port; one EnvironmentFailure line when nothing (or not a
-    store) answers within `timeout` s; an address that does not resolve is invalid input (exit 2)."""
+    store) answers within `timeout` s; an address that does not resolve is invalid input (exit 2). A run
+    with a secret is read with it (zb.signed_store): InvalidInput without it."""
     from zb.dial import store_client, wait_listening
 
     failed = wait_listening(host, port, timeout, "--store")
@@ -59,15 +61,16 @@ def open_store(host: str, port: int, timeout: float):
         raise EnvironmentFailure(f"store {host}:{port} unreachable after {timeout:g} s "
                                  f"({failed.strerror or failed}); is `zb store` running there? check --store")
     with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
-        return store_client(host, port, timeout, 2 * timeout + 2.0,  # its own retries can overrun `timeout`
-                            "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)",
-                            use_libuv=True, wait_for_workers=False)
+        client = store_client(host, port, timeout, 2 * timeout + 2.0,  # its own retries can overrun `timeout`
+                              "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)",
+                              use_libuv=True, wait_for_workers=False)
+    return authenticated(client, secret, f"{host}:{port}", keys.is_counter)
 
 
 _HINT = "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)"
 
 
-def open_reader(addresses: list[StoreAddress], timeout: float) -> "RunReader":
+def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None) -> "RunReader":
     """A reader of the run on `addresses` (elastic.addr's list, in failover order). One address: its store,
     as open_store opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the
     run is read from the one zb.elastic.stores.start_index picks (the latest holding a world, else the first
@@ -76,11 +79,11 @@ def open_reader(addresses: list[StoreAddress], timeout: float) -> "RunReader":
     EnvironmentFailure line)."""
     if len(addresses) == 1:
         only = addresses[0]
-        return RunReader(open_store(only.host, only.port, timeout), str(only))
+        return RunReader(open_store(only.host, only.port, timeout, secret), str(only))
     deadline = time.monotonic() + timeout
     with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
         while True:
-            found = _ask_stores(addresses, timeout, deadline)
+            found = _ask_stores(addresses, timeout, deadline, secret)
             held = [None if f is None else f[1] for f in found]
             index = start_index(held)
             if index is not None or time.monotonic() >= deadline:
@@ -96,10 +99,12 @@ def open_reader(addresses: list[StoreAddress], timeout: float) -> "RunReader":
     return reader
 
 
-def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float) -> list[tuple[Any, bool] | None]:
+def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
+                secret: bytes | None) -> list[tuple[Any, bool] | None]:
     """(client, holds a world) of each address, asked in parallel; None where it did not answer by `deadline`
     (a refused or unresolvable address is None at once; one that never replies is left to its daemon thread)."""
     found: list[tuple[Any, bool] | None] = [None] * len(addresses)
+    refused: list[InvalidInput] = []       # a store of a run with another secret (or one while we have none)
 
     def ask(i: int, address: StoreAddress) -> None:
         import socket
@@ -111,7 +116,10 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float) 
             socket.create_connection((address.host, address.port), timeout=min(2.0, answer_s)).close()
             client = store_client(address.host, address.port, timeout, answer_s, _HINT, use_libuv=True,
                                   wait_for_workers=False)
+            client = authenticated(client, secret, str(address), keys.is_counter)
             found[i] = (client, holds_run(client))
+        except InvalidInput as e:
+            refused.append(e)
         except (OSError, ZbError) + store_errors():
             pass
 
@@ -121,6 +129,8 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float) 
         thread.start()
     for thread in threads:
         thread.join(max(0.1, deadline - time.monotonic()))
+    if refused:
+        raise refused[0]
     return list(found)
 
 
