@@ -226,7 +226,7 @@ def test_cli_listens_on_loopback_by_default_and_warns_when_publishing_it_afar(tm
     monkeypatch.setenv("ZB_CKPT_TOKEN", TOKEN)
     import zb.ckpt.sidecar.process as process
 
-    monkeypatch.setattr(process, "_connect_store", lambda addr, timeout: object())   # a store elsewhere, reached
+    monkeypatch.setattr(process, "_connect_store", lambda addr, timeout, secret: object())   # a store elsewhere, reached
     monkeypatch.setattr(process, "publish_address", lambda store, node, address: f"ckpt_serve/{node}")
     for host, warned in (("127.0.0.1", True), ("0.0.0.0", False)):
         caplog.clear()
@@ -362,3 +362,17 @@ def test_advertised_address_and_store_keys():
     store = DictStore()
     assert publish_address(store, "n1", "10.0.0.1:7000") == "ckpt_serve/n1"
     assert peer_addresses(store, ["n1", "n2"]) == {"n1": "10.0.0.1:7000"}
+
+
+def test_a_run_secret_gives_the_token_and_the_others_have_no_effect(caplog):
+    import logging
+
+    from zb.ckpt.sidecar.token import read_token
+    from zb.secret import sidecar_token
+
+    secret = b"0123456789abcdef0123456789abcdef"
+    assert read_token(environ={}, secret=secret) == sidecar_token(secret)
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt"):
+        assert read_token(environ={"ZB_CKPT_TOKEN": "x" * 32}, secret=secret) == sidecar_token(secret)
+    assert "ZB_CKPT_TOKEN has no effect" in caplog.text
+    assert read_token(environ={"ZB_CKPT_TOKEN": "x" * 32}) == "x" * 32

@@ -7,8 +7,9 @@ import click
 from zb.cli.types import TEXT, FiniteFloatRange, NodeId
 
 EPILOG = """Endpoints: GET /manifest, GET /manifest?step=N, GET|HEAD /files/<snapshot>/<file> (Range supported).
-Every request needs 'Authorization: Bearer <token>'. Token: --token-file F or env ZB_CKPT_TOKEN
-(never the store). Make one: python -c 'import secrets; print(secrets.token_hex(32))'.
+Every request needs 'Authorization: Bearer <token>'. Token: derived from the run secret (--secret-file, as
+the run's nodes derive theirs), else --token-file F or env ZB_CKPT_TOKEN (never the store). Make one:
+python -c 'import secrets; print(secrets.token_hex(32))'.
 Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: port in use, store unreachable."""
 
 
@@ -25,6 +26,9 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
               help="Port to listen on; 0 picks a free one. [env: ZERO_BAND_LIVE_RECO_PORT]")
 @click.option("--token-file", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="File holding the shared secret (else env ZB_CKPT_TOKEN).")
+@click.option("--secret-file", type=TEXT, default=None, envvar="ZB_ELASTIC_SECRET_FILE", show_envvar=True,
+              help="The run secret (elastic.secret_file): the token derives from it, and --publish seals the "
+                   "address record with it.")
 @click.option("--publish", "store_addr", type=TEXT, metavar="HOST:PORT", default=None,
               help="Global store (`zb store`) to write this sidecar's address into, under ckpt_serve/<node id>.")
 @click.option("--node-id", "uid", envvar="GLOBAL_UNIQUE_ID", default=None, type=NodeId(),
@@ -39,15 +43,17 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
 @click.option("--connect-timeout", type=FiniteFloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to keep trying to reach the store of --publish.")
 @click.option("--json", "as_json", is_flag=True, help="Print {address, dir} as one JSON line on stdout once listening.")
-def ckpt_serve(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
-               uid: str | None, advertise: str | None, client_timeout: float, max_connections: int,
-               connect_timeout: float, as_json: bool) -> None:
+def ckpt_serve(root: str, host: str, port: int, token_file: str | None, secret_file: str | None,
+               store_addr: str | None, uid: str | None, advertise: str | None, client_timeout: float,
+               max_connections: int, connect_timeout: float, as_json: bool) -> None:
     """Serve committed snapshots to joining nodes (live recovery) until SIGINT/SIGTERM."""
     from zb.ckpt.sidecar.process import open_sidecar, run_until_signal
     from zb.cli.terminal import print_json, stderr
+    from zb.secret import read_secret
 
+    secret = read_secret(secret_file) if secret_file else None
     sidecar = open_sidecar(root, host, port, token_file, store_addr, uid, advertise, client_timeout,
-                           connect_timeout, max_connections)
+                           connect_timeout, max_connections, secret)
     if as_json:
         print_json({"address": sidecar.address, "dir": str(sidecar.server.root), "published": sidecar.key})
     stderr.print(f"zb ckpt-serve: serving {sidecar.server.root} on {sidecar.address}"

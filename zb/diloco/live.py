@@ -53,7 +53,7 @@ class LiveSnapshots:
 
     def __init__(self, cfg: Config, uid: str, local_rank: int, fingerprint: str):
         self.uid, self.local_rank, self.fingerprint = uid, local_rank, fingerprint
-        self.token = read_token()
+        self.token = read_token(secret=shared_stores(cfg.elastic).secret)
         self.root = Path(cfg.ckpt.ram_dir) / "live" / uid / f"r{local_rank}"
         if local_rank == 0:
             sweep_stale(cfg.ckpt.ram_dir)  # RAM copies of runs on this machine that died without cleaning up
@@ -123,7 +123,7 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
     peers = list(peer_addresses(store, [sidecar_id(u, local_rank) for u in world.nodes if u != uid]).values())
     if not peers:
         return None
-    token = read_token()
+    token = read_token(secret=shared_stores(cfg.elastic).secret)
     dest = Path(cfg.ckpt.ram_dir) / "recovered" / uid / f"r{local_rank}"
     claim(dest.parent)
     try:

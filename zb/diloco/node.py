@@ -115,7 +115,7 @@ class DilocoNode:
         if cfg.ckpt.live_recovery:
             from zb.ckpt.sidecar.token import read_token
 
-            read_token()  # fail before joining the run, not after: the sidecar needs a token
+            read_token(secret=shared_stores(cfg.elastic).secret)  # fail before joining the run: the sidecar needs a token
 
     @property
     def _outer(self) -> OuterState:

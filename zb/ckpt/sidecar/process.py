@@ -13,6 +13,7 @@ from zb.ckpt.sidecar.server import MAX_CONNECTIONS, SnapshotServer, make_server
 from zb.ckpt.sidecar.token import read_token
 from zb.dial import wait_listening
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.signed_store import authenticated
 
 log = logging.getLogger("zb.ckpt.serve")
 
@@ -30,9 +31,11 @@ class Sidecar:
 
 def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
                  uid: str | None, advertise: str | None, client_timeout: float,
-                 connect_timeout: float = STORE_CONNECT_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS) -> Sidecar:
-    """Check the inputs, bind the port, publish the address if asked; every failure is one clear line."""
-    token = read_token(token_file)
+                 connect_timeout: float = STORE_CONNECT_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS,
+                 secret: bytes | None = None) -> Sidecar:
+    """Check the inputs, bind the port, publish the address if asked; every failure is one clear line. With the
+    run `secret` the token derives from it and the address record is sealed with it (zb.signed_store)."""
+    token = read_token(token_file, secret=secret)
     if store_addr is not None and not uid:
         raise InvalidInput("--publish needs a node id: pass --node-id or set GLOBAL_UNIQUE_ID")
     store_host = parse_peer(store_addr)[0] if store_addr else None
@@ -40,7 +43,7 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
     sidecar = Sidecar(server, advertised_address(host, server.server_address[1], advertise, store_host))
     if store_addr is not None:
         try:
-            sidecar.store = _connect_store(store_addr, connect_timeout)
+            sidecar.store = _connect_store(store_addr, connect_timeout, secret)
             assert uid  # checked above: publishing needs a node id
             sidecar.uid, sidecar.key = uid, publish_address(sidecar.store, uid, sidecar.address)
         except BaseException:
@@ -70,13 +73,14 @@ def _probe(host: str, port: int, deadline_s: float) -> None:
                                  "(is `zb store` running there?)")
 
 
-def _connect_store(store_addr: str, connect_timeout: float) -> Any:
+def _connect_store(store_addr: str, connect_timeout: float, secret: bytes | None) -> Any:
     host, port = parse_peer(store_addr)
     _probe(host, port, connect_timeout)
     from zb.dial import store_client
 
     bound = max(connect_timeout, 1.0)
-    return store_client(host, port, bound, bound, "check --store (the address of `zb store`)", wait_for_workers=False)
+    client = store_client(host, port, bound, bound, "check --store (the address of `zb store`)", wait_for_workers=False)
+    return authenticated(client, secret, store_addr, counters=lambda key: False)   # it writes one record, no counter
 
 
 class _Stop(Exception):

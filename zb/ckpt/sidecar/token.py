@@ -1,4 +1,5 @@
-"""The sidecar's shared secret: from a file or the ZB_CKPT_TOKEN environment variable, never the store."""
+"""The sidecar's shared secret: derived from the run secret (elastic.secret_file) when the run has one, else from
+a file or the ZB_CKPT_TOKEN environment variable; never the store."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Mapping
 
 from zb.errors import InvalidInput
+from zb.secret import sidecar_token
 
 log = logging.getLogger("zb.ckpt")
 
@@ -17,9 +19,18 @@ TOKEN_ENV = "ZB_CKPT_TOKEN"
 MIN_LENGTH = 16
 
 
-def read_token(token_file: str | Path | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """The token from `token_file` if given, else from $ZB_CKPT_TOKEN; InvalidInput if there is none."""
+def read_token(token_file: str | Path | None = None, environ: Mapping[str, str] | None = None,
+               secret: bytes | None = None) -> str:
+    """The token derived from the run `secret` if given, else from `token_file`, else from $ZB_CKPT_TOKEN;
+    InvalidInput if there is none."""
     environ = os.environ if environ is None else environ
+    if secret is not None:
+        ignored = [name for name, given in (("--token-file", token_file), (TOKEN_ENV, environ.get(TOKEN_ENV)))
+                   if given]
+        if ignored:
+            log.warning("%s has no effect: with a run secret (elastic.secret_file) the sidecar's token derives from it",
+                        " and ".join(ignored))
+        return sidecar_token(secret)
     if token_file is not None:
         token = _from_file(Path(token_file))
     else:
