@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from zb.errors import InvalidInput
 from zb.secret import read_secret, sidecar_token, write_new_secret
-from zb.signed_store import authenticated, prefixed, seal, unseal, write_marker
+from zb.signed_store import authenticated, declare, prefixed, seal, unseal
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -140,11 +140,11 @@ def test_a_store_without_a_marker_admits_nodes_without_a_secret(host):
 
 
 def test_the_stores_own_marker_is_the_runs(host):
-    write_marker(host, SECRET, "test-store")
+    declare(host, SECRET, "test-store")
     _node(host).set("k", "v")
     assert _node(host).get("k") == b"v"
     with pytest.raises(InvalidInput, match="another secret"):
-        write_marker(host, b"another secret of enough length!", "test-store")
+        declare(host, b"another secret of enough length!", "test-store")
 
 
 def test_records_of_another_store_do_not_open_here(host):
@@ -169,3 +169,18 @@ def test_a_new_secret_is_written_once_and_read_back(tmp_path):
     with pytest.raises(InvalidInput, match="is empty"):
         read_secret(tmp_path / "empty")
     assert sidecar_token(secret) != sidecar_token(b"other") and len(sidecar_token(secret)) == 64
+
+
+def test_a_host_that_declares_no_secret_admits_only_clients_without_one(host):
+    declare(host, None, "test-store")
+    assert authenticated(_client(host), None, "test-store", _counters, host_decides=True) is not None
+    with pytest.raises(InvalidInput, match="started without a secret"):
+        authenticated(_client(host), SECRET, "test-store", _counters, host_decides=True)
+
+
+def test_a_client_waits_for_the_hosts_decision(host):
+    timer = threading.Timer(0.5, lambda: declare(host, SECRET, "test-store"))
+    timer.start()
+    with pytest.raises(InvalidInput, match="admits only nodes that hold its secret"):
+        authenticated(_client(host), None, "test-store", _counters, host_decides=True)   # not admitted before it
+    timer.join()

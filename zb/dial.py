@@ -15,6 +15,7 @@ import time
 
 from zb import stop_signals
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
+from zb.signed_store import authenticated, declare
 
 
 def unresolvable(option: str, host: str, error: socket.gaierror) -> ZbError:
@@ -101,10 +102,19 @@ def store_client(host: str, port: int, timeout_s: float, answer_s: float, hint: 
 
 
 def connect_store(host: str, port: int, rank: int, world: int, timeout_s: float, option: str = "--store",
-                  raise_hint: str = ""):
+                  raise_hint: str = "", secret: bytes | None = None):
     """A TCPStore for a command's ranks: rank 0 hosts it, the others connect. An unresolvable host is
     unresolvable(); a store not reachable (or not hostable) within timeout_s is one EnvironmentFailure
-    line, `raise_hint` appended (what the command's user can raise), never torch's C++ frames."""
+    line, `raise_hint` appended (what the command's user can raise), never torch's C++ frames. With a run
+    `secret` (--secret-file) every record is sealed (zb.signed_store; these commands keep no counters)."""
+    store = _connect_store(host, port, rank, world, timeout_s, option, raise_hint)
+    where = f"{host}:{port}"
+    if rank == 0:
+        declare(store, secret, where)
+    return authenticated(store, secret, where, counters=lambda key: False, host_decides=rank != 0)
+
+
+def _connect_store(host: str, port: int, rank: int, world: int, timeout_s: float, option: str, raise_hint: str):
     from datetime import timedelta
 
     import torch.distributed as dist

@@ -38,6 +38,7 @@ from zb.secret import WHERE, derive
 log = logging.getLogger("zb.elastic")
 
 MARKER = "zb/secret"        # JSON {"nonce": hex, "proof": hex} at the store's root, written with compare_set
+NO_SECRET = b"none"         # MARKER of a store whose host declared its run has no secret (`declare`)
 MAGIC = b"zbS\x01"
 _HEADER = struct.Struct(">4sI16s")   # magic, payload length, tag
 _POLL_S = 0.05
@@ -261,6 +262,9 @@ def _nonce(marker: bytes, secret: bytes, where: str) -> str:
         nonce, proof = str(doc["nonce"]), str(doc["proof"])
     except (ValueError, KeyError, TypeError):
         nonce, proof = "", ""
+    if marker == NO_SECRET:
+        raise InvalidInput(f"the store at {where} was started without a secret: give every rank the same "
+                           "--secret-file, or none")
     if not nonce or not hmac.compare_digest(proof, _proof(secret, nonce)):
         raise InvalidInput(f"the run at {where} was started with another secret: this node's ({WHERE}) is not "
                            "the run's (a stale or wrong file); use the file the run's store was given")
@@ -271,12 +275,18 @@ def record_key(secret: bytes, nonce: str) -> bytes:
     return derive(secret, "zb store records", nonce.encode())
 
 
-def authenticated(client: Any, secret: bytes | None, where: str, counters: Callable[[str], bool]) -> Any:
+def authenticated(client: Any, secret: bytes | None, where: str, counters: Callable[[str], bool],
+                  host_decides: bool = False) -> Any:
     """`client` of the store at `where`, checked against the run marker: a SignedStore when this node holds a
     secret (writing the marker when the store has none yet), the client itself when neither has one.
-    InvalidInput (exit 2) when the secret is not the run's, or the run has one and this node none."""
+    InvalidInput (exit 2) when the secret is not the run's, or the run has one and this node none.
+
+    `host_decides`: the store's host writes the marker (or NO_SECRET) as it starts (`declare`), and a client
+    waits for it, up to the client's timeout: no client that starts with the host can slip in first."""
+    if host_decides:
+        client.wait([MARKER])
     if secret is None:
-        if client.check([MARKER]):
+        if client.check([MARKER]) and client.get(MARKER) != NO_SECRET:
             raise InvalidInput(f"the run at {where} admits only nodes that hold its secret: pass --secret-file FILE "
                                f"({WHERE}) with the file the run's store was given")
         return client
@@ -284,6 +294,10 @@ def authenticated(client: Any, secret: bytes | None, where: str, counters: Calla
     return signed(client, record_key(secret, _nonce(marker, secret, where)), counters)
 
 
-def write_marker(client: Any, secret: bytes, where: str) -> None:
-    """`zb store --secret-file`: mark the store as the run's (a store holding another run's marker refuses)."""
-    _nonce(client.compare_set(MARKER, "", marker_value(secret)), secret, where)
+def declare(client: Any, secret: bytes | None, where: str) -> None:
+    """The store's host says whether its run has a secret: the marker (`zb store --secret-file`; a store already
+    holding another run's marker refuses), or NO_SECRET (multi-host commands' own stores, `host_decides`)."""
+    if secret is None:
+        client.compare_set(MARKER, "", NO_SECRET)
+    else:
+        _nonce(client.compare_set(MARKER, "", marker_value(secret)), secret, where)

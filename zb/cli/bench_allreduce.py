@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zb.cli.multihost import multi_host_options
+from zb.cli.multihost import multi_host_options, store_secret
 from zb.cli.types import FiniteFloatRange
 
 EPILOG = """Local: zb bench-allreduce --world-size 3 (spawns 3 processes on this machine).
@@ -37,7 +37,8 @@ rank failed; 2 invalid options."""
               help="Measure the quantization kernels of every width (vs memcpy and the PyTorch twins) instead of "
                    "the all-reduce.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_mb: float, compressions: str,
+def bench_allreduce(world_size: int, store: str | None, rank: int | None, secret_file: str | None, size_mb: float,
+                    compressions: str,
                     streams: int, iterations: int, warmup: int, threads: int, data: str,
                     min_bandwidth_mbps: float, timeout: float, kernels_only: bool, as_json: bool) -> None:
     """Benchmark all_reduce: median time, algorithm and bus bandwidth, wire bytes, error, agreement.
@@ -60,7 +61,7 @@ def bench_allreduce(world_size: int, store: str | None, rank: int | None, size_m
     cfg = BenchConfig(size_mb=size_mb, compressions=comps, streams=streams, iterations=iterations,
                       warmup=warmup, threads=threads, data=data, min_bandwidth_mbps=min_bandwidth_mbps,
                       rendezvous_timeout_s=timeout)
-    results = _run(world_size, store, rank, cfg)
+    results = _run(world_size, store, rank, cfg, store_secret(store, secret_file))
     if results is None:
         return
     print_json(results) if as_json else stderr.print(results_table(results))
@@ -76,7 +77,7 @@ def _kernels(threads: int, numel: int) -> dict:
     return run_kernel_bench(numel, twin_numel=min(numel, 1 << 22))
 
 
-def _run(world_size: int, store: str | None, rank: int | None, cfg) -> dict | None:
+def _run(world_size: int, store: str | None, rank: int | None, cfg, secret: bytes | None) -> dict | None:
     from zb.collectives.bench import run_rank, spawn_local
     from zb.dial import connect_store
     from zb.errors import InvalidInput
@@ -96,7 +97,7 @@ def _run(world_size: int, store: str | None, rank: int | None, cfg) -> dict | No
     except ValueError as e:
         raise InvalidInput(str(e)) from None
     store_client = connect_store(host, port, rank, world_size, cfg.rendezvous_timeout_s,
-                                 raise_hint=", or raise --timeout")
+                                 raise_hint=", or raise --timeout", secret=secret)
     return run_rank(store_client, rank, world_size, cfg)
 
 

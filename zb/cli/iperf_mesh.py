@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from zb.cli.multihost import multi_host_options
+from zb.cli.multihost import multi_host_options, store_secret
 from zb.cli.types import TEXT, FiniteFloatRange
 
 EPILOG = """Local: zb iperf-mesh --world-size 3 (3 processes on this machine, over loopback).
@@ -47,7 +47,8 @@ MAX_PARALLEL = 128
               help="With --store: this host's unique id in the training run, written into the JSON's `nodes`, so "
                    "elastic.link_matrix finds its row by id (without it, by address).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-def iperf_mesh(world_size: int, store: str | None, rank: int | None, duration: float, parallel: int, serial: bool,
+def iperf_mesh(world_size: int, store: str | None, rank: int | None, secret_file: str | None, duration: float,
+               parallel: int, serial: bool,
                bind: str, port: int | None, advertise: str | None, timeout: float, connect_timeout: float,
                uid: str | None, as_json: bool) -> None:
     """Measure TCP bandwidth (Mbit/s, timed by the receiver) and round-trip time between every ordered
@@ -62,7 +63,7 @@ def iperf_mesh(world_size: int, store: str | None, rank: int | None, duration: f
     _check_addresses(store, advertise, parse_host_port)
     cfg = MeshConfig(duration_s=duration, parallel=parallel, serial=serial, timeout_s=timeout,
                      connect_timeout_s=connect_timeout, bind=bind, port=port or 0, advertise=advertise,
-                     uid=uid if store is not None else None)
+                     uid=uid if store is not None else None, secret=store_secret(store, secret_file))
     with _Progress(world_size) as progress:
         report = _run(world_size, store, rank, cfg, progress.on_link)
     if as_json:

@@ -9,7 +9,7 @@ from typing import Callable
 from zb.addresses import StoreAddress
 from zb.elastic.tcpstore import NotHostable, host, is_loopback, is_public
 from zb.errors import EnvironmentFailure
-from zb.signed_store import write_marker
+from zb.signed_store import declare
 from zb.stop_signals import StopSignals
 
 log = logging.getLogger("zb.elastic")
@@ -26,7 +26,7 @@ def serve(bind: str, port: int, ready: Callable[[dict], None], secret: bytes | N
     store = host(bind, port)
     addr = worker_address(bind)
     if secret is not None:
-        write_marker(store, secret, f"{addr}:{store.port}")
+        declare(store, secret, f"{addr}:{store.port}")
     # Handlers first: whoever reads the ready line may signal at once.
     try:
         with StopSignals() as stop:

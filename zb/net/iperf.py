@@ -19,7 +19,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from zb.dial import connect_store
@@ -44,6 +44,7 @@ class MeshConfig:
     port: int = 0  # 0: a free port
     advertise: str | None = None  # ADDR or ADDR:PORT peers should dial; None: found from the store route
     uid: str | None = None  # the run's unique id of this host, so elastic.link_matrix can name its row
+    secret: bytes | None = field(default=None, repr=False)  # --secret-file: the store's records are sealed with it
 
 
 def parse_host_port(text: str, what: str) -> tuple[str, int]:
@@ -146,7 +147,7 @@ def run_rank(store_addr: str, rank: int, world: int, cfg: MeshConfig,
     server = LinkServer(cfg.bind, cfg.port)  # first: a busy --port fails before any waiting
     mesh = None
     try:
-        mesh = Mesh(connect_store(store_host, store_port, rank, world, cfg.timeout_s), rank, world,
+        mesh = Mesh(connect_store(store_host, store_port, rank, world, cfg.timeout_s, secret=cfg.secret), rank, world,
                     cfg.timeout_s, store_addr)
         addr, port = advertised_address(cfg, store_host, server.port)
         mesh.set(f"host/{rank}", {"addr": addr, "port": port, "node": cfg.uid})
