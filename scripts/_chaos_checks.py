@@ -1,9 +1,15 @@
 """What scripts/chaos.py checks: metrics read while nodes write them, agreement on params_hash, orphan
-processes, and a resume from a survivor's newest checkpoint."""
+processes, a resume from a survivor's newest checkpoint, and the run secret's refusals (a node without
+it, a record forged through a raw store client).
+
+    python scripts/_chaos_checks.py forge HOST PORT UID [REFUSED ...]   (forge_join, printing its JSON)
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import sys
 from pathlib import Path
 
 import psutil
@@ -171,3 +177,61 @@ def tcp_sockets(pid: int) -> list[tuple[str, int, int]]:
             if len(cols) > 9 and cols[9] in inodes:
                 out.append((cols[3], int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)))
     return out
+
+
+def rogues_admitted(membership_by_uid: dict[str, list[dict]], rogues: set[str]) -> list[str]:
+    """Membership events whose world names a node that does not hold the run secret (refused, or a forged
+    join request): a world the run must never form."""
+    out = []
+    for uid, events in membership_by_uid.items():
+        for e in events:
+            wrong = sorted(set(e.get("nodes", [])) & rogues)
+            if wrong:
+                out.append(f"{uid} at mesh v{e['mesh_version']} has {wrong} in its world")
+    return out
+
+
+def refusal_problem(log: str, phrase: str) -> str | None:
+    """None when a refused node's stderr holds the one-line refusal: exactly one line starting 'error:',
+    that line naming `phrase`, no traceback; else what is wrong."""
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    if len(errors) != 1:
+        return f"{len(errors)} 'error:' lines, expected 1"
+    if phrase not in errors[0]:
+        return f"the error line does not say '{phrase}': {errors[0]}"
+    if "Traceback" in log:
+        return "a traceback besides the error line"
+    return None
+
+
+def forge_join(host: str, port: int, uid: str, refused: list[str] = ()) -> dict:
+    """What someone who reaches the store's port but lacks the run secret can write, through a raw TCPStore
+    client: a join request for the made-up node `uid` on the join list (the line format of
+    zb.elastic.membership), its heartbeat counter and an address (keys.probe). First reads whether the
+    `refused` nodes left anything there (a heartbeat counter, a join request): a node refused for its secret
+    must write nothing. Returns {"left_by_refused": [...]}."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.elastic.store_state import encode_line
+
+    raw = dist.TCPStore(host, port, is_master=False, use_libuv=True, timeout=timedelta(seconds=30))
+    joins = raw.get(keys.JOINS).decode(errors="replace") if raw.check([keys.JOINS]) else ""
+    left = [u for u in refused if raw.check([keys.heartbeat(u)]) or f'"uid":"{u}"' in joins]
+    raw.add(keys.heartbeat(uid), 1)
+    raw.append(keys.JOINS, encode_line({"uid": uid, "token": "forged", "pref_rank": 0, "last_version": 0,
+                                        "last_rank": 0, "stripes": 1, "run": ""}))
+    raw.set(keys.probe(uid), "127.0.0.1:9")
+    return {"left_by_refused": left}
+
+
+def non_finite_losses(steps_by_uid: dict[str, list[dict]], after: float) -> list[str]:
+    """Inner steps logged at or after `after` (unix time) whose loss is not finite."""
+    return [f"{uid} at step {e['step']}: loss {e['loss']}" for uid, events in steps_by_uid.items() for e in events
+            if e["time"] >= after and not math.isfinite(float(e["loss"]))]
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["forge"]:
+    print(json.dumps(forge_join(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:])))

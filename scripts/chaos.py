@@ -14,16 +14,27 @@ step), store-restart (the current store SIGKILLed and started again on its port)
 store SIGKILLed for good: every node must move to the next store of elastic.addr, where a standby `zb
 store` waits, and re-form the run there; loopback only), donor-leave (a live-recovery
 joiner's donor frozen as the joiner asks it for the outer state, then SIGKILLed or SIGTERMed: the
-joiner must recover from the other peers and agree with the survivors). With --netns (root, iproute2,
-nft; zb.net.netns builds one namespace and veth per node and one for the store) also: link-down (a
-node's link down for a while, then up: past the heartbeat timeout it is evicted and must rejoin with
+joiner must recover from the other peers and agree with the survivors), rogue-join (nodes without the
+run secret: a `zb train` with the cluster's arguments but no secret, and one with another secret, must
+each exit 2 with the one-line refusal; then a raw store client, holding no secret, appends a join request
+for a made-up node and sets its address: no membership may ever name any of the three, the survivors keep
+stepping and agree), poison (a joiner whose pseudo-gradient is multiplied by 1000 or by -1, the seed
+picks, through scripts/_hostile_node.py, SIGKILLed once it contributed to 3 outer steps: the survivors
+keep agreeing, their loss stays finite, and for x1000 every survivor's log reports it clipped; blocking
+DiLoCo only). With --netns (root, iproute2, nft; zb.net.netns builds one namespace and veth per node and
+one for the store) also: link-down (a node's link down for a while, then up: past the heartbeat timeout it is evicted and must rejoin with
 the run's state) and partition (every packet between two nodes dropped both ways while both reach the
 store: one of them is dropped, the others keep applying outer steps, both are back in one world after
 the heal). Killed nodes are replaced by joiners so the run keeps `--nodes` nodes. At the end every node
 gets SIGTERM, no child process and no partition rule may be left, and a survivor's newest checkpoint
 must resume. Prints a table of events and one JSON line {seed, events, survived, failures}; exits 1 on
 any failed check (the seed and the replay command are in the message), 2 on a bad invocation.
-Nodes are `zb/testing/cluster.py`'s TrainCluster (tiny debug model, short-timeout profile).
+Nodes are `zb/testing/cluster.py`'s TrainCluster (tiny debug model, short-timeout profile). Every run has a
+run secret (elastic.secret_file, a new one in the run's directory, given to the stores and every node as
+ZB_ELASTIC_SECRET_FILE). With --overlap none every node also runs with diloco.clip 2 (robust aggregation), so
+a poisoned node cannot wreck the model; with eager or streaming overlap it is off, and poison is never drawn:
+zb refuses diloco.clip with an overlapped all-reduce (the norms are compared in the check-in, which that
+all-reduce has already left behind).
 """
 
 from __future__ import annotations
@@ -44,25 +55,39 @@ from _chaos_checks import (
     Tail,
     agreement_failures,
     false_evictions,
+    forge_join,
+    non_finite_losses,
     one_world,
     orphans,
+    refusal_problem,
     resume_check,
+    rogues_admitted,
     split_runs,
     tcp_sockets,
 )
 
 from zb.collectives import COMPRESSIONS
+from zb.secret import SECRET_ENV, write_new_secret
 from zb.testing.cluster import PROFILE, TrainCluster
+from zb.testing.procs import REPO
 
 KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "store-loss",
-         "donor-leave"]
+         "donor-leave", "rogue-join", "poison"]
+BLOCKING_KINDS = ["poison"]                # only with --overlap none: diloco.clip is what it tests
 LOOPBACK_KINDS = ["store-loss"]            # the namespaced cluster has one store, on a host of its own
 # elastic.store_failover_s of every node: longer than most store-restarts take (down 0.5-4 s, then `zb store`
 # starts), so a restart mostly keeps the run where it is; one that takes longer moves it on, which is fine too.
 FAILOVER_S = 10.0
 STANDBYS = 3                               # stores after the first in elastic.addr: at most this many store-losses
 NETNS_KINDS = ["link-down", "partition"]   # only with --netns: faults of the network between hosts
-TOKEN = "chaos-token-0123456789abcdef"
+# diloco.clip of every node with --overlap none. Not 1: the round's median is a contributor's own norm, so at 1
+# every honest node above it (about half of them, every outer step) is scaled down and reported as "clipped in
+# N outer steps in a row" (honest norms here lie within a few % of the median); 2 leaves honest nodes alone
+# and still bounds a x1000 node's update to twice a typical one.
+CLIP = "2"
+HOSTILE = Path(__file__).resolve().parent / "_hostile_node.py"
+HOSTILE_FACTORS = (1000.0, -1.0)           # poison: an outsized update, or a sign flip
+POISON_ROUNDS = 3                          # outer steps the poisoner contributes to before it is killed
 INNER = 5
 HEARTBEAT_TIMEOUT = float(PROFILE["ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS"])
 # The longest a healthy survivor may take for one more outer step after an event: a dead peer is
@@ -73,6 +98,9 @@ HANG_BOUND = (HEARTBEAT_TIMEOUT + float(PROFILE["ZB_ELASTIC_SYNC_DEADLINE"])
               + 4 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"])
               + float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"]) + 30)
 START_BOUND = 60.0
+# How long a node refused for its secret may take to exit: start (import torch, build the model), then one
+# look at the store's run marker; 30 s of slack for busy cores.
+REFUSE_BOUND = START_BOUND + 30
 STORE_TIMEOUT = float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"])
 # How long a two-way partition may stall the run's outer steps: one failed attempt (pg timeout) and the
 # rebuild without one of the two (pg timeout), the blamed node's grace, and 10 s of slack for busy cores.
@@ -85,41 +113,51 @@ class Chaos:
     def __init__(self, tmp: Path, seed: int, nodes: int, max_nodes: int, overlap: str = "none", net=None,
                  kinds: list[str] | None = None, compression: str = "none") -> None:
         self.rng, self.seed, self.nodes, self.max_nodes = random.Random(seed), seed, nodes, max_nodes
-        self.net = net
-        self.settings = ("--diloco.overlap", overlap, "--diloco.compression", compression)   # every node's
+        self.net, self.overlap = net, overlap
+        self.settings = ("--diloco.overlap", overlap, "--diloco.compression", compression,   # every node's
+                         *(("--diloco.clip", CLIP) if overlap == "none" else ()))
+        secret = tmp / "run.secret"             # the run's: the stores and every node hold it
+        secret.unlink(missing_ok=True)          # a --keep directory used before holds an old one
+        write_new_secret(secret)
         if net is None:
-            self.cluster = TrainCluster(tmp, nodes, ZB_CKPT_TOKEN=TOKEN, ZB_ELASTIC_STORE_FAILOVER_S=str(FAILOVER_S))
+            self.cluster = TrainCluster(tmp, nodes, ZB_ELASTIC_STORE_FAILOVER_S=str(FAILOVER_S),
+                                        **{SECRET_ENV: str(secret)})
             for _ in range(STANDBYS):     # idle `zb store`s the run fails over to, in elastic.addr's order
                 self.cluster.start_store(self.cluster.add_standby())
         else:
             from _chaos_netns import NetnsCluster
 
-            self.cluster = NetnsCluster(tmp, nodes, net, ZB_CKPT_TOKEN=TOKEN)
+            self.cluster = NetnsCluster(tmp, nodes, net, **{SECRET_ENV: str(secret)})
         self.store_port = self.cluster.port   # the run's current store
-        self.kinds = kinds or [k for k in KINDS if net is None or k not in LOOPBACK_KINDS] + \
+        self.kinds = kinds or [k for k in KINDS if (net is None or k not in LOOPBACK_KINDS)
+                               and (overlap == "none" or k not in BLOCKING_KINDS)] + \
             (NETNS_KINDS if net is not None else [])
         self.tails: dict[str, Tail] = {}
         self.live: list[str] = []
         self.gone: dict[str, int] = {}       # uid -> expected exit code (None: any)
         self.signalled: set[str] = set()     # nodes the schedule hit: only these may be declared dead
+        self.rogues: set[str] = set()        # node ids without the run secret: no world may ever name one
         self.rows: list[tuple[float, str, str, str]] = []
         self.t0 = time.monotonic()
         self.count = 0
 
     # -- nodes -------------------------------------------------------------------------------
-    def start(self, live_recovery: bool = False) -> str:
+    def start(self, live_recovery: bool = False, entry: tuple[str, ...] = ("-m", "zb")) -> str:
+        """A node of the run (`entry`: what runs in place of `python -m zb`, e.g. the hostile node's driver)."""
         uid = f"n{self.count}"
         self.count += 1
-        extra = ["--diloco.blocking_join", "false"] if live_recovery else []
-        tmp = self.cluster.tmp
-        self.cluster.start_train(uid, "--optim.total_steps", "100000", "--ckpt.path", str(tmp / "ckpt" / uid),
-                                 "--ckpt.interval", str(2 * INNER), "--ckpt.ram_dir", str(tmp / "shm"),
-                                 "--ckpt.grace_period", str(GRACE), "--ckpt.live_recovery",
-                                 "--data.data_world_size", "16", *self.settings, *extra,
-                                 rank=len(self.live))
-        self.tails[uid] = Tail(tmp / uid / "metrics.jsonl")
+        self.cluster.start_train(uid, *self.node_args(uid, live_recovery), rank=len(self.live), entry=entry)
+        self.tails[uid] = Tail(self.cluster.tmp / uid / "metrics.jsonl")
         self.live.append(uid)
         return uid
+
+    def node_args(self, uid: str, live_recovery: bool = False) -> list[str]:
+        tmp = self.cluster.tmp
+        extra = ["--diloco.blocking_join", "false"] if live_recovery else []
+        return ["--optim.total_steps", "100000", "--ckpt.path", str(tmp / "ckpt" / uid),
+                "--ckpt.interval", str(2 * INNER), "--ckpt.ram_dir", str(tmp / "shm"),
+                "--ckpt.grace_period", str(GRACE), "--ckpt.live_recovery",
+                "--data.data_world_size", "16", *self.settings, *extra]
 
     def signal(self, uid: str, sig: int) -> None:
         if sig != signal.SIGCONT:
@@ -180,9 +218,13 @@ class Chaos:
         split = split_runs(outer)
         if split:
             raise Failure(f"two runs at once: {split[:3]}")
-        wrong = false_evictions({u: t.events("membership") for u, t in self.tails.items()}, self.signalled)
+        membership = {u: t.events("membership") for u, t in self.tails.items()}
+        wrong = false_evictions(membership, self.signalled)
         if wrong:
             raise Failure(f"false eviction of a running node: {wrong[:3]}")
+        admitted = rogues_admitted(membership, self.rogues)
+        if admitted:
+            raise Failure(f"a node without the run secret in a world: {admitted[:3]}")
         return compared
 
     # -- events --------------------------------------------------------------------------------
@@ -206,9 +248,11 @@ class Chaos:
             time.sleep(0.2)
 
     def choose(self) -> str:
-        joins = ("join", "join-live", "donor-leave")   # donor-leave starts a joiner before a donor leaves
+        # donor-leave starts a joiner before a donor leaves, poison a joiner it kills later
+        joins = ("join", "join-live", "donor-leave", "poison")
         allowed = [k for k in self.kinds if not (k in joins and len(self.live) >= self.max_nodes)
-                   and not (k == "store-loss" and self.store_port == self.cluster.standby_ports[-1])]
+                   and not (k == "store-loss" and self.store_port == self.cluster.standby_ports[-1])
+                   and not (k in BLOCKING_KINDS and self.overlap != "none")]
         return self.rng.choice(allowed)
 
     def inject(self, kind: str) -> None:
@@ -403,6 +447,129 @@ class Chaos:
             time.sleep(0.2)
         raise Failure(f"hang: {joiner} applied no outer step together with a survivor within {bound:.0f} s")
 
+    def ev_rogue_join(self) -> None:
+        """Nodes without the run secret try to join. Two `zb train` nodes with the cluster's arguments, one
+        holding no secret and one another secret, must each exit 2 within REFUSE_BOUND with the one-line
+        refusal, having written nothing to the store (no heartbeat counter, no join request). Then a raw store
+        client (no secret) appends a join request for a made-up node, bumps its heartbeat counter and sets its
+        address: every node must ignore it (a node logs the join list as not opening). No world may ever name
+        any of the three (check_agreement), and the survivors must keep stepping after the forgery."""
+        i = len(self.rogues) // 3
+        other = self.cluster.tmp / f"other-{i}.secret"
+        other.unlink(missing_ok=True)
+        write_new_secret(other)
+        # Without a secret the sidecar's token (ckpt.live_recovery) is ZB_CKPT_TOKEN's: the node is given one, so
+        # that what refuses it is the store's run marker, not its own missing token.
+        refused = {f"rogue{i}-nosecret": ({SECRET_ENV: None, "ZB_CKPT_TOKEN": "rogue-token-0123456789abcdef"},
+                                          "admits only nodes that hold its secret"),
+                   f"rogue{i}-othersecret": ({SECRET_ENV: str(other)}, "started with another secret")}
+        forged = f"rogue{i}-forged"
+        self.rogues.update([*refused, forged])
+        started = time.monotonic()
+        for uid, (env, _) in refused.items():
+            self._start_outsider(uid, env)
+        took: dict[str, float] = {}
+        while len(took) < len(refused):
+            for uid in refused:
+                if uid not in took and self.cluster.procs[uid].poll() is not None:
+                    took[uid] = time.monotonic() - started
+            if time.monotonic() - started > REFUSE_BOUND:
+                raise Failure(f"hang: {sorted(set(refused) - set(took))} not refused within {REFUSE_BOUND:.0f} s:\n"
+                              + "\n".join(f"--- {u}\n{self.cluster.log(u)}" for u in refused if u not in took))
+            time.sleep(0.1)
+        for uid, (_, phrase) in refused.items():
+            code = self.cluster.procs[uid].poll()
+            problem = f"exit {code}, expected 2" if code != 2 else \
+                refusal_problem((self.cluster.tmp / f"{uid}.log").read_text(), phrase)
+            if problem:
+                raise Failure(f"{uid} was not refused with the one-line refusal ({problem}):\n{self.cluster.log(uid)}")
+        before = self.outer_counts(self.live)
+        left = self._forge(forged, list(refused))
+        if left:
+            raise Failure(f"nodes refused for their secret left records in the store: {left}")
+        stepped = self.wait_progress(before, f"rogue-join ({', '.join(refused)} refused, {forged} forged)")
+        seen = self._wait_logged("store record zb/joins does not open", HANG_BOUND)
+        if not seen:
+            raise Failure(f"no node logged the forged join request of {forged} as not opening within "
+                          f"{HANG_BOUND:.0f} s (the join list unread?)")
+        self.log("rogue-join", f"rogue{i}", f"no secret and another secret: exit 2 in "
+                 f"{' and '.join(f'{t:.1f}' for t in took.values())} s, one line, nothing written; forged join of {forged} ignored ({seen} of "
+                 f"{len(self.live)} logged it not opening); survivors stepped in {stepped:.1f} s")
+
+    def _wait_logged(self, text: str, bound: float) -> int:
+        """Until a live node's log holds `text` (each node logs a record that does not open once); returns how
+        many do, 0 when none did within `bound`."""
+        deadline = time.monotonic() + bound
+        while True:
+            seen = sum(text in (self.cluster.tmp / f"{u}.log").read_text() for u in self.live)
+            if seen or time.monotonic() > deadline:
+                return seen
+            time.sleep(0.2)
+
+    def _start_outsider(self, uid: str, env: dict[str, str | None]) -> None:
+        """A `zb train` with the run's arguments but `env` changed (the secret), never one of the run's nodes.
+        With --netns it runs on the store's host: it only has to reach the store, and every node host may be
+        busy."""
+        args, rank = self.node_args(uid), len(self.live)
+        if self.net is None:
+            self.cluster.start_train(uid, *args, rank=rank, env=env)
+        else:
+            TrainCluster.start_train(self.cluster, uid, *args, rank=rank, env=env,
+                                     prefix=tuple(self.cluster.store_host.command([])))
+
+    def _forge(self, uid: str, refused: list[str]) -> list[str]:
+        """forge_join on the run's current store: in this process, or with --netns from the store's host (this
+        process's namespace has no route to the emulated hosts). Returns what the refused nodes left there."""
+        if self.net is None:
+            return forge_join("127.0.0.1", self.store_port, uid, refused)["left_by_refused"]
+        done = self.cluster.store_host.run([sys.executable, str(Path(__file__).resolve().parent / "_chaos_checks.py"),
+                                            "forge", self.cluster.store_host.addr, str(self.store_port), uid,
+                                            *refused], env=self.cluster.env, cwd=REPO)
+        if done.returncode != 0:
+            raise Failure(f"the raw store client failed on the store's host:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])["left_by_refused"]
+
+    def ev_poison(self) -> None:
+        """A joiner that sends its pseudo-gradient times 1000 or times -1 (the seed picks; through
+        scripts/_hostile_node.py) contributes to POISON_ROUNDS outer steps, then is SIGKILLed. The nodes run
+        with diloco.clip: the survivors must keep agreeing at every outer step (check_agreement), keep a finite
+        loss, and, for x1000, every survivor's log must report the poisoner clipped."""
+        factor = self.rng.choice(HOSTILE_FACTORS)
+        survivors, since = list(self.live), time.time()
+        uid = self.start(entry=(str(HOSTILE), str(factor)))
+        self.log("poison", uid, f"joins, sending its pseudo-gradient x{factor:g}")
+        bound, started = HANG_BOUND + START_BOUND + POISON_ROUNDS * 30, time.monotonic()
+        while len(rounds := self._contributed(uid)) < POISON_ROUNDS:
+            if self.cluster.procs[uid].poll() is not None:
+                raise Failure(f"poisoner {uid} exited with {self.cluster.procs[uid].poll()}:\n{self.cluster.log(uid)}")
+            if time.monotonic() - started > bound:
+                raise Failure(f"hang: poisoner {uid} contributed to {len(rounds)} outer steps within {bound:.0f} s")
+            time.sleep(0.2)
+        others = self.outer_counts(u for u in self.live if u != uid)
+        self.signal(uid, signal.SIGKILL)
+        self.remove(uid, -signal.SIGKILL)
+        outcome = self.reap(uid, -signal.SIGKILL)
+        took = self.wait_progress(others, f"the SIGKILL of poisoner {uid}")
+        bad = non_finite_losses({u: self.tails[u].events("step") for u in self.live}, since)
+        if bad:
+            raise Failure(f"non-finite loss after poisoner {uid} (x{factor:g}): {bad[:3]}")
+        line = f"diloco.clip: node {uid}"
+        silent = [u for u in survivors if u in self.live and line not in (self.cluster.tmp / f"{u}.log").read_text()]
+        if factor > 1 and silent:
+            raise Failure(f"poisoner {uid} (x{factor:g}) contributed to {len(rounds)} outer steps, but {silent} "
+                          f"never logged '{line}'")
+        clipped = {(e["mesh_version"], e["outer_step"]) for u in self.live for e in self.tails[u].events("outer_step")
+                   if uid in (e.get("clipped") or ())}
+        loss = [e["loss"] for u in self.live for e in self.tails[u].events("step")[-1:]]
+        self.log("poison", uid, f"x{factor:g}: contributed to {len(rounds)} outer steps, clipped in {len(clipped)}; "
+                 f"{outcome}; survivors stepped in {took:.1f} s, loss finite (last {min(loss):.3f}-{max(loss):.3f})")
+
+    def _contributed(self, uid: str) -> list[tuple[int, int]]:
+        """(mesh version, outer step) of the outer steps `uid` applied together with another node: steps it
+        contributed its pseudo-gradient to (a joiner that received the state applied nothing at that step)."""
+        return [(e["mesh_version"], e["outer_step"]) for e in self.tails[uid].events("outer_step")
+                if e.get("applied") and e.get("num_peers", 0) >= 2]
+
     def ev_link_down(self) -> None:
         """A node's link (its veth port on the bridge) down for a while, then up: cut off from the store
         and from every peer. Short cuts (below the heartbeat timeout) may pass unnoticed; past it the node
@@ -536,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a CI timeout, a pkill) must still run the cleanup that kills the nodes: without this the
     # interpreter dies at once and leaves them training, loading the machine for every later job.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--seed", type=int, default=None, help="schedule seed (random if unset; printed)")
     p.add_argument("--events", type=int, default=6)
     p.add_argument("--nodes", type=int, default=4, choices=range(2, 7))
@@ -544,14 +711,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="joins stop at this many nodes (default nodes+1, at most 6)")
     p.add_argument("--keep", type=Path, default=None, help="keep node logs and metrics in this directory")
     p.add_argument("--overlap", default="none", choices=("none", "eager", "streaming"),
-                   help="diloco.overlap of every node (streaming: 1 fragment, tau 1)")
+                   help=f"diloco.overlap of every node (streaming: 1 fragment, tau 1; none: with diloco.clip {CLIP})")
     p.add_argument("--compression", default="none", choices=COMPRESSIONS,
                    help="diloco.compression of every node (int4 and int2 with error feedback, their default)")
     p.add_argument("--netns", action="store_true",
                    help="every node on an emulated host of its own (network namespaces; root and nft), the store "
                         "on another; adds the link-down and partition events")
     p.add_argument("--kinds", default=None, metavar="K1,K2",
-                   help=f"draw events only from these (default: all); one of {', '.join(KINDS + NETNS_KINDS)}")
+                   help=f"draw events only from these, comma-separated (default: all; {', '.join(NETNS_KINDS)} with "
+                        f"--netns only, {', '.join(LOOPBACK_KINDS)} without it, {', '.join(BLOCKING_KINDS)} with "
+                        f"--overlap none only); of {', '.join(KINDS + NETNS_KINDS)}")
     args = p.parse_args(argv)
     kinds = args.kinds.split(",") if args.kinds else None
     unknown = sorted(set(kinds or ()) - set(KINDS + NETNS_KINDS))
@@ -559,6 +728,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--kinds: unknown event(s) {', '.join(unknown)}; known: {', '.join(KINDS + NETNS_KINDS)}")
     if not args.netns and set(kinds or ()) & set(NETNS_KINDS):
         p.error(f"--kinds: {', '.join(NETNS_KINDS)} need --netns (hosts with links to cut)")
+    if args.overlap != "none" and set(kinds or ()) & set(BLOCKING_KINDS):
+        p.error(f"--kinds: {', '.join(BLOCKING_KINDS)} needs --overlap none (diloco.clip, which zb refuses with an "
+                f"overlapped all-reduce)")
+    if args.netns and set(kinds or ()) & set(LOOPBACK_KINDS):
+        p.error(f"--kinds: {', '.join(LOOPBACK_KINDS)} cannot run with --netns (one store there)")
     if args.netns:
         from _chaos_netns import unavailable
 

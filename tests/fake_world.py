@@ -6,7 +6,8 @@ scripted: `FakeWorld.set_world` is what the leader's resolution would have writt
 node's `FakeMesh` reads it at its next resolve. So the node's decision paths (non-finite skip,
 lagging or readmitted node, joiners, a failed attempt retried without the failed peer) run as they
 do across processes, minus heartbeats and the store's process (zb/testing/cluster.py, the
-slower tier, keeps those). As torchft's integration tests run replicas as threads.
+slower tier, keeps those). As the leader's judge does, a resolution leaves out the ids listed in the
+store's keys.EVICTED (diloco.evict_clipped), and refuses such a node as the membership does. As torchft's integration tests run replicas as threads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from zb.config import load_config
 from zb.config_schema import Config
 from zb.diloco.node import DilocoNode
 from zb.diloco.rounds import RoundWork
+from zb.elastic import keys
+from zb.elastic.membership import refuse_if_evicted
+from zb.elastic.store_state import evicted_ids
+from zb.elastic.tcpstore import read_many
 from zb.elastic.view import WorldView
 from zb.local_world import LocalWorld
 from zb.position import RunPosition
@@ -81,6 +86,17 @@ class FakeWorld:
                 return
         self.set_world([n for n in self.nodes if n != dead])
 
+    def drop_evicted(self) -> set[str]:
+        """What the leader's resolution does with the store's list of evicted ids (keys.EVICTED): the next world
+        leaves them out. Returns the list."""
+        with self.lock:
+            evicted = evicted_ids(read_many(self.store, [keys.EVICTED])[0])
+            nodes = [n for n in self.nodes if n not in evicted]
+            if nodes != self.nodes:
+                self.version += 1
+                self.nodes, self.joined = nodes, []
+        return evicted
+
     def view_of(self, uid: str) -> WorldView:
         with self.lock:
             return WorldView(mesh_version=self.version, global_rank=self.nodes.index(uid),
@@ -109,6 +125,7 @@ class FakeMesh:
         return self.resolve()
 
     def resolve(self) -> WorldView:
+        refuse_if_evicted(self.uid, self.world.drop_evicted())
         view = self.world.view_of(self.uid)
         if view.mesh_version not in self.world.broken and (self.view is None or
                                                             view.mesh_version != self.view.mesh_version):

@@ -1,9 +1,11 @@
 """The chaos harness (scripts/chaos.py) end to end: a few random failures per seed, with agreement,
 split-run, hang, orphan and resume checks (pytest -m soak; a few minutes each). The network faults
-need namespaces: also marked netns, skipped without root, iproute2 or nft."""
+need namespaces: also marked netns, skipped without root, iproute2 or nft. The checks of the run secret's
+events (rogue-join, poison) and their argument rules also run fast, without nodes."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 
 import pytest
@@ -61,3 +63,51 @@ def test_stores_lost_in_a_row(tmp_path, capsys):
     out = _run(capsys, "--seed", "6", "--events", "4", "--nodes", "3", "--kinds", "store-loss,sigkill,join",
                "--keep", str(tmp_path))
     assert " store-loss " in out and "run on :" in out, out
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_nodes_without_the_run_secret_are_refused(tmp_path, capsys):
+    """A node without the secret and one with another each exit 2 in one line; a join request and an address
+    forged through a raw store client are ignored: no world names any of them, the run keeps stepping."""
+    out = _run(capsys, "--seed", "1", "--events", "1", "--nodes", "3", "--kinds", "rogue-join", "--keep", str(tmp_path))
+    rows = [line for line in out.splitlines() if " rogue-join " in line]
+    assert len(rows) == 1 and "exit 2" in rows[0] and "nothing written" in rows[0] and "ignored" in rows[0], out
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(900)
+def test_a_poisoned_joiner_is_clipped_and_the_survivors_agree(tmp_path, capsys):
+    """Seed 1 draws x1000: the poisoner contributes to 3 outer steps under diloco.clip, every survivor logs it
+    clipped, agrees with the others and keeps a finite loss after its SIGKILL."""
+    out = _run(capsys, "--seed", "1", "--events", "1", "--nodes", "3", "--kinds", "poison", "--keep", str(tmp_path))
+    rows = [line for line in out.splitlines() if " poison " in line]
+    assert any("x1000: contributed to 3 outer steps" in r and "loss finite" in r for r in rows), out
+
+
+def test_the_secret_events_checks():
+    checks = load_script("_chaos_checks")
+    membership = {"n0": [{"mesh_version": 1, "nodes": ["n0", "n1"]}, {"mesh_version": 2, "nodes": ["n0", "rogue0-forged"]}]}
+    assert checks.rogues_admitted(membership, {"rogue0-forged", "rogue0-nosecret"}) == \
+        ["n0 at mesh v2 has ['rogue0-forged'] in its world"]
+    assert checks.rogues_admitted(membership, {"rogue1-forged"}) == []
+    phrase = "admits only nodes that hold its secret"
+    assert checks.refusal_problem(f"12:00 INFO zb: start\nerror: the run at x {phrase}: pass it\n", phrase) is None
+    assert "2 'error:' lines" in checks.refusal_problem(f"error: {phrase}\nerror: again\n", phrase)
+    assert "does not say" in checks.refusal_problem("error: something else\n", phrase)
+    assert "traceback" in checks.refusal_problem(f"Traceback (most recent call last):\nerror: {phrase}\n", phrase)
+    steps = {"n0": [{"step": 5, "loss": 2.0, "time": 10.0}, {"step": 10, "loss": float("nan"), "time": 20.0}],
+             "n1": [{"step": 5, "loss": float("inf"), "time": 5.0}]}
+    assert checks.non_finite_losses(steps, 8.0) == ["n0 at step 10: loss nan"]
+
+
+@pytest.mark.parametrize("args", [["--kinds", "poison", "--overlap", "eager"], ["--kinds", "rogue-join,nope"]])
+def test_chaos_refuses_kinds_it_cannot_run(args, capsys):
+    chaos = load_script("chaos")
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as e:
+            chaos.main(args)
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert e.value.code == 2 and "--kinds" in capsys.readouterr().err

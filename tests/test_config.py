@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -306,3 +308,16 @@ def test_error_feedback_defaults_by_width_and_is_warned_about_without_compressio
         "has no effect with diloco.compression = none (nothing is dropped)"]
     with pytest.raises(ConfigError, match="diloco.compression"):
         load_config([], {"diloco.compression": "int3"}, environ={})
+
+
+def test_evict_clipped_without_clip_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"diloco.evict_clipped = true \(from flag --diloco.evict_clipped\): needs "
+                                          r"diloco.clip") as e:
+        load_config([], {"diloco.evict_clipped": "true"}, environ={})
+    assert e.value.exit_code == 2
+    result = subprocess.run([sys.executable, "-m", "zb", "train", "--diloco.evict_clipped", "true"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "needs diloco.clip" in result.stderr + result.stdout
+    assert len((result.stderr + result.stdout).strip().splitlines()) == 1
+    assert load_config([], {"diloco.evict_clipped": "true", "diloco.clip": "1"}, environ={}).diloco.evict_clipped
+    assert not load_config([], {"diloco.clip": "1"}, environ={}).diloco.evict_clipped

@@ -5,12 +5,17 @@ references written here from the papers' rules, not from zb's code."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from fake_world import FakeClock, TinyModel, start_world, together
 
-from zb.diloco.checkin import Role
+from zb.diloco.checkin import Role, make_plan
+from zb.elastic import keys
+from zb.elastic.store_state import evicted_ids
+from zb.elastic.tcpstore import read_many
+from zb.errors import InvalidInput
 
 
 def deltas(n_nodes: int, rounds: int, numel: int, seed: int = 1) -> list[list[torch.Tensor]]:
@@ -766,3 +771,86 @@ def test_clip_bounds_an_outsized_pseudo_gradient_as_the_single_process_math(capl
     poisoned = blocking_reference(start, moves)
     assert float((poisoned - clean).norm()) > 100 * float((expected - clean).norm())
     assert "node b was clipped in 3 outer steps in a row" in caplog.text
+
+
+def evicting_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], k: float, evicted: int,
+                       after: int) -> torch.Tensor:
+    """diloco.evict_clipped: clipped rounds as clipped_reference; from round `after` on, node `evicted` is out of
+    the run (its move is not averaged, nor does it count in the mean)."""
+    theta = torch.nn.Parameter(start.clone())
+    opt = outer_sgd(theta)
+    for i, round_moves in enumerate(moves):
+        if i >= after:
+            round_moves = [m for j, m in enumerate(round_moves) if j != evicted]
+        norms = [float(m.norm()) for m in round_moves]
+        bound = k * sorted(norms)[(len(norms) - 1) // 2]
+        theta.grad = torch.stack([m * min(1.0, bound / n) for m, n in zip(round_moves, norms)]).mean(0)
+        opt.step()
+    return theta.detach()
+
+
+def outer_step_or_refusal(node):
+    """The node's outer step; the InvalidInput it ends with when the run refuses it (its CLI would exit 2)."""
+    try:
+        return node.outer_step()
+    except InvalidInput as e:
+        return e
+
+
+@pytest.mark.parametrize("evict", [True, False])
+def test_evict_clipped_takes_a_node_clipped_3_outer_steps_in_a_row_out_of_the_run(caplog, evict):
+    """Node b sends its update x1000 every round. With diloco.evict_clipped, at the 3rd clipped outer step every
+    node evicts it: b ends with one line (exit 2), its id is in the store's list of evicted ids, the next
+    resolution leaves it out of the world, and a and c train on together (same params_hash) as the reference
+    without b. Without it, b stays in the world, clipped at every outer step."""
+    caplog.set_level("WARNING", logger="zb.diloco")
+    start = TinyModel().flat()
+    moves = deltas(3, 5, start.numel())
+    for round_moves in moves:
+        round_moves[1] = round_moves[1] * 1000
+    flags = {"diloco.clip": "2", "diloco.evict_clipped": "true" if evict else "false"}
+    world, nodes = start_world(["a", "b", "c"], **flags)
+    a, b, c = nodes
+    refusals = []
+    for i, round_moves in enumerate(moves):
+        live = [n for n in nodes if n is not b or not evict or i < 3]
+        for node in live:
+            node.train(round_moves[nodes.index(node)])
+        results = together(live, outer_step_or_refusal)
+        refused = [(n.uid, r) for n, r in zip(live, results) if isinstance(r, InvalidInput)]
+        assert [uid for uid, _ in refused] == (["b"] if evict and i == 2 else []), f"round {i + 1}"
+        assert [n.reports[-1].evicted for n in (a, c)] == [["b"] if evict and i == 2 else None] * 2
+        refusals += [e for _, e in refused]
+    if evict:
+        expected = evicting_reference(start, moves, 2.0, evicted=1, after=3)
+        (error,) = refusals
+        assert error.exit_code == 2 and "(b) was evicted by diloco.evict_clipped after 3 clipped outer steps" in str(error)
+        assert evicted_ids(read_many(world.store, [keys.EVICTED])[0]) == {"b"}
+        assert caplog.text.count("diloco.evict_clipped: node b is evicted from the run") == 3   # once on every node
+        assert "node b was clipped in 3 outer steps in a row" not in caplog.text   # the eviction line says it
+        with pytest.raises(InvalidInput, match="the run evicted node id 'b'"):
+            b.diloco.mesh.resolve()    # b, had it ignored its eviction: the run refuses it
+    else:
+        expected = clipped_reference(start, moves, 2.0)
+        assert b.reports[-1].global_world_size == 3 and b.reports[-1].clipped == ["b"] and b.reports[-1].applied
+        assert read_many(world.store, [keys.EVICTED])[0] == b""
+    for node in (a, c):
+        report = node.reports[-1]
+        assert report.global_world_size == (2 if evict else 3) and report.num_peers == (2 if evict else 3)
+        assert report.applied and torch.allclose(node.model.flat(), expected, atol=1e-5)
+    assert a.reports[-1].params_hash == c.reports[-1].params_hash
+
+
+def test_evict_clipped_counts_an_outer_step_once_however_many_attempts_checked_in():
+    """A retried check-in attempt of the same outer step sees the same clipped node: it counts once toward the
+    outer steps in a row, so the node is evicted at the 3rd outer step, not at the 3rd attempt."""
+    _, (node,) = start_world(["a"], **{"diloco.clip": "2", "diloco.evict_clipped": "true"})
+    view = SimpleNamespace(nodes=["a", "b", "c"], uid="a")
+    plan = make_plan([Role.CONTRIBUTOR] * 3, [0] * 3, norms=[1.0, 1000.0, 1.1], clip=2.0)
+    for outer_step in (0, 0, 0, 1, 1):
+        node.diloco._note_clipped(view, plan, outer_step)
+    assert node.diloco._clipped_rounds == {"b": 2} and node.diloco._evicted == set()
+    node.diloco._note_clipped(view, plan, 2)
+    assert node.diloco._evicted == {"b"} and node.diloco._evicted_now == ["b"]
+    node.diloco._note_clipped(view, plan, 2)
+    assert node.diloco._evicted_now == ["b"]          # decided once

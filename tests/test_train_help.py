@@ -66,7 +66,7 @@ def test_all_lists_every_key_under_its_section_heading(run_zb):
 ])
 def test_help_works_beside_other_arguments(run_zb, args):
     result = run_zb("train", *args)
-    assert result.exit_code == 0 and "diloco (20 options)" in result.output
+    assert result.exit_code == 0 and "diloco (21 options)" in result.output
 
 
 @pytest.mark.parametrize("args", [["--help", "--optim.lr", "3"], ["--help", "@configs/debug/normal.toml"]])

@@ -27,7 +27,7 @@ from typing import AbstractSet, Any, Callable, Mapping, Sequence
 from zb import config_prime as prime
 from zb.addresses import valid_store_list
 from zb.config_checks import advisories, problems
-from zb.config_schema import Config
+from zb.config_schema import ENVIRONMENT, Config
 from zb.errors import InvalidInput, ZbError
 from zb.model_sizes import model_names
 
@@ -39,7 +39,7 @@ else:  # pragma: no cover
 log = logging.getLogger("zb.config")
 
 # ZB_* variables that are not config keys but are read elsewhere (kernel path switch, test knobs).
-KNOWN_ENV = {"ZB_USE_CPP", "ZB_OPENMP", "ZB_NETNS_TESTS", "ZB_BUILD_DIR", "ZB_CKPT_TOKEN", "ZB_DATA_CACHE"}
+KNOWN_ENV = {name for name, _ in ENVIRONMENT if name.startswith("ZB_")}   # zb's variables that are no config key
 # Prime's variables that zb reads nowhere, and what to use instead: said once, never silently ignored.
 WITHOUT_EFFECT = {"ZERO_BAND_IPERF_PORT": "zb does not measure links at start; run `zb iperf-mesh` (--port) before a run"}
 
@@ -159,6 +159,9 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
                 value = spec.aliases[value.strip().lower()]
             value = _to_int(value)
         elif spec.type is float:
+            # A float knob with a "true" alias (diloco.clip) takes true, alone or as a boolean, for its measured value.
+            if (value is True or isinstance(value, str) and value.strip().lower() == "true") and "true" in spec.aliases:
+                value = spec.aliases["true"]
             if isinstance(value, bool):
                 raise ValueError
             value = float(value)

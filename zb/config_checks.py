@@ -70,6 +70,9 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
         if cfg.diloco.overlap != "none":
             yield "diloco.clip", (f"cannot combine with diloco.overlap = {cfg.diloco.overlap} yet: the norms are "
                                   "compared in the check-in, which an overlapped all-reduce has already left behind")
+    if cfg.diloco is not None and cfg.diloco.evict_clipped and cfg.diloco.clip is None:
+        yield "diloco.evict_clipped", ("needs diloco.clip: it evicts the nodes diloco.clip scaled down in 3 outer steps "
+                                       "in a row (set diloco.clip K, e.g. 1)")
     if _stores(cfg) > 1 and cfg.swarm is not None:
         yield "elastic.addr", ("names several stores, but a DiLoCo-SWARM run does not fail over yet (its stages' "
                                "routing lives on one store): name one store")

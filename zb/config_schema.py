@@ -229,8 +229,14 @@ class DilocoConfig:
                                  run_defining=True)
     clip: Optional[float] = knob(None, "Robust aggregation (blocking DiLoCo): a contributor whose pseudo-gradient norm "
                                  "exceeds this many times the round's median norm is scaled down to that bound before "
-                                 "the average (the same decision on every node, logged with both norms); at least 1. "
-                                 "Unset: averaged as they are.")
+                                 "the average (the same decision on every node, logged with both norms); at least 1; "
+                                 "alone or true: 1, the measured choice (README, \"Security\"). Unset: averaged as "
+                                 "they are. Every node of a run must share it.", aliases={"true": 1.0},
+                                 run_defining=True)
+    evict_clipped: bool = knob(False, "With diloco.clip: evict a node clipped in 3 outer steps in a row (the same "
+                               "decision on every node): its updates count for nothing from the next outer step, the "
+                               "leader leaves it out of the world and never admits its id again, and the node itself "
+                               "exits 2. Every node of a run must share it.", run_defining=True)
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
                              "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
 
@@ -347,3 +353,34 @@ class Config:
     # Optional too: any swarm.* key turns `zb train` into a stage worker of a DiLoCo-SWARM run.
     swarm: Optional[SwarmConfig] = field(default=None, metadata={"doc": "DiLoCo-SWARM: pipeline stages over nodes.",
                                                                  "section": True, "optional": SwarmConfig})
+
+
+# Every environment variable zb reads that is not a config key's twin, with what it does: the single
+# list docs/reference.md is generated from (python -m zb.cli.reference), and tests/test_reference.py
+# fails when the code reads a ZB_* variable that is neither here nor a twin. It lives here, beside the
+# schema that defines the twins, because the two together are everything zb reads from the
+# environment, and a base module is what both zb.config (which warns about unknown ZB_* names) and the
+# generator can import without torch.
+ENVIRONMENT: tuple[tuple[str, str], ...] = (
+    ("ZB_CKPT_TOKEN", "The checkpoint sidecar's shared secret when the run has no elastic.secret_file (else "
+                      "`zb ckpt-serve --token-file`). Never a config key, so it never lands in configs, "
+                      "fingerprints or checkpoints."),
+    ("ZB_USE_CPP", "Quantization kernels: 0 forces their PyTorch twins, 1 requires the C++ build, unset or "
+                   "auto: C++ when it builds."),
+    ("ZB_OPENMP", "Building the C++ kernels: 0 builds them without OpenMP, 1 requires it, unset or auto: with "
+                  "it when the compiler has it."),
+    ("ZB_DATA_CACHE", "Where Hugging Face data files are cached (default: huggingface_hub's cache); also "
+                      "`zb subset-data --out`."),
+    ("CXX", "The C++ compiler the kernels are built with (default: c++)."),
+    ("GLOO_SOCKET_IFNAME", "The network interface gloo uses across nodes; its address is also the one the link "
+                           "measurements use and elastic.link_matrix rows are matched by."),
+    ("HF_ENDPOINT", "A Hugging Face mirror to fetch datasets and tokenizers from."),
+    ("HF_HUB_OFFLINE", "1: never ask the Hugging Face hub; train from the files already cached."),
+    ("WANDB_MODE", "log.wandb_mode = auto follows it (else online)."),
+    ("TORCH_CPP_LOG_LEVEL", "torch's C++ log level; zb train sets ERROR and zb status FATAL unless it is set."),
+    ("LOCAL_RANK", "Set by the launcher (zb train --nproc-per-node, torchrun) for each rank: its local rank."),
+    ("LOCAL_WORLD_SIZE", "Set by the launcher: the node's local ranks (else WORLD_SIZE, else 1)."),
+    ("WORLD_SIZE", "Set by the launcher: the local ranks, when LOCAL_WORLD_SIZE is not."),
+    ("RANK", "Set by the launcher; with MASTER_ADDR it means the process runs under torchrun."),
+    ("MASTER_ADDR", "Set by the launcher; with RANK it means the process runs under torchrun."),
+)

@@ -33,3 +33,19 @@ class LeavingRun(ZbError):
 def missing_extra(feature: str, package: str, extra: str) -> EnvironmentFailure:
     """The error for an optional package that is not installed: names the extra that brings it."""
     return EnvironmentFailure(f"{feature} needs {package}, which is not installed: pip install 'zb[{extra}]'")
+
+
+# What zb's exit codes mean (docs/reference.md is generated from this): the codes of the errors above,
+# plus success and a stop on a signal.
+EXIT_CODES: tuple[tuple[str, str], ...] = (
+    ("0", "Success."),
+    (str(EnvironmentFailure.exit_code), "The environment failed the command (port in use, store or peers "
+                                        "unreachable, disk full, a missing optional package; zb ckpt verify: a "
+                                        "damaged or missing part): one line says what. Also a bug, with a traceback."),
+    (str(InvalidInput.exit_code), "The invocation is invalid: usage, config, values, missing or incompatible "
+                                  "input files; also a node the run refused (settings that differ from the "
+                                  "run's) or evicted."),
+    ("130", "Interrupted by SIGINT (Ctrl-C). zb train stops cleanly after the current step, with a final "
+            "checkpoint (within ckpt.grace_period) when it writes checkpoints."),
+    ("143", "zb train stopped by SIGTERM, as on SIGINT: a stop on a signal exits 128 + its number."),
+)

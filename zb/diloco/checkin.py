@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from zb.collectives import PeerFailure
-from zb.diloco.clip import clip_scales, from_bits, to_bits
+from zb.diloco.clip import clip_scales, from_bits, outsized, to_bits
 
 
 class Role(IntEnum):
@@ -63,26 +63,36 @@ class Plan:
         """Ranks whose pseudo-gradients diloco.clip scales down in this outer step."""
         return [r for r, s in enumerate(self.scales) if s < 1.0]
 
+    def outsized(self) -> list[int]:
+        """Clipped ranks whose norm is also over clip.OUTSIZED x the median: what counts toward a node clipped
+        in a row."""
+        over = set(outsized(self.norms, self.contributors))
+        return [r for r in self.clipped() if r in over]
+
 
 
 def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None = None,
               digests: list[int] | None = None, arrived: list[int] | None = None,
               round_steps: list[int] | None = None, round_tokens: list[int] | None = None,
-              norms: list[float] | None = None, clip: float | None = None) -> Plan:
+              norms: list[float] | None = None, clip: float | None = None, evicted: list[int] | None = None) -> Plan:
+    """`evicted`: ranks of nodes diloco.evict_clipped evicted that are still in the world (the leader drops them
+    at the next resolution): their contributions count for nothing, and they neither apply nor receive."""
     n = len(roles)
     steps = steps or [0] * n
     digests = digests or [UNKNOWN_DIGEST] * n
     arrived = arrived or [Arrived.NONE] * n
-    contributors = _current([r for r in range(n) if roles[r] == Role.CONTRIBUTOR], outer_steps, digests)
+    out = set(evicted or ())
+    ranks = [r for r in range(n) if r not in out] or list(range(n))
+    contributors = _current([r for r in ranks if roles[r] == Role.CONTRIBUTOR], outer_steps, digests)
     if not contributors:
         # Nobody trained with the run yet (every earlier node is gone): those holding recovered state
         # carry the run on; with none, this is a fresh start from identical seeded weights.
-        contributors = _current([r for r in range(n) if roles[r] == Role.RECOVERED], outer_steps, digests) or list(range(n))
+        contributors = _current([r for r in ranks if roles[r] == Role.RECOVERED], outer_steps, digests) or ranks
     first = contributors[0]
     run_outer_step = outer_steps[first]
-    appliers = sorted(set(contributors) | {r for r in range(n) if roles[r] == Role.RECOVERED and outer_steps[r] == run_outer_step
+    appliers = sorted(set(contributors) | {r for r in ranks if roles[r] == Role.RECOVERED and outer_steps[r] == run_outer_step
                                            and _same(digests[r], digests[first])})
-    receivers = [r for r in range(n) if r not in appliers]
+    receivers = [r for r in ranks if r not in appliers]
     # A transfer can end on some nodes and fail on others (a peer died mid-ring): the average is applied
     # only when every contributor has it, so no node ever applies what another skips.
     average_ok = all(arrived[r] == Arrived.OK for r in contributors)
@@ -119,10 +129,11 @@ def digest_value(digest: bytes) -> int:
 
 def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, *, outer_step: int, step: int,
              deadline_s: float, digest: int = UNKNOWN_DIGEST, arrived: int = Arrived.NONE,
-             round_steps: int = 0, round_tokens: int = 0, norm: float = 0.0, clip: float | None = None) -> Plan:
+             round_steps: int = 0, round_tokens: int = 0, norm: float = 0.0, clip: float | None = None,
+             evicted: list[int] | None = None) -> Plan:
     """All-reduce every rank's (role, outer step, step, digest, arrived, round steps, round tokens, pseudo-
-    gradient norm) and derive the plan (with diloco.clip's factors); PeerFailure if a peer is missing. Each
-    rank writes only its own column, so SUM assembles the table."""
+    gradient norm) and derive the plan (with diloco.clip's factors, without the `evicted` ranks); PeerFailure
+    if a peer is missing. Each rank writes only its own column, so SUM assembles the table."""
     table = torch.zeros(8, size, dtype=torch.int64)
     table[:, rank] = torch.tensor([role, outer_step, step, digest, arrived, round_steps, round_tokens,
                                    to_bits(norm)], dtype=torch.int64)
@@ -132,4 +143,4 @@ def check_in(pg: dist.ProcessGroup, rank: int, size: int, role: int, *, outer_st
         raise PeerFailure(f"outer-step check-in failed: {str(e).splitlines()[0]}", rank=None) from None
     roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens, bits = table.tolist()
     return make_plan(roles, outer_steps, steps, digests, all_arrived, all_round_steps, all_round_tokens,
-                     [from_bits(b) for b in bits], clip)
+                     [from_bits(b) for b in bits], clip, evicted)

@@ -7,6 +7,10 @@ the all-reduce. One node's outsized update (a bug, a diverged node, a hostile on
 by at most k times what a typical node moves it. The median is the lower one (with two contributors,
 the smaller norm), so with two nodes the larger of the two is bounded by the other.
 
+With diloco.evict_clipped, a node clipped in a few outer steps in a row (zb.diloco.node.CLIPPED_REPORT_AFTER) is
+evicted: `clipped_in_a_row` and `to_evict` are the decision, a pure function of the check-in tables every
+node saw, so every node that saw them takes it alike.
+
 What it does not stop: an update of normal size that points the wrong way (a sign flip) is averaged in
 like any other and moves the average by at most 2/M of one update (M contributors); nor several hostile
 nodes that are the majority of a round.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import struct
+from typing import Collection, Iterable
 
 
 def clip_scales(norms: list[float], contributors: list[int], k: float | None) -> list[float]:
@@ -31,6 +36,32 @@ def clip_scales(norms: list[float], contributors: list[int], k: float | None) ->
         if math.isfinite(norms[r]) and norms[r] > bound > 0:
             scales[r] = bound / norms[r]
     return scales
+
+
+# A clipped contribution counts toward the nodes "clipped in a row" (reported; with diloco.evict_clipped,
+# evicted) only when its norm is over this many times the round's median: with K below it (K = 1 scales
+# every contribution above the median) honest nodes a few percent over the median would count too.
+OUTSIZED = 2.0
+
+
+def outsized(norms: list[float], contributors: list[int]) -> list[int]:
+    """Contributors whose norm is over OUTSIZED times the round's (lower) median norm."""
+    finite = [norms[r] for r in contributors if math.isfinite(norms[r])]
+    if len(finite) < 2:
+        return []
+    bound = OUTSIZED * statistics.median_low(finite)
+    return [r for r in contributors if math.isfinite(norms[r]) and norms[r] > bound > 0]
+
+
+def clipped_in_a_row(previous: dict[str, int], clipped: Iterable[str]) -> dict[str, int]:
+    """Node id -> outer steps in a row it was clipped, after one more outer step that clipped `clipped`
+    (a node not clipped in it starts again from zero)."""
+    return {uid: previous.get(uid, 0) + 1 for uid in clipped}
+
+
+def to_evict(in_a_row: dict[str, int], after: int, evicted: Collection[str] = ()) -> list[str]:
+    """diloco.evict_clipped: the node ids clipped in `after` outer steps in a row and not evicted yet, sorted."""
+    return sorted(uid for uid, n in in_a_row.items() if n >= after and uid not in evicted)
 
 
 def to_bits(value: float) -> int:

@@ -29,7 +29,7 @@ import torch
 
 from zb.collectives import PeerFailure
 from zb.config_schema import Config, DilocoConfig
-from zb.diloco import checkin, drift, rounds, slots
+from zb.diloco import checkin, clip, drift, rounds, slots
 from zb.diloco.algorithm import CheckIn, OuterAlgorithm
 from zb.diloco.algorithms import ALGORITHMS
 from zb.diloco.outer import OuterState
@@ -39,6 +39,7 @@ from zb.diloco.stripes import StripeLayout
 from zb.diloco.sync import SyncStats
 from zb.diloco.transfer import StateTransfer
 from zb.elastic import ElasticDeviceMesh, localsync
+from zb.elastic.membership import exclude
 from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("zb.diloco")
 
-CLIPPED_REPORT_AFTER = 3     # diloco.clip: outer steps in a row a node is clipped before it is reported
+CLIPPED_REPORT_AFTER = 3     # diloco.clip: outer steps in a row a node is clipped (over clip.OUTSIZED x the median)
+                             # before it is reported (and with diloco.evict_clipped, evicted)
 BEST_EFFORT_CONNECT_S = 2.0   # the most an after-step write waits for the store (see _write_store)
 
 FINGERPRINT_KEY = "zb/run/fingerprint"
@@ -107,6 +109,9 @@ class DilocoNode:
         self._client_epoch: int | None = None  # the head's store client epoch when self.store was last trusted
         self._clipped_rounds: dict[str, int] = {}  # diloco.clip: node id -> outer steps in a row it was clipped
         self._clipped_counted = -1                  # the outer step those counts include
+        self._evicted: set[str] = set()    # diloco.evict_clipped: node ids evicted (the same set on every node)
+        self._evicted_now: list[str] = []  # ... at this outer step (for its report)
+        self._unlisted: set[str] = set()   # ... not written to the store's list of evicted ids yet (retried)
         if cfg.diloco.compression != "none":
             from zb.collectives import kernels
 
@@ -323,6 +328,8 @@ class DilocoNode:
         self._save_position(data_state)
         if self.local.is_head and view.store_epoch != self._claimed_in:
             self._reassert_claims(view)
+        if self.dcfg.evict_clipped:
+            self._after_evictions(report, view.uid)
 
     def close_on_shared(self, report: OuterReport) -> OuterReport:
         """The run ends on the shared params: the consensus model, the same on every node."""
@@ -364,7 +371,8 @@ class DilocoNode:
                                             self.roles.role, outer_step=position.outer_step, step=position.step,
                                             deadline_s=_deadline(self.cfg), digest=digest, arrived=arrived,
                                             round_steps=work.steps, round_tokens=work.tokens, norm=norm,
-                                            clip=self.dcfg.clip)
+                                            clip=self.dcfg.clip,
+                                            evicted=[r for r, u in enumerate(view.nodes) if u in self._evicted])
                     checkin_s += time.perf_counter() - t0
                     self._note_lagging(view, plan, position.outer_step)
                     self._note_clipped(view, plan, position.outer_step)
@@ -454,22 +462,62 @@ class DilocoNode:
 
     def _note_clipped(self, view, plan: checkin.Plan, outer_step: int) -> None:
         """diloco.clip's decision, the same on every node (a pure function of the check-in table); a retried
-        attempt of the same outer step does not count again toward the nodes clipped in a row."""
+        attempt of the same outer step does not count again toward the nodes clipped in a row. With
+        diloco.evict_clipped, a node clipped CLIPPED_REPORT_AFTER outer steps in a row is evicted: every
+        local rank that checks in decides it alike, from its replica group's table (the norms are the node's)."""
+        if outer_step != self._clipped_counted:
+            self._clipped_counted = outer_step
+            self._clipped_rounds = clip.clipped_in_a_row(self._clipped_rounds, (view.nodes[r] for r in plan.outsized()))
+            if self.dcfg.evict_clipped:
+                self._evict(clip.to_evict(self._clipped_rounds, CLIPPED_REPORT_AFTER, self._evicted))
         if not self.local.is_head:
             return
         contributing = sorted(plan.norms[r] for r in plan.contributors)
-        if outer_step != self._clipped_counted:
-            self._clipped_counted = outer_step
-            clipped = {view.nodes[r] for r in plan.clipped()}
-            self._clipped_rounds = {u: self._clipped_rounds.get(u, 0) + 1 for u in clipped}
         for uid, in_a_row in self._clipped_rounds.items():
-            if in_a_row >= CLIPPED_REPORT_AFTER:
+            if in_a_row >= CLIPPED_REPORT_AFTER and uid not in self._evicted:
                 log.error("diloco.clip: node %s was clipped in %d outer steps in a row: a diverged or hostile node? "
                           "(its updates count for at most diloco.clip x the median)", uid, in_a_row)
-        for r in plan.clipped():
-            log.warning("diloco.clip: node %s's pseudo-gradient norm %.4g is over %g x the round's median %.4g: scaled "
-                        "down by %.3g", view.nodes[r], plan.norms[r], self.dcfg.clip,
-                        contributing[(len(contributing) - 1) // 2], plan.scales[r])
+        outsized = set(plan.outsized())
+        for r in plan.clipped():   # a mild clip (with K under clip.OUTSIZED, of honest nodes too) is no warning
+            log.log(logging.WARNING if r in outsized else logging.INFO,
+                    "diloco.clip: node %s's pseudo-gradient norm %.4g is over %g x the round's median %.4g: scaled "
+                    "down by %.3g", view.nodes[r], plan.norms[r], self.dcfg.clip,
+                    contributing[(len(contributing) - 1) // 2], plan.scales[r])
+
+    def _evict(self, uids: list[str]) -> None:
+        """diloco.evict_clipped: from the next outer step on these nodes' contributions count for nothing (the
+        check-in leaves their ranks out), the leader leaves them out of the next world and never admits their
+        ids again (keys.EVICTED, written after this outer step), and an evicted node leaves after it."""
+        for uid in uids:
+            self._evicted.add(uid)
+            self._unlisted.add(uid)
+            self._evicted_now.append(uid)
+            if self.local.is_head:
+                log.error("diloco.evict_clipped: node %s is evicted from the run: its pseudo-gradient was clipped in "
+                          "%d outer steps in a row (over diloco.clip = %g x the round's median); from the next outer "
+                          "step it counts for nothing, and its id is not admitted again", uid,
+                          self._clipped_rounds[uid], self.dcfg.clip)
+
+    def _after_evictions(self, report: OuterReport, me: str) -> None:
+        """After an outer step with diloco.evict_clipped: name the nodes it evicted in its report, list them in the
+        store for the leader's next resolution (retried at the next outer step when the store does not answer),
+        and end this node, on every local rank, when it is one of them."""
+        if self._evicted_now:
+            report.evicted = list(self._evicted_now)
+            self._evicted_now = []
+        if self.local.is_head and self._unlisted:
+            listed = sorted(self._unlisted)
+            if self._write_store("list the evicted node(s) " + ", ".join(listed), lambda store: exclude(store, listed)):
+                self._unlisted.clear()
+        self._agree(lambda: self._refuse_if_evicted(me))
+
+    def _refuse_if_evicted(self, me: str) -> dict:
+        if me in self._evicted:
+            raise InvalidInput(f"this node ({me}) was evicted by diloco.evict_clipped after {CLIPPED_REPORT_AFTER} "
+                               "clipped outer steps in a row: its pseudo-gradient norm was over diloco.clip = "
+                               f"{self.dcfg.clip:g} x the round's median each time (a diverged node? check its data and "
+                               "settings); the run does not admit its id again")
+        return {}
 
     def _reassert_claims(self, view) -> None:
         """A restarted store is empty: put the run's fingerprint and this node's data slot back, so a
@@ -479,6 +527,8 @@ class DilocoNode:
         def claim(store) -> None:
             store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
             store.compare_set(slots.slot_key(self.slot), "", view.uid)
+            if self._evicted:   # diloco.evict_clipped: an id evicted stays out of the run
+                exclude(store, sorted(self._evicted))
 
         if self._write_store("put the run's fingerprint and this node's data slot back", claim):
             self._claimed_in = view.store_epoch

@@ -5,6 +5,8 @@ the lowest-ranked member not excluded is the acting leader. Deadlines (all from 
 measured from this node's own answer on its own clock):
 
 - a member that said goodbye is out at once;
+- a member whose unique id is in keys.EVICTED (the layer above excluded it for the rest of the run:
+  zb.elastic.membership.exclude) is out at once, and a join request from that id is never admitted;
 - a member whose heartbeat has been silent for `heartbeat_timeout` is dead, and so is one silent
   for 2 x `heartbeat_interval` whose port refuses connections (zb.elastic.closedport);
 - a member blamed for a failed collective (a suspect) that has not answered within
@@ -58,9 +60,10 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     suspects = {s for c in lines for s in c.suspects}
     my_rank = world.nodes.index(me) if me in world.nodes else len(world.nodes)
     cut = split_unreachable(world, lines)
-    excluded, settled, stuck = cut & {me}, True, 0
+    evicted = snap.evicted & set(world.nodes)
+    excluded, settled, stuck = (cut & {me}) | evicted, True, 0
     for rank, m in enumerate(world.nodes):
-        if m == me or (m, world.tokens.get(m, "")) in snap.gone:
+        if m == me or (m, world.tokens.get(m, "")) in snap.gone or m in evicted:
             continue
         if m in cut:
             excluded.add(m)
@@ -100,9 +103,9 @@ def split_unreachable(world: World, lines) -> set[str]:
 
 
 def admissible_joiners(world: World, snap: Snapshot, liveness: Liveness) -> list[JoinRequest]:
-    """Requests past the cursor from live nodes with the run's local world size."""
+    """Requests past the cursor from live nodes with the run's local world size, and an id the run did not evict."""
     return [r for r in snap.joins[world.join_cursor:]
-            if r.uid and r.stripes == world.stripes and not liveness.is_dead(r.uid)]
+            if r.uid and r.stripes == world.stripes and not liveness.is_dead(r.uid) and r.uid not in snap.evicted]
 
 
 def renewed_members(world: World, snap: Snapshot) -> set[str]:
@@ -115,6 +118,7 @@ def renewed_members(world: World, snap: Snapshot) -> set[str]:
 def members_all_out(world: World, snap: Snapshot, liveness: Liveness) -> bool:
     """True when no member of `world` is alive: a joiner may then seed the next world itself. Renewed members
     count as gone: else a whole run restarted against a store that outlived it could never start (every node
-    waiting for the others' old selves)."""
+    waiting for the others' old selves); so do evicted ones."""
     renewed = renewed_members(world, snap)
-    return all((m, world.tokens.get(m, "")) in snap.gone or liveness.is_dead(m) or m in renewed for m in world.nodes)
+    return all((m, world.tokens.get(m, "")) in snap.gone or liveness.is_dead(m) or m in renewed or m in snap.evicted
+               for m in world.nodes)

@@ -11,6 +11,9 @@
 - a node whose own goodbye is in the store (its deathrattle fired on SIGTERM while it was still
   finishing a step) raises LeavingRun instead of answering or rejoining: the others drop it at
   once, and waiting for a resolution without it, or for an admission it can never get, would hang it;
+- exclude (a generic feature: the layer above decides whom, zb.diloco with diloco.evict_clipped) lists unique
+  ids in keys.EVICTED: the leader leaves them out of the next world and never admits them again, and a node
+  that finds its own id there is refused by the run (InvalidInput, exit 2) instead of answering or rejoining;
 - the store going away never raises out of resolve: the node keeps its current world, logs loudly
   and retries at the next call; a restarted (empty) store gets new clients, new requests, a new seed.
   With a next store in elastic.addr (zb.elastic.stores) the node instead waits at the boundary until
@@ -35,13 +38,30 @@ from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hi
 from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.ring import RingPlanner, apply_ring_order
-from zb.elastic.store_state import Snapshot, encode_line, read_snapshot
+from zb.elastic.store_state import Snapshot, encode_line, evicted_ids, read_snapshot
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
-from zb.elastic.tcpstore import StoreUnreachable, store_errors
+from zb.elastic.tcpstore import StoreUnreachable, read_many, store_errors
 from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
 
 log = logging.getLogger("zb.elastic")
+
+
+def exclude(store, uids: list[str]) -> None:
+    """Exclude `uids` from the run for good (keys.EVICTED): the next resolution leaves them out of the world and
+    no later one admits them. Appends only the ids not listed yet (a duplicate line would be harmless)."""
+    listed = evicted_ids(read_many(store, [keys.EVICTED])[0])
+    for uid in uids:
+        if uid not in listed:
+            store.append(keys.EVICTED, uid + "\n")
+
+
+def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
+    """A node whose id the run excluded (keys.EVICTED) is refused by it: one line, exit 2."""
+    if uid in evicted:
+        raise InvalidInput(f"the run evicted node id {uid!r} (listed in the store's {keys.EVICTED}): it takes no "
+                           "further part in this run and is not admitted again under that id; see the other nodes' "
+                           "logs for why")
 
 
 class RunMoved(Exception):
@@ -278,6 +298,7 @@ class Membership:
             # each read of the snapshot down the slow path of read_many, a round trip per key.
             self.store.append(keys.GONE, "")
             self.store.append(keys.MOVED, "")
+            self.store.append(keys.EVICTED, "")
 
     def _forget(self, resolution: int) -> None:
         """Delete a finished roll call's keys (every member has moved past it)."""
@@ -367,8 +388,10 @@ class Membership:
                 raise
 
     def _check_snapshot(self, snap: Snapshot) -> None:
-        """Every snapshot read: this node did not say goodbye, and the run has not moved on from this store."""
+        """Every snapshot read: this node did not say goodbye, the run did not evict it, and the run has not moved on
+        from this store."""
         self._check_not_leaving(snap)
+        refuse_if_evicted(self.uid, snap.evicted)
         if snap.moved is not None and self.stores is not None and snap.moved > self.stores.index:
             raise RunMoved(snap.moved)
 

@@ -1,4 +1,5 @@
-"""One read of everything a resolution looks at: the world, goodbyes, join requests, the answers to the roll call.
+"""One read of everything a resolution looks at: the world, goodbyes, evicted ids, join requests, the answers to
+the roll call.
 
 Lines from peers are parsed as JSON with known fields only; anything malformed is skipped (a
 peer's bytes are never unpickled or trusted beyond their shape).
@@ -34,17 +35,18 @@ class Snapshot:
     answers: list[Answer]
     events: int = 0    # events of the roll call read (keys.roll_call_events): what a waiter waits past
     moved: int | None = None   # the run moved on from this store to this index of elastic.addr (keys.MOVED)
+    evicted: set[str] = field(default_factory=set)   # unique ids excluded for the rest of the run (keys.EVICTED)
 
 
 def read_snapshot(store, resolution: int | None) -> Snapshot:
-    """World, goodbyes and joins, plus the answers to the roll call of `resolution` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED]
+    """World, goodbyes, evicted ids and joins, plus the answers to the roll call of `resolution` (none when None)."""
+    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED]
     if resolution is not None:
         names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[4]) if len(raw) > 4 else [], events=_count(raw[5]) if len(raw) > 5 else 0,
-                    moved=_count(raw[3]) or None)
+                    answers=_answers(raw[5]) if len(raw) > 5 else [], events=_count(raw[6]) if len(raw) > 6 else 0,
+                    moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]))
 
 
 def _count(raw: bytes) -> int:
@@ -61,6 +63,11 @@ def _lines(raw: bytes) -> list[str]:
 def _gone(raw: bytes) -> set[tuple[str, str]]:
     pairs = (line.split(" ") for line in _lines(raw))
     return {(p[0], p[1]) for p in pairs if len(p) == 2}
+
+
+def evicted_ids(raw: bytes) -> set[str]:
+    """The unique ids of keys.EVICTED (one per line; a line that is not one id is skipped)."""
+    return {line for line in _lines(raw) if " " not in line}
 
 
 def _json_lines(raw: bytes) -> list[dict | None]:

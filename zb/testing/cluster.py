@@ -149,14 +149,24 @@ class TrainCluster(Cluster):
         self.start_store()
 
     def start_train(self, uid: str, *args: str, local_ranks: int = 1, rank: int = 0,
-                    prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-        """`prefix`: a command the node runs under, e.g. `ip netns exec NS` (it execs, so the pid stays)."""
-        env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
-        launcher = [*prefix, sys.executable, "-m", "zb", "train"]
+                    prefix: tuple[str, ...] = (), entry: tuple[str, ...] = ("-m", "zb"),
+                    env: dict[str, str | None] | None = None) -> subprocess.Popen:
+        """`prefix`: a command the node runs under, e.g. `ip netns exec NS` (it execs, so the pid stays).
+        `entry`: what the interpreter runs in place of `-m zb` (a script and its own arguments, e.g. the
+        hostile node's driver, scripts/_hostile_node.py FACTOR; one local rank only). `env`: variables
+        changed for this node only (None removes one, e.g. the run secret's)."""
+        node_env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank))
+        for name, value in (env or {}).items():
+            if value is None:
+                node_env.pop(name, None)
+            else:
+                node_env[name] = value
+        launcher = [*prefix, sys.executable, *entry, "train"]
         if local_ranks > 1:
+            assert entry == ("-m", "zb"), "entry: one local rank only"
             launcher = [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                         str(local_ranks), "-m", "zb", "train"]
-        proc = subprocess.Popen([*launcher, *self.ARGS, *args, "--log.dir", str(self.tmp / uid)], env=env,
+        proc = subprocess.Popen([*launcher, *self.ARGS, *args, "--log.dir", str(self.tmp / uid)], env=node_env,
                                 stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{uid}.log", "w"), cwd=REPO,
                                 start_new_session=True)
         self.procs[uid] = proc

@@ -94,8 +94,9 @@ __all__ = ["CheckpointManager", "Resumed", "TrainState"]
 
 # Keys of the fingerprint that may differ between the run that saved and the one that resumes.
 # local_world_size: in the fingerprints of checkpoints written before diloco.stripes; the local rank count
-# may differ now (the checkpoint is resharded).
-_MAY_DIFFER = ("zb_version", "local_world_size")
+# may differ now (the checkpoint is resharded). diloco.clip and diloco.evict_clipped: every node of a run shares
+# them, but a run may resume with robust aggregation turned on or off (and older checkpoints lack them).
+_MAY_DIFFER = ("zb_version", "local_world_size", "diloco.clip", "diloco.evict_clipped")
 
 
 class CheckpointManager:
