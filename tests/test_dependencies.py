@@ -23,7 +23,7 @@ else:
 
 # Declared, never imported by zb: what needs them.
 USED_WITHOUT_IMPORT = {
-    "ninja": "torch.utils.cpp_extension runs it to build zb/csrc",
+    "ninja": "torch.utils.cpp_extension runs it to build csrc/",
     "numpy": "Tensor.numpy() (zb.diloco.drift, zb.ckpt.format.tensorfile) needs it; torch does not require it",
     "pytest-timeout": "the timeout option in [tool.pytest.ini_options]",
     "pytest-xdist": "the -n 2 workers of the README's test command (docs/architecture.md, Test tiers)",

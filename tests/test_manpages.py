@@ -1,16 +1,18 @@
-"""zb/man/ is generated from the click definitions; this fails when a command or option changed
-without regenerating (fix: python -m zb.cli.manpages)."""
+"""man/ (at the checkout's top; zb/man in a wheel) is generated from the click definitions; this fails
+when a command or option changed without regenerating (fix: python -m zb.cli.manpages)."""
 
 from zb.cli.manpages import MAN_DIR as MAN
 from zb.cli.manpages import all_pages
+from zb.testing.procs import REPO
 
 
 def test_man_pages_match_the_commands():
+    assert MAN == REPO / "man", "in a checkout the pages live (and are generated) at its top: man/"
     pages = all_pages()
     on_disk = {p.name for p in MAN.glob("zb*.1")}
-    assert on_disk == set(pages), "zb/man/ lists other commands than `zb`: run python -m zb.cli.manpages"
+    assert on_disk == set(pages), "man/ lists other commands than `zb`: run python -m zb.cli.manpages"
     for name, text in pages.items():
-        assert (MAN / name).read_text() == text, f"zb/man/{name} is stale: run python -m zb.cli.manpages"
+        assert (MAN / name).read_text() == text, f"man/{name} is stale: run python -m zb.cli.manpages"
 
 
 def test_every_command_has_a_page_with_its_options():

@@ -184,3 +184,16 @@ def test_a_client_waits_for_the_hosts_decision(host):
     with pytest.raises(InvalidInput, match="admits only nodes that hold its secret"):
         authenticated(_client(host), None, "test-store", _counters, host_decides=True)   # not admitted before it
     timer.join()
+
+
+def test_a_node_without_the_secret_is_refused_by_a_failover_list_whose_first_store_is_gone(host):
+    """With several stores a starting node asks each where the run is: a store that refuses it (the run has a
+    secret) is an answer, not silence (chaos: it said 'unreachable', exit 1, after a store-loss)."""
+    from zb.addresses import StoreAddress
+    from zb.elastic.stores import StoreList
+    from zb.testing.procs import free_port
+
+    declare(host, SECRET, "test-store")
+    stores = StoreList([StoreAddress("127.0.0.1", free_port()), StoreAddress("127.0.0.1", host.port)], 30.0)
+    with pytest.raises(InvalidInput, match="admits only nodes that hold its secret"):
+        stores.connect(5.0, 5.0)

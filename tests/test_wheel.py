@@ -1,8 +1,9 @@
 """The wheel carries what the code finds beside itself at runtime: built from the working tree,
 installed into a fresh venv and run from a directory outside the checkout, the C++ kernels build
-from the installed source and load (no fallback to the PyTorch twins), and `zb train --help` and
-`zb man` work. Dependencies come from this environment through a .pth file, so nothing is
-downloaded."""
+from the installed source and load (no fallback to the PyTorch twins), `zb train --help` and
+`zb man` work, and `man zb-train` finds the page the wheel put in <venv>/share/man/man1. The
+checkout's top-level csrc/ and man/ travel inside the wheel as zb/csrc and zb/man. Dependencies come
+from this environment through a .pth file, so nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from pathlib import Path
 import pytest
 
 from zb.testing.procs import REPO
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -75,7 +81,13 @@ def test_wheel_ships_kernel_source_man_pages_and_license(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("ZB_")}
     wheel = _build_wheel(tmp_path, env)
     names = zipfile.ZipFile(wheel).namelist()
+    # The checkout's csrc/ and man/, inside the package: zb.resources finds them there.
     assert "zb/csrc/zb_quant.cpp" in names and "zb/man/zb-train.1" in names
+    assert not any(n.startswith(("csrc/", "man/")) for n in names), "csrc/ and man/ belong inside zb/"
+    assert any(n.endswith(".data/data/share/man/man1/zb-train.1") for n in names), \
+        "the man pages go to <prefix>/share/man/man1 too (data-files)"
+    tracked = _tracked_modules()
+    assert tracked <= set(names), f"modules missing from the wheel: {sorted(tracked - set(names))}"
     assert "zb/status/page.html" in names, "the dashboard's page (zb status --serve, --from) is package data"
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
 
@@ -93,3 +105,28 @@ def test_wheel_ships_kernel_source_man_pages_and_license(tmp_path):
     if shutil.which("man"):
         shown = _run(str(venv / "bin" / "zb"), "man", "train", cwd=outside, env=dict(env, MANPAGER="cat"))
         assert "optim.lr" in shown.stdout.replace("\u2010", "-")
+
+    installed_page = venv / "share" / "man" / "man1" / "zb-train.1"
+    assert installed_page.read_text() == page.read_text(), "the wheel puts the man pages in <venv>/share/man/man1"
+    if shutil.which("man") is None:
+        pytest.skip("no `man` program: cannot check that `man zb-train` finds the installed page")
+    # man-db maps a PATH entry's bin/ to ../share/man: the venv's bin on PATH is enough, no MANPATH.
+    man_env = {k: v for k, v in env.items() if k != "MANPATH"}
+    man_env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', os.defpath)}"
+    found = _run("man", "-w", "zb-train", cwd=outside, env=man_env).stdout.strip()
+    assert Path(found).resolve() == installed_page.resolve()
+
+
+def _tracked_modules() -> set[str]:
+    """Every tracked (or new) .py file under zb/, as a wheel names it."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "zb"], cwd=REPO, check=True,
+                           capture_output=True, text=True).stdout.split()
+    return {f for f in files if f.endswith(".py") and (REPO / f).is_file()}
+
+
+def test_pyproject_lists_every_package():
+    """pyproject.toml lists the packages (discovery cannot map csrc/ and man/ into zb): a new one must be there."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {str(Path(f).parent).replace("/", ".") for f in _tracked_modules() if f.endswith("/__init__.py")}
+    assert set(setuptools["packages"]) == found | {"zb.csrc", "zb.man"}
+    assert setuptools["package-dir"] == {"zb.csrc": "csrc", "zb.man": "man"}

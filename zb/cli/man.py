@@ -1,4 +1,4 @@
-"""`zb man`: show a command's man page, shipped inside the package (zb/man/) so a wheel has it too."""
+"""`zb man`: show a command's man page: the checkout's man/, or the one shipped inside a wheel (zb/man/)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Man pages generated from the click definitions, so they cannot drift from --help.
 
-They ship inside the package (zb/man/, package data), where `zb man` finds them. Regenerate:
-`python -m zb.cli.manpages`; tests/test_manpages.py fails when zb/man/ is stale.
+They live in the checkout's man/ and ship inside the wheel (zb/man/, package data), where `zb man` finds
+them, and in <prefix>/share/man/man1, where `man` does (pyproject.toml's data-files). Regenerate:
+`python -m zb.cli.manpages`; tests/test_manpages.py fails when man/ is stale.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from pathlib import Path
 import click
 
 from zb import __version__
+from zb.resources import resource_dir
 
-MAN_DIR = Path(__file__).resolve().parents[1] / "man"
+MAN_DIR = resource_dir("man")
 
 
 def _escape(text: str) -> str:

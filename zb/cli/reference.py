@@ -22,7 +22,7 @@ from zb.config_schema import ENVIRONMENT, Config
 from zb.errors import EXIT_CODES
 
 REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
-MAN_LINK = "../zb/man/"  # the man pages, relative to docs/
+MAN_LINK = "../man/"  # the man pages, relative to docs/
 
 HEADER = ("*Generated from the code by `python -m zb.cli.reference`: do not edit by hand; change the code and "
           "rerun it (tests/test_reference.py fails when this page is stale).*")

@@ -27,7 +27,7 @@
 - Error bound (SUM, per element, W ranks, of the values sent): with A = the sum over ranks of each
   rank's max |x| in the element's block, |result - exact| <= ((1 + q)^W - 1 + W * 2^-22) * A, with
   q = 1/254 (int8), 1/14 (int4), 1 (int2); for AVG divide the bound by W.
-- Kernels: C++ (zb/csrc/zb_quant.cpp, built just in time) or their PyTorch twins; ZB_USE_CPP=0
+- Kernels: C++ (csrc/zb_quant.cpp, built just in time) or their PyTorch twins; ZB_USE_CPP=0
   forces the twins. Results are bit-identical either way.
 """
 

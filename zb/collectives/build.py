@@ -1,4 +1,4 @@
-"""Just-in-time build of zb/csrc/zb_quant.cpp (package data, so a wheel install has it too), cached,
+"""Just-in-time build of csrc/zb_quant.cpp (zb/csrc/ in a wheel: package data), cached,
 with a logged fallback to the PyTorch twins.
 
 The first process to need the kernels compiles them (~8 s) into torch's extension cache
@@ -30,10 +30,11 @@ import threading
 from pathlib import Path
 
 from zb.errors import EnvironmentFailure, InvalidInput
+from zb.resources import resource_dir
 
 log = logging.getLogger("zb.collectives")
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "zb_quant.cpp"  # package data: in the wheel too
+SOURCE = resource_dir("csrc") / "zb_quant.cpp"  # the checkout's csrc/, or the wheel's zb/csrc/
 # No -ffast-math, and no FMA contraction: every rounding is the one the twin performs.
 BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
 OPENMP_FLAGS = ["-fopenmp"]

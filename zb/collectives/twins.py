@@ -1,4 +1,4 @@
-"""Pure-PyTorch twins of the C++ kernels in zb/csrc/zb_quant.cpp: they define what the kernels mean.
+"""Pure-PyTorch twins of the C++ kernels in csrc/zb_quant.cpp: they define what the kernels mean.
 
 Three schemes, each blockwise with one float32 scale per block of `block` values (the last block
 may be shorter), L = 2^(bits - 1) - 1 levels on each side of zero:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zb.addresses import StoreAddress, parse_stores
-from zb.errors import ZbError
+from zb.errors import InvalidInput, ZbError
 from zb.secret import read_secret
 
 log = logging.getLogger("zb.elastic")
@@ -233,6 +233,8 @@ def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) ->
         socket.create_connection((address.host, address.port), timeout=2.0).close()
         client = connect(address.host, address.port, 2.0, 5.0, namespace, secret)
         return holds_run(client)
+    except InvalidInput:
+        raise           # it answers, with a run this node may not join (another secret, or none): say so
     except store_errors() + (ZbError,):
         return None
 
