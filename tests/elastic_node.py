@@ -6,7 +6,7 @@ all-reduces [1, rank] around a send/recv ring over mesh.global_pg, each transfer
 ready, step (view + sum), failure (suspect), membership (from the event sink), exit.
 
 Run: PYTHONPATH=. GLOBAL_ADDR=127.0.0.1 GLOBAL_PORT=29600 python tests/elastic_node.py --uid a --steps 20
-(config comes from the same env twins and --elastic.* style flags as zb train; see README).
+(config comes from the same env twins and --elastic.* style flags as zb train; see docs/elastic.md).
 """
 
 from __future__ import annotations

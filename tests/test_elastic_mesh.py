@@ -2,7 +2,7 @@
 
 Each test asserts what the survivors agree on (mesh version, node list, compact ranks) and that an
 all-reduce over the new groups gives the right sum (done by tests/elastic_node.py, checked here).
-Timeouts come from the short-timeout profile in zb/testing/cluster.py (see README).
+Timeouts come from the short-timeout profile in zb/testing/cluster.py (see docs/elastic.md).
 """
 
 from __future__ import annotations

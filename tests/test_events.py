@@ -1,4 +1,4 @@
-"""The metrics events as records (zb.events): the README's table is generated from them, every field is
+"""The metrics events as records (zb.events): the table in docs/watching.md is generated from them, every field is
 documented, `emit` writes the line metrics.jsonl always had, and the ledger both training loops share
 (zb.train.ledger) moves the run position and builds the events as the loops did by hand before."""
 
@@ -15,7 +15,7 @@ from zb.events import Eval, Event, OuterReport, OuterStep, Step, Swarm, emit
 from zb.metrics import MetricsSink, read_metrics
 from zb.position import RunPosition
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+WATCHING = Path(__file__).resolve().parents[1] / "docs" / "watching.md"
 
 
 class ListSink:
@@ -27,22 +27,22 @@ class ListSink:
         return self.lines[-1]
 
 
-def _readme_table() -> str:
-    text = README.read_text()
+def _docs_table() -> str:
+    text = WATCHING.read_text()
     start = text.index("| event | field | meaning |\n")
     return text[start:text.index("\n\n", start) + 1]
 
 
-def test_the_readme_table_is_the_generated_one():
-    assert _readme_table() == events.markdown(), \
-        "README.md's metrics table is stale: replace it with the output of `python -m zb.events --markdown`"
+def test_the_docs_table_is_the_generated_one():
+    assert _docs_table() == events.markdown(), \
+        "docs/watching.md's metrics table is stale: replace it with the output of `python -m zb.events --markdown`"
 
 
 def test_every_record_and_field_is_documented():
     def subclasses(cls):
         return {c for s in cls.__subclasses__() for c in {s} | subclasses(s)}
 
-    assert set(events.RECORDS) == subclasses(Event), "a record missing from RECORDS is missing from the README"
+    assert set(events.RECORDS) == subclasses(Event), "a record missing from RECORDS is missing from docs/watching.md"
     assert len({r.EVENT for r in events.RECORDS}) == len(events.RECORDS)
     for record in events.RECORDS:
         assert (record.__doc__ or "").strip(), record.__name__

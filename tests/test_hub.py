@@ -358,7 +358,7 @@ def test_a_cached_tokenizer_serves_when_the_hub_does_not_resolve(tmp_path, monke
 @pytest.mark.parametrize("env, message", [({"HF_ENDPOINT": "http://no-such-hub.invalid"}, "does not resolve"),
                                           ({"HF_HUB_OFFLINE": "1"}, "HF_HUB_OFFLINE is set")])
 def test_train_on_local_files_offline_is_one_line_and_exit_1(tmp_path, env, message):
-    """Local data with the default tokenizer (a hub name): at once, exit 1 as the README says for an
+    """Local data with the default tokenizer (a hub name): at once, exit 1 as docs/data.md says for an
     unreachable hub (it was exit 2 after 2.5 minutes)."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "hello world"}\n' * 20)

@@ -1,6 +1,6 @@
 """Laptops: the device choice with Apple GPUs (MPS) simulated by monkeypatching torch's probes, and
 the quantization kernels built the way a Mac builds them, without OpenMP, held bit for bit to the twins.
-MPS itself is never run here (no Mac): README, "Laptops", says what that leaves untested."""
+MPS itself is never run here (no Mac): docs/one-node.md, "Laptops", says what that leaves untested."""
 
 from __future__ import annotations
 

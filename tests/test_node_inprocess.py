@@ -481,7 +481,7 @@ def test_eager_weighs_each_share_by_the_work_of_its_round():
     assert len({n.reports[-1].params_hash for n in nodes}) == 1
 
 
-# -- combinations that stay refused (README, "What overlap combines with") --------------------------------
+# -- combinations that stay refused (docs/slow-links.md, "What overlap combines with") --------------------------------
 @pytest.mark.parametrize("flag", [("--diloco.overlap", "eager"), ("--diloco.round_seconds", "5")])
 def test_swarm_with_overlap_or_a_round_budget_is_refused(flag):
     from zb.config import load_config

@@ -4,7 +4,7 @@ its table, draws their curves and lists the membership changes; a screenshot is 
 
 Marked `browser` (about a minute, and it needs Debian's chromium: apt-get install -y chromium):
     python -m pytest -m browser tests/test_status_browser.py
-UPDATE_DOCS_SCREENSHOT=1 also writes the screenshot to docs/dashboard.png (the README's picture).
+UPDATE_DOCS_SCREENSHOT=1 also writes the screenshot to docs/dashboard.png (docs/watching.md's picture).
 """
 
 from __future__ import annotations

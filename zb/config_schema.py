@@ -230,7 +230,7 @@ class DilocoConfig:
     clip: Optional[float] = knob(None, "Robust aggregation (blocking DiLoCo): a contributor whose pseudo-gradient norm "
                                  "exceeds this many times the round's median norm is scaled down to that bound before "
                                  "the average (the same decision on every node, logged with both norms); at least 1; "
-                                 "alone or true: 1, the measured choice (README, \"Security\"). Unset: averaged as "
+                                 "alone or true: 1, the measured choice (docs/security.md). Unset: averaged as "
                                  "they are. Every node of a run must share it.", aliases={"true": 1.0},
                                  run_defining=True)
     evict_clipped: bool = knob(False, "With diloco.clip: evict a node clipped in 3 outer steps in a row (the same "

@@ -6,7 +6,7 @@
 Field names and values are an interface: users, scripts and `zb status` read them. Add a field, never
 rename or drop one. Every field is on every line of its event, null when it has no value (a CPU's
 `mfu`), except the fields made with `optional()`: those are absent from lines where they do not apply
-(a blocking run's outer step has no `fragment`). Each field's comment documents it: the README's table
+(a blocking run's outer step has no `fragment`). Each field's comment documents it: docs/watching.md's table
 in "Metrics and logs" is generated from these classes (`python -m zb.events --markdown`), and
 tests/test_events.py fails when the two differ or a field has no comment.
 """
@@ -64,7 +64,7 @@ def line_fields(record: Any) -> dict[str, Any]:
 
 def line_schema(cls: type) -> list[tuple[type, dataclasses.Field]]:
     """(the class that declares it, the field) for every field a line of `cls` can carry, nested records
-    spread out: what the README's table lists."""
+    spread out: what docs/watching.md's table lists."""
     out: list[tuple[type, dataclasses.Field]] = []
     for f in dataclasses.fields(cls):
         if f.metadata.get(_OFF_THE_LINE):
@@ -324,7 +324,7 @@ def _when(f: dataclasses.Field) -> str:
 
 
 def markdown() -> str:
-    """The README's table of every event and field."""
+    """docs/watching.md's table of every event and field."""
     lines = ["| event | field | meaning |", "|---|---|---|"]
     for cls in RECORDS:
         lines.append(f"| `{cls.EVENT}` | | {(cls.__doc__ or '').strip()} |")
@@ -334,5 +334,5 @@ def markdown() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--markdown"]:
-        sys.exit("usage: python -m zb.events --markdown   (the README's table of metrics events)")
+        sys.exit("usage: python -m zb.events --markdown   (docs/watching.md's table of metrics events)")
     sys.stdout.write(markdown())

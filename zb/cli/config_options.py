@@ -58,7 +58,7 @@ def _option(spec: KeySpec) -> Callable:
 
 def _prime_option(key: str) -> Callable:
     """A hidden option for a key only Prime spells this way (`--name_model 150M`, `--optim.optim.lr`):
-    Prime's launch lines work; --help lists zb's spelling and the README maps the two."""
+    Prime's launch lines work; --help lists zb's spelling and docs/prime.md maps the two."""
     kwargs: dict[str, Any] = {"type": str, "default": None, "hidden": True}
     if _flag_like(key):
         kwargs.update(is_flag=False, flag_value="true")

@@ -11,7 +11,7 @@ EPILOG = """With a run secret (--new-secret FILE makes one; copy it to every nod
 elastic.secret_file or ZB_ELASTIC_SECRET_FILE) only nodes holding it join: every record in the store is
 sealed with it. Without one, anyone who reaches the port can join the run. The secret does not encrypt:
 across the internet, also run nodes and the store on a private network (WireGuard, Tailscale) and bind the
-store to that network's address (README, "Security"). The dashboard (--http-port) is read-only and listens
+store to that network's address (docs/security.md). The dashboard (--http-port) is read-only and listens
 on the same address as the store.
 
 A standby for a run that must outlive its store is one more `zb store` on another machine, named after the

@@ -23,7 +23,7 @@ from zb.elastic.profiles import SHORT_TIMEOUTS
 from zb.metrics import read_metrics
 from zb.testing.procs import REPO, TINY, checkout_file, free_port, subprocess_env, wait_listening, wait_until
 
-# The short-timeout test profile (README, "Elastic runs and zb store"): safe on 2 busy cores.
+# The short-timeout test profile (docs/elastic.md): safe on 2 busy cores.
 PROFILE = SHORT_TIMEOUTS
 NODE = str(REPO / "tests" / "elastic_node.py")
 
