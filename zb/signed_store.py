@@ -121,6 +121,11 @@ class SignedRecords:
     def _deadline(self, timeout: timedelta | None = None) -> float:
         return time.monotonic() + (timeout or self.inner.timeout).total_seconds()
 
+    def _opened(self, full: str, raw: bytes) -> bytes:
+        """The payload of `raw`, or (a forgery) the sealed record waited for as torch waits for a missing key."""
+        payload = self._open(full, raw)
+        return payload if payload is not None else self._wait_open(full, self._deadline())
+
     def _wait_open(self, full: str, deadline: float) -> bytes:
         """A forged value reads as absent: wait, as torch's get does for a missing key, for a sealed one."""
         import torch.distributed as dist
@@ -140,16 +145,11 @@ class SignedRecords:
 
     def get(self, key: str) -> bytes:
         full = self._full(key)
-        payload = self._open(full, self.inner.get(full))
-        return payload if payload is not None else self._wait_open(full, self._deadline())
+        return self._opened(full, self.inner.get(full))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         fulls = [self._full(k) for k in keys]
-        out = []
-        for full, raw in zip(fulls, self.inner.multi_get(fulls)):
-            payload = self._open(full, raw)
-            out.append(payload if payload is not None else self._wait_open(full, self._deadline()))
-        return out
+        return [self._opened(full, raw) for full, raw in zip(fulls, self.inner.multi_get(fulls))]
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         fulls = [self._full(k) for k in keys]
@@ -187,8 +187,9 @@ class SignedRecords:
         full = self._full(key)
         want = seal(self.key, full, desired)
         expect = seal(self.key, full, expected) if _as_bytes(expected) else b""
+        against = expect
         for _ in range(8):
-            current = self.inner.compare_set(full, expect, want)
+            current = self.inner.compare_set(full, against, want)
             if current == want:
                 return _as_bytes(desired)
             payload = self._open(full, current)
@@ -196,10 +197,7 @@ class SignedRecords:
                 return payload
             if expect:
                 return _as_bytes(expected)
-            expect_forged = current                   # replace the forgery as if the key were absent
-            current = self.inner.compare_set(full, expect_forged, want)
-            if current == want:
-                return _as_bytes(desired)
+            against = current       # a forgery where nothing was expected: replace it as if the key were absent
         raise InvalidInput(f"store record {full} keeps being forged: someone without the run secret writes it")
 
     def delete_key(self, key: str) -> bool:
