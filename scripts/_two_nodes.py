@@ -28,19 +28,22 @@ def free_port() -> int:
 
 
 def run_two_nodes(work: Path, name: str, args_of: Callable[[int], list[str]], timeout: float,
-                  env_of: Callable[[int], dict[str, str]] = lambda i: {}) -> str | None:
+                  env_of: Callable[[int], dict[str, str]] = lambda i: {},
+                  shared_env: dict[str, str] | None = None) -> str | None:
     """Start the store and nodes `<name>0` and `<name>1` (`zb train` + args_of(i), extra environment
     env_of(i)), logs in work/<name>I.log; None when both exit 0, else which failed and the log to read.
+    `shared_env` is set for the store and both nodes (a run secret: ZB_ELASTIC_SECRET_FILE).
     Whatever is still running at the end is killed."""
     port = free_port()
+    shared_env = shared_env or {}
     store_log = (work / "store.log").open("w")
     store = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(port)], stdout=store_log,
-                             stderr=subprocess.STDOUT, cwd=REPO, env=repo_env())
+                             stderr=subprocess.STDOUT, cwd=REPO, env=repo_env(**shared_env))
     nodes, failed = [], None
     try:
         for i in range(2):
             env = repo_env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(port), GLOBAL_WORLD_SIZE="2", GLOBAL_RANK=str(i),
-                           GLOBAL_UNIQUE_ID=f"{name}{i}", **env_of(i))
+                           GLOBAL_UNIQUE_ID=f"{name}{i}", **shared_env, **env_of(i))
             log = (work / f"{name}{i}.log").open("w")
             nodes.append((subprocess.Popen([sys.executable, "-m", "zb", "train", *args_of(i)], stdout=log,
                                            stderr=subprocess.STDOUT, cwd=REPO, env=env), log))

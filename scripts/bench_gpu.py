@@ -2,6 +2,7 @@
 
     python scripts/bench_gpu.py throughput [--model 150M --model 1B] [--compile off --compile on]
     python scripts/bench_gpu.py diloco [--model 150M] [--outer-steps 4]
+    python scripts/bench_gpu.py features [--model 150M] [--seq 512] [--only eager]
     python scripts/bench_gpu.py throughput --cpu --model debug --steps 6 --warmup 2   # checks the script only
 
 throughput: for each model and torch.compile setting, one subprocess runs the plain loop and zb train
@@ -19,6 +20,10 @@ diloco: `zb store` and two `zb train` nodes of one local rank each on the same G
 every outer step's params hash must be equal on both nodes, and the outer step's seconds are split
 into device-to-host (pseudo-gradients filled), all-reduce (inside the collective) and host-to-device
 (outer params back into the model), from the outer_step events.
+
+features: the same two nodes once per combination in FEATURES (int4 and int2 with error feedback, eager
+and streaming overlap, streaming under a round budget, a run secret with clipping and eviction), each
+one's params hashes compared per applied outer step; one JSON line per combination, then a table.
 
 Each prints a table on stderr and one JSON line on stdout; exit 1 when a run fails.
 """
@@ -244,30 +249,54 @@ def _throughput_table(rows: list[dict]) -> None:
 
 
 # -- diloco: two nodes sharing one GPU --------------------------------------------------------------------
-def diloco(args) -> dict:
+# what `features` runs: (label, extra zb train flags, whether the store and nodes hold a run secret, total steps
+# instead of inner x outer steps: a round budget ends rounds by the clock)
+FEATURES = [
+    ("int8", ["--diloco.compression", "int8"], False, None),
+    ("int4 + error feedback", ["--diloco.compression", "int4"], False, None),
+    ("int2 + eager overlap", ["--diloco.compression", "int2", "--diloco.overlap", "eager"], False, None),
+    ("streaming, 4 fragments", ["--diloco.compression", "int8", "--diloco.overlap", "streaming", "--diloco.fragments",
+                                "4", "--diloco.fragment_delay", "1"], False, None),
+    ("streaming + round budget + int4", ["--diloco.compression", "int4", "--diloco.overlap", "streaming",
+                                         "--diloco.fragments", "2", "--diloco.fragment_delay", "1",
+                                         "--diloco.round_seconds", "6"], False, 400),
+    ("run secret + clip + evict_clipped", ["--diloco.compression", "int8", "--diloco.clip", "--diloco.evict_clipped"],
+     True, None),
+]
+
+
+def two_nodes(args, work: Path, label: str, extra: list[str], secret: bool = False,
+              total_steps: int | None = None) -> dict:
+    """`zb store` and two `zb train` nodes on one device with `extra` flags; the outer steps' params hashes
+    compared (applied outer steps, by outer step) and their seconds split as in the module's docstring."""
     from zb.metrics import read_metrics
 
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="zb-bench-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.cpu else "cuda"
     micro_bs, seq = args.micro_bs, args.seq
+    shared_env = {}
+    if secret:
+        from zb.secret import write_new_secret
+
+        write_new_secret(work / "run.secret")
+        shared_env["ZB_ELASTIC_SECRET_FILE"] = str(work / "run.secret")
 
     def args_of(i: int) -> list[str]:
         # debug/diloco.toml: DiLoCo on the built-in data; the model, shape and data are set here.
         return ["@configs/debug/diloco.toml", "--model.name", args.model[0], "--model.vocab_size", str(VOCAB),
                 "--data.fake", "--data.tokenizer", "bytes", "--train.device", device, "--train.micro_bs", str(micro_bs),
                 "--optim.batch_size", str(micro_bs), "--data.seq_length", str(seq), "--optim.warmup_steps", "2",
-                "--diloco.inner_steps", str(args.inner_steps), "--diloco.compression", args.compression,
-                "--optim.total_steps", str(args.inner_steps * args.outer_steps), "--eval.interval", "-1",
-                "--train.log_model_hash", "--log.progress", "plain", "--log.dir", str(work / f"node{i}")] + \
+                "--diloco.inner_steps", str(args.inner_steps),
+                "--optim.total_steps", str(total_steps or args.inner_steps * args.outer_steps), "--eval.interval", "-1",
+                "--train.log_model_hash", "--log.progress", "plain", "--log.dir", str(work / f"node{i}"), *extra] + \
             (["--train.param_dtype", "fp32"] if args.cpu else [])
 
     t0 = time.perf_counter()
-    failed = run_two_nodes(work, "node", args_of, args.timeout)
+    failed = run_two_nodes(work, "node", args_of, args.timeout, shared_env=shared_env)
     events = [read_metrics(work / f"node{i}" / "metrics.jsonl", "outer_step")
               if (work / f"node{i}" / "metrics.jsonl").exists() else [] for i in range(2)]
-    hashes = [[e.get("params_hash") for e in ev] for ev in events]
-    if failed is None and (not hashes[0] or None in hashes[0] or hashes[0] != hashes[1]):
+    hashes = [{e["outer_step"]: e.get("params_hash") for e in ev if e.get("applied", True)} for ev in events]
+    if failed is None and (not hashes[0] or None in hashes[0].values() or hashes[0] != hashes[1]):
         failed = f"params hashes differ between the nodes or are missing: {hashes}"
     timed = [e for ev in events for e in ev[1:]] or [e for ev in events for e in ev]  # the first pays warm-up
 
@@ -275,25 +304,61 @@ def diloco(args) -> dict:
         vals = [e[key] for e in timed if e.get(key) is not None]
         return round(statistics.median(vals), 4) if vals else None
 
-    result = {"bench": "gpu_diloco", "model": args.model[0], "device": _device_name(device),
-              "compression": args.compression, "micro_bs": micro_bs, "seq": seq, "inner_steps": args.inner_steps,
-              "outer_steps": len(events[0]), "hashes_equal": failed is None, "allreduce_s": med("allreduce_s"),
-              "d2h_s": med("d2h_s"), "reduce_s": med("reduce_s"), "h2d_s": med("h2d_s"), "wire_bytes": med("wire_bytes"),
-              "wall_s": round(time.perf_counter() - t0, 1), "error": failed}
+    losses = [e["loss"] for e in read_metrics(work / "node0" / "metrics.jsonl", "step") if e.get("loss") is not None] \
+        if (work / "node0" / "metrics.jsonl").exists() else []
+    return {"bench": "gpu_diloco", "label": label, "model": args.model[0], "device": _device_name(device),
+            "extra": " ".join(extra), "secret": secret, "micro_bs": micro_bs, "seq": seq,
+            "inner_steps": args.inner_steps, "outer_steps": len(hashes[0]), "hashes_equal": failed is None,
+            "allreduce_s": med("allreduce_s"), "d2h_s": med("d2h_s"), "reduce_s": med("reduce_s"), "h2d_s": med("h2d_s"),
+            "wire_bytes": med("wire_bytes"), "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None, "wall_s": round(time.perf_counter() - t0, 1), "error": failed}
+
+
+def _work(args) -> Path:
+    return Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="zb-bench-gpu-"))
+
+
+def diloco(args) -> dict:
+    result = two_nodes(args, _work(args), args.compression, ["--diloco.compression", args.compression])
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"Two DiLoCo nodes sharing one GPU: {args.model[0]}, {args.compression}, median over "
-                        f"{len(timed)} outer steps (both nodes, first step left out)")
+                        f"outer steps 2 on (both nodes, the first step left out)")
     for col in ("sync (allreduce_s)", "device-to-host", "all-reduce", "host-to-device", "wire bytes", "hashes"):
         table.add_column(col, justify="right")
     table.add_row(*[_fmt(result[k], ".3f") + " s" for k in ("allreduce_s", "d2h_s", "reduce_s", "h2d_s")],
-                  _fmt(result["wire_bytes"], ",.0f"), "equal" if failed is None else "FAIL")
+                  _fmt(result["wire_bytes"], ",.0f"), "equal" if result["error"] is None else "FAIL")
     Console(stderr=True, width=160).print(table)
-    if failed:
-        print(f"bench_gpu: diloco: {failed}", file=sys.stderr)
+    if result["error"]:
+        print(f"bench_gpu: diloco: {result['error']}", file=sys.stderr)
     print(json.dumps(result), flush=True)
     return result
+
+
+def features(args) -> list[dict]:
+    """Every FEATURES row as a two-node run on one device; one JSON line per row as it ends, then a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    work, rows = _work(args), []
+    for n, (label, extra, secret, total) in enumerate(FEATURES):
+        if args.only and not any(o in label for o in args.only):
+            continue
+        rows.append(two_nodes(args, work / f"f{n}", label, extra, secret, total))
+        print(json.dumps(rows[-1]), flush=True)
+        if rows[-1]["error"]:
+            print(f"bench_gpu: features: {label}: {rows[-1]['error']}", file=sys.stderr)
+    table = Table(title=f"Feature combinations, two DiLoCo nodes sharing one {_device_name('cpu' if args.cpu else 'cuda')}"
+                        f": {args.model[0]}, {args.micro_bs} x {args.seq}, {args.inner_steps} inner steps")
+    for col in ("combination", "outer steps", "hashes", "sync s", "wire bytes", "loss first -> last", "wall s"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["label"], str(r["outer_steps"]), "equal" if r["error"] is None else "FAIL",
+                      _fmt(r["allreduce_s"], ".3f"), _fmt(r["wire_bytes"], ",.0f"),
+                      f"{_fmt(r['first_loss'], '.3f')} -> {_fmt(r['last_loss'], '.3f')}", _fmt(r["wall_s"], ".0f"))
+    Console(stderr=True, width=160).print(table)
+    return rows
 
 
 def _device_name(device: str) -> str:
@@ -305,7 +370,7 @@ def _device_name(device: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["throughput", "diloco", "_pair"])
+    parser.add_argument("what", choices=["throughput", "diloco", "features", "_pair"])
     parser.add_argument("--model", action="append", help="model.name (repeatable; throughput default: 150M and 1B, "
                                                          "diloco: 150M)")
     parser.add_argument("--compile", action="append", choices=["off", "on"], help="torch.compile (repeatable; "
@@ -320,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compression", default="int8", help="diloco: diloco.compression (default int8)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per subprocess (default 600)")
     parser.add_argument("--keep", metavar="DIR", help="diloco: keep logs and metrics here")
+    parser.add_argument("--only", action="append", help="features: only the rows whose label holds this (repeatable)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU in fp32: checks this script only")
     args = parser.parse_args(argv)
     if args.steps - args.warmup < 2 or args.warmup < 1:
@@ -336,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         row = one_pair(args.model[0], args.compile[0] == "on", args.steps, args.warmup, args.repeats, device)
         print(json.dumps(row), flush=True)
         return 0
-    if args.what == "diloco":
+    if args.what in ("diloco", "features"):
         args.model = args.model or ["150M"]
+        if args.what == "features":
+            return 1 if any(r["error"] for r in features(args)) else 0
         return 1 if diloco(args)["error"] else 0
     rows = throughput(args)
     return 1 if any("failed" in r for r in rows) else 0

@@ -9,8 +9,12 @@
 # 3. scripts/bench_gpu.py diloco: two DiLoCo nodes sharing GPU 0, int8, params hashes compared, the
 #    outer step split into device-to-host, all-reduce and host-to-device;
 # 4. scripts/bench_gpu.py throughput: zb train against a plain PyTorch loop, 150M and 1B, with and
-#    without torch.compile.
-# Each step writes one file to OUT_DIR (env.txt, smoke.txt, pytest.txt, diloco.txt, throughput.txt)
+#    without torch.compile;
+# 5. features (not in the default steps, about 6 minutes): scripts/bench_gpu.py features (int4 and int2
+#    with error feedback, eager and streaming overlap, streaming under a round budget, a run secret
+#    with clipping) and a DiLoCo-SWARM grid of 2 stages x 2 workers on the GPU, beside the test files.
+# Each step writes one file to OUT_DIR (env.txt, smoke.txt, pytest.txt, diloco.txt, throughput.txt,
+# features.txt)
 # and the logs go into OUT_DIR/logs.tgz. GPU_CHECK_STEPS="smoke diloco" runs only those steps.
 # Runs from the checkout with the machine's python3 (no install: PYTHONPATH), offline.
 set -u
@@ -54,6 +58,17 @@ fi
 if want throughput; then
   { stamp throughput; timeout 360 "$PY" scripts/bench_gpu.py throughput; echo "throughput rc=$?"; } \
     > "$OUT_DIR/throughput.txt" 2>&1
+fi
+
+if want features; then
+  ( stamp pytest; timeout 280 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 $TESTS; echo "pytest rc=$?" ) \
+    > "$OUT_DIR/pytest.txt" 2>&1 &
+  tests=$!
+  { stamp features; timeout 480 "$PY" scripts/bench_gpu.py features --seq 512 --inner-steps 8 --timeout 150 \
+      --keep "$WORK/features"; echo "features rc=$?";
+    stamp swarm; ZB_SIM_LOGDIR="$WORK/swarm" timeout 150 bash scripts/simulate_swarm.sh 2 2 @configs/debug/swarm.toml \
+      --train.device cuda --optim.total_steps 60 --eval.interval -1; echo "swarm rc=$?"; } > "$OUT_DIR/features.txt" 2>&1
+  wait $tests
 fi
 
 stamp done >> "$OUT_DIR/env.txt"

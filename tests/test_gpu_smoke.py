@@ -53,3 +53,19 @@ def test_gpu_bench_throughput_runs_both_loops_on_the_cpu():
     (row,) = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
     assert len(row["plain_tokens_per_s"]) == len(row["zb_tokens_per_s"]) == 1
     assert row["ratio"] > 0 and row["micro_bs"] == 8 and row["seq"] == 128
+
+
+def test_gpu_bench_features_runs_a_combination_on_the_cpu(tmp_path):
+    """`features --only` runs the named rows as real two-node runs (here eager overlap with int2, the row
+    that rewrites the model between rounds) and reports their hashes and bytes per row."""
+    import json
+
+    proc = subprocess.run([sys.executable, BENCH, "features", "--cpu", "--model", "debug", "--seq", "64",
+                           "--inner-steps", "4", "--outer-steps", "2", "--only", "int2 + eager", "--timeout", "150",
+                           "--keep", str(tmp_path)], capture_output=True, text=True, timeout=200,
+                          env=subprocess_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert row["label"] == "int2 + eager overlap" and row["hashes_equal"] and row["outer_steps"] == 2
+    # debug model at a 32,000-token vocabulary: 4.4M params, int8 would send 4.3 MB, int2 a quarter of that
+    assert "--diloco.overlap eager" in row["extra"] and 1_000_000 < row["wire_bytes"] < 1_200_000

@@ -15,7 +15,7 @@ import click
 from zb import __version__
 from zb.resources import resource_dir
 
-MAN_DIR = resource_dir("man")
+MAN_DIR = resource_dir("man", "zb.1")
 
 
 def _escape(text: str) -> str:

@@ -34,7 +34,7 @@ from zb.resources import resource_dir
 
 log = logging.getLogger("zb.collectives")
 
-SOURCE = resource_dir("csrc") / "zb_quant.cpp"  # the checkout's csrc/, or the wheel's zb/csrc/
+SOURCE = resource_dir("csrc", "zb_quant.cpp") / "zb_quant.cpp"  # the checkout's csrc/, or the wheel's zb/csrc/
 # No -ffast-math, and no FMA contraction: every rounding is the one the twin performs.
 BASE_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-march=native"]
 OPENMP_FLAGS = ["-fopenmp"]
