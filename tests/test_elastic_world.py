@@ -343,8 +343,8 @@ def test_stopping_heartbeat_sends_no_deathrattle_but_rattle_does():
     from zb.elastic.heartbeat import Heartbeat
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
-    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+                          timeout=timedelta(seconds=30))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=30))  # noqa: E731
     live = Liveness(timeout=1.0)
     beat = Heartbeat("n1", 0.05, live, client, lambda: ["n1"])
     beat.start()
@@ -365,7 +365,7 @@ def test_silent_peer_with_a_closed_port_is_condemned_and_revived_by_a_new_counte
     from zb.elastic.closedport import ClosedPortDetector
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
+                          timeout=timedelta(seconds=30))
     listener = ProbeListener("127.0.0.1")
     listener.start()
     store.set(keys.probe("gone"), f"127.0.0.1:{free_port()}")
@@ -397,8 +397,8 @@ def test_a_node_that_said_goodbye_leaves_instead_of_hanging_in_the_next_resoluti
     from zb.errors import LeavingRun
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
-    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+                          timeout=timedelta(seconds=30))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=30))  # noqa: E731
     cfg = ElasticConfig(store_timeout=120, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.5,
                         heartbeat_timeout=60)
 
@@ -496,8 +496,8 @@ def test_a_roll_call_ends_when_its_last_answer_lands_not_at_the_next_poll():
     from zb.elastic.membership import Membership
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
-    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=5))  # noqa: E731
+                          timeout=timedelta(seconds=30))
+    client = lambda: dist.TCPStore("127.0.0.1", store.port, use_libuv=True, timeout=timedelta(seconds=30))  # noqa: E731
     cfg = ElasticConfig(store_timeout=120, polling_interval=0.02, sync_deadline=60, heartbeat_interval=0.5,
                         heartbeat_timeout=60)
     members = [Membership(cfg, uid, f"tok-{uid}", 1, Liveness(cfg.heartbeat_timeout), client) for uid in "ab"]

@@ -116,7 +116,7 @@ def test_first_stage_training_tells_a_live_run_from_records_of_a_dead_or_restart
     from zb.swarm import registry
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=5))
+                          timeout=timedelta(seconds=30))
     link = registry.StoreLink(lambda: store)
     assert not registry.first_stage_training(link, 1.0)             # nobody registered: a fresh run
     dead = registry.Worker("dead", "-", 0, "t0")
