@@ -388,6 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="features: only the rows whose label holds this (repeatable)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU in fp32: checks this script only")
     args = parser.parse_args(argv)
+    if args.only and args.what != "features":
+        parser.error("--only picks rows of `features`; it has no effect on " + args.what)
+    labels = [f[0] for f in FEATURES]
+    if args.only and not [label for label in labels if any(o in label for o in args.only)]:
+        parser.error(f"--only {' '.join(args.only)} matches no combination; the combinations: {'; '.join(labels)}")
     if args.steps - args.warmup < 2 or args.warmup < 1:
         parser.error("--steps must exceed --warmup (at least 1) by 2 or more")
     device = "cpu" if args.cpu else "cuda"

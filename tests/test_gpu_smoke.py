@@ -69,3 +69,11 @@ def test_gpu_bench_features_runs_a_combination_on_the_cpu(tmp_path):
     assert row["label"] == "int2 + eager overlap" and row["hashes_equal"] and row["outer_steps"] == 2
     # debug model at a 32,000-token vocabulary: 4.4M params, int8 would send 4.3 MB, int2 a quarter of that
     assert "--diloco.overlap eager" in row["extra"] and 1_000_000 < row["wire_bytes"] < 1_200_000
+
+
+def test_gpu_bench_only_must_pick_a_combination_of_features():
+    for argv, said in ((["features", "--only", "int3"], "matches no combination; the combinations: int8;"),
+                       (["diloco", "--only", "int4"], "has no effect on diloco")):
+        proc = subprocess.run([sys.executable, BENCH, *argv, "--cpu"], capture_output=True, text=True, timeout=60,
+                              env=subprocess_env(), cwd=REPO)
+        assert proc.returncode == 2 and said in proc.stderr.splitlines()[-1]
