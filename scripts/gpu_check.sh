@@ -30,6 +30,16 @@ TESTS="tests/test_train_gpu_paths.py tests/test_laptops.py tests/test_train_memo
 
 want() { [[ " $STEPS " == *" $1 "* ]]; }
 stamp() { echo "== $(date +%T) $*"; }
+tests="" tests_ran=""
+# The test files run once, on the CPUs beside the first step that checks correctness (smoke or features),
+# and are over before a step whose timings count (diloco, throughput) starts.
+start_tests() {
+  [ -n "$tests_ran" ] && return
+  ( stamp pytest; timeout 280 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 $TESTS; echo "pytest rc=$?" ) \
+    > "$OUT_DIR/pytest.txt" 2>&1 &
+  tests=$! tests_ran=1
+}
+finish_tests() { if [ -n "$tests" ]; then wait "$tests"; tests=""; fi; }
 
 if want env; then
   { stamp env; nvidia-smi; "$PY" -c "import sys, torch; print(sys.version.split()[0], 'torch', torch.__version__,
@@ -40,16 +50,14 @@ if want env; then
 fi
 
 if want smoke; then
-  ( stamp pytest; timeout 280 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 $TESTS; echo "pytest rc=$?" ) \
-    > "$OUT_DIR/pytest.txt" 2>&1 &
-  tests=$!
+  start_tests
   { stamp smoke; timeout 300 "$PY" scripts/gpu_smoke.py --keep "$WORK/smoke"; echo "gpu_smoke rc=$?";
     stamp "default zb train"; timeout 120 "$PY" -m zb train --log.progress plain --log.dir "$WORK/default" \
       > "$WORK/default.log" 2>&1; echo "default zb train rc=$?"; grep -E "device|held-out|bf16" "$WORK/default.log" | head -8
   } > "$OUT_DIR/smoke.txt" 2>&1
-  wait $tests
 fi
 
+finish_tests
 if want diloco; then
   { stamp diloco; timeout 240 "$PY" scripts/bench_gpu.py diloco --keep "$WORK/diloco"; echo "diloco rc=$?"; } \
     > "$OUT_DIR/diloco.txt" 2>&1
@@ -61,15 +69,14 @@ if want throughput; then
 fi
 
 if want features; then
-  ( stamp pytest; timeout 280 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 $TESTS; echo "pytest rc=$?" ) \
-    > "$OUT_DIR/pytest.txt" 2>&1 &
-  tests=$!
+  start_tests
   { stamp features; timeout 480 "$PY" scripts/bench_gpu.py features --seq 512 --inner-steps 8 --timeout 150 \
       --keep "$WORK/features"; echo "features rc=$?";
     stamp swarm; ZB_SIM_LOGDIR="$WORK/swarm" timeout 150 bash scripts/simulate_swarm.sh 2 2 @configs/debug/swarm.toml \
       --train.device cuda --optim.total_steps 60 --eval.interval -1; echo "swarm rc=$?"; } > "$OUT_DIR/features.txt" 2>&1
-  wait $tests
 fi
+
+finish_tests
 
 stamp done >> "$OUT_DIR/env.txt"
 tar czf "$OUT_DIR/logs.tgz" -C "$WORK" --exclude='*.safetensors' --exclude='*.pt' --exclude='*-ckpt' --exclude='*-ram' . 2>/dev/null

@@ -1,7 +1,7 @@
 """Named timing profiles for the elastic layer, as the environment variables a node reads.
 
-SHORT_TIMEOUTS is the profile of the elastic tests and benchmarks (docs/elastic.md, "Elastic runs and zb
-store"): failures are detected within seconds, yet there are no false evictions on a busy 2-core
+SHORT_TIMEOUTS is the profile of the elastic tests and benchmarks (docs/elastic.md, "Short-timeout
+test profile"): failures are detected within seconds, yet there are no false evictions on a busy 2-core
 machine. Real runs across continents keep the defaults (heartbeat 2 s / timeout 10 s).
 """
 
