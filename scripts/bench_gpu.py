@@ -293,8 +293,8 @@ def two_nodes(args, work: Path, label: str, extra: list[str], secret: bool = Fal
 
     t0 = time.perf_counter()
     failed = run_two_nodes(work, "node", args_of, args.timeout, shared_env=shared_env)
-    events = [read_metrics(work / f"node{i}" / "metrics.jsonl", "outer_step")
-              if (work / f"node{i}" / "metrics.jsonl").exists() else [] for i in range(2)]
+    files = [work / f"node{i}" / "metrics.jsonl" for i in range(2)]
+    events = [read_metrics(f, "outer_step") if f.exists() else [] for f in files]
     hashes = [{e["outer_step"]: e.get("params_hash") for e in ev if e.get("applied", True)} for ev in events]
     if failed is None and (not hashes[0] or None in hashes[0].values() or hashes[0] != hashes[1]):
         failed = f"params hashes differ between the nodes or are missing: {hashes}"
@@ -304,8 +304,7 @@ def two_nodes(args, work: Path, label: str, extra: list[str], secret: bool = Fal
         vals = [e[key] for e in timed if e.get(key) is not None]
         return round(statistics.median(vals), 4) if vals else None
 
-    losses = [e["loss"] for e in read_metrics(work / "node0" / "metrics.jsonl", "step") if e.get("loss") is not None] \
-        if (work / "node0" / "metrics.jsonl").exists() else []
+    losses = [e["loss"] for e in read_metrics(files[0], "step") if e.get("loss") is not None] if files[0].exists() else []
     return {"bench": "gpu_diloco", "label": label, "model": args.model[0], "device": _device_name(device),
             "extra": " ".join(extra), "secret": secret, "micro_bs": micro_bs, "seq": seq,
             "inner_steps": args.inner_steps, "outer_steps": len(hashes[0]), "hashes_equal": failed is None,
