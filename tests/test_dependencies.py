@@ -14,12 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from zb.testing.procs import PYTHON, REPO, TINY, subprocess_env
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
+from zb.testing.procs import PYTHON, REPO, TINY, pyproject, subprocess_env
 
 # Declared, never imported by zb: what needs them.
 USED_WITHOUT_IMPORT = {
@@ -41,7 +36,7 @@ def _norm(name: str) -> str:
 def _declared() -> dict[str, set[str]]:
     """{"core" or extra name: normalized distribution names}; an extra that names zb's own extras
     (dev = [..., "zb[monitor]"]) holds theirs."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     groups = {"core": project["dependencies"], **project["optional-dependencies"]}
 
     def names(group: str) -> set[str]:
@@ -58,7 +53,7 @@ def _declared() -> dict[str, set[str]]:
 
 def _own_extras(group: str) -> set[str]:
     """zb's extras that `group` pulls in (dev = [..., "zb[monitor]"])."""
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     reqs = map(Requirement, project["optional-dependencies"].get(group, []))
     return {extra for req in reqs if _norm(req.name) == _norm(project["name"]) for extra in req.extras}
 

@@ -18,12 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from zb.testing.procs import REPO
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
+from zb.testing.procs import REPO, pyproject
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -126,7 +121,7 @@ def _tracked_modules() -> set[str]:
 
 def test_pyproject_lists_every_package():
     """pyproject.toml lists the packages (discovery cannot map csrc/ and man/ into zb): a new one must be there."""
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    setuptools = pyproject()["tool"]["setuptools"]
     found = {str(Path(f).parent).replace("/", ".") for f in _tracked_modules() if f.endswith("/__init__.py")}
     assert set(setuptools["packages"]) == found | {"zb.csrc", "zb.man"}
     assert setuptools["package-dir"] == {"zb.csrc": "csrc", "zb.man": "man"}

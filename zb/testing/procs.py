@@ -24,6 +24,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 PYTHON = sys.executable
 
+
+def pyproject() -> dict[str, Any]:
+    """The checkout's pyproject.toml, parsed (with the TOML reader zb's config uses on any Python)."""
+    from zb.config import tomllib
+
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
 # A model and batch small enough for a whole `zb train` process in a few seconds on 2 busy cores.
 TINY = ["--data.seq_length", "32", "--optim.batch_size", "4", "--train.micro_bs", "2", "--optim.warmup_steps", "2",
         "--train.log_interval", "1", "--eval.interval", "-1", "--log.progress", "plain", "--train.device", "cpu"]
