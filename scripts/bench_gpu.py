@@ -381,12 +381,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-steps", type=int, default=10, help="diloco: inner steps per outer step (default 10)")
     parser.add_argument("--micro-bs", type=int, default=8, help="diloco: micro batch = batch (default 8)")
     parser.add_argument("--seq", type=int, default=1024, help="diloco: sequence length (default 1024)")
-    parser.add_argument("--compression", default="int8", help="diloco: diloco.compression (default int8)")
+    parser.add_argument("--compression", help="diloco: diloco.compression (default int8; features sets its own)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds allowed per subprocess (default 600)")
     parser.add_argument("--keep", metavar="DIR", help="diloco: keep logs and metrics here")
     parser.add_argument("--only", action="append", help="features: only the rows whose label holds this (repeatable)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU in fp32: checks this script only")
     args = parser.parse_args(argv)
+    if args.compression and args.what == "features":
+        parser.error("--compression has no effect on features: each combination sets its own (see --only)")
+    args.compression = args.compression or "int8"
     if args.only and args.what != "features":
         parser.error("--only picks rows of `features`; it has no effect on " + args.what)
     labels = [f[0] for f in FEATURES]

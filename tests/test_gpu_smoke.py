@@ -73,7 +73,8 @@ def test_gpu_bench_features_runs_a_combination_on_the_cpu(tmp_path):
 
 def test_gpu_bench_only_must_pick_a_combination_of_features():
     for argv, said in ((["features", "--only", "int3"], "matches no combination; the combinations: int8;"),
-                       (["diloco", "--only", "int4"], "has no effect on diloco")):
+                       (["diloco", "--only", "int4"], "has no effect on diloco"),
+                       (["features", "--compression", "int4"], "--compression has no effect on features")):
         proc = subprocess.run([sys.executable, BENCH, *argv, "--cpu"], capture_output=True, text=True, timeout=60,
                               env=subprocess_env(), cwd=REPO)
         assert proc.returncode == 2 and said in proc.stderr.splitlines()[-1]
