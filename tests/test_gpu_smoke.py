@@ -71,7 +71,7 @@ def test_gpu_bench_features_runs_a_combination_on_the_cpu(tmp_path):
     assert "--diloco.overlap eager" in row["extra"] and 1_000_000 < row["wire_bytes"] < 1_200_000
 
 
-def test_gpu_bench_only_must_pick_a_combination_of_features():
+def test_gpu_bench_refuses_options_that_would_do_nothing():
     for argv, said in ((["features", "--only", "int3"], "matches no combination; the combinations: int8;"),
                        (["diloco", "--only", "int4"], "has no effect on diloco"),
                        (["features", "--compression", "int4"], "--compression has no effect on features")):
