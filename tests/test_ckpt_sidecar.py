@@ -156,30 +156,66 @@ def _start_cli(*args: str, env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_cli_serves_publishes_and_stops_on_sigterm(tmp_path):
+def test_cli_serves_a_nodes_live_directory_where_joiners_look_and_stops_on_sigterm(tmp_path):
+    """The guide's command, `zb ckpt-serve --dir <ram_dir>/live/<node id> --publish ... --node-id <node id>`,
+    serves what a training node keeps there (its snapshots are one level down, in r<local rank>: it served
+    nothing, 503 forever) and publishes where a joiner's rank 0 looks (it published under ckpt_serve/<node
+    id>, a key no joiner reads)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    write_sample(tmp_path)
+    from zb.ckpt.sidecar.live_layout import node_dir, rank_dir, sidecar_id
+    from zb.ckpt.sidecar.publish import peer_addresses
+
+    write_sample(rank_dir(tmp_path / "ram", "n1", 0))   # where a node's local rank 0 keeps them (zb.diloco.live)
     store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    proc = _start_cli("--dir", str(tmp_path), "--host", "127.0.0.1", "--token-file", str(token_file), "--json",
-                      "--publish", f"127.0.0.1:{store_port}", "--node-id", "n1", env=subprocess_env())
+    proc = _start_cli("--dir", str(node_dir(tmp_path / "ram", "n1")), "--host", "127.0.0.1", "--token-file",
+                      str(token_file), "--json", "--publish", f"127.0.0.1:{store_port}", "--node-id", "n1",
+                      env=subprocess_env())
     try:
         line = json.loads(proc.stdout.readline())
-        assert store.get("ckpt_serve/n1").decode() == line["address"]
+        assert line["dir"] == str(rank_dir(tmp_path / "ram", "n1", 0).resolve())
+        # What a joiner's local rank 0 reads (zb.diloco.live.recover).
+        assert peer_addresses(store, [sidecar_id("n1", 0)]) == {"n1/r0": line["address"]}
         result = fetch_snapshot([line["address"]], TOKEN, tmp_path / "dest", progress=False)
         check_fetched(result)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert not store.check(["ckpt_serve/n1"])
+        assert not store.check(["ckpt_serve/n1/r0"])
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_live_directory_of_several_ranks_is_refused_and_a_rank_directory_publishes_its_rank(tmp_path, monkeypatch):
+    """One sidecar serves one rank's snapshots: a node directory holding r0 and r1 is refused in one line
+    naming the way out; --dir .../r1 publishes under <node id>/r1, the key a joiner's rank 1 reads."""
+    import zb.ckpt.sidecar.process as process
+    from zb.ckpt.sidecar.live_layout import node_dir, rank_dir
+
+    for rank in (0, 1):
+        write_sample(rank_dir(tmp_path, "n1", rank))
+    proc = subprocess.run([sys.executable, "-m", "zb", "ckpt-serve", "--dir", str(node_dir(tmp_path, "n1"))],
+                          env=subprocess_env(ZB_CKPT_TOKEN=TOKEN), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds the live snapshots of 2 local ranks (r0, r1)" in lines[0], proc.stderr
+    assert f"--dir {rank_dir(tmp_path, 'n1', 0)} and so on" in lines[0]
+
+    monkeypatch.setenv("ZB_CKPT_TOKEN", TOKEN)
+
+    published = {}
+    monkeypatch.setattr(process, "_connect_store", lambda addr, timeout, secret: object())
+    monkeypatch.setattr(process, "publish_address", lambda store, node, address: published.setdefault(node, address))
+    sidecar = process.open_sidecar(str(rank_dir(tmp_path, "n1", 1)), "127.0.0.1", 0, None, "127.0.0.1:5000", "n1",
+                                   None, 5.0)
+    sidecar.server.server_close()
+    assert list(published) == ["n1/r1"] and sidecar.server.root == rank_dir(tmp_path, "n1", 1).resolve()
 
 
 def test_cli_clear_errors(tmp_path):
@@ -191,7 +227,8 @@ def test_cli_clear_errors(tmp_path):
         for args, code, message in [
             (["--dir", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)], 1, "in use"),
             (["--dir", str(tmp_path / "missing")], 2, "does not exist or is not a directory: a training node with "
-                                                       "ckpt.live_recovery writes its snapshots to"),
+                                                       "ckpt.live_recovery keeps its snapshots in <ckpt.ram_dir>/live/"
+                                                       "<node id>/r<local rank>"),
             (["--dir", str(tmp_path), "--host", "no-such-host.invalid"], 2, "--host 'no-such-host.invalid' is not"),
             (["--dir", str(tmp_path), "--publish", "no-such-host.invalid:5000", "--node-id", "n",
               "--connect-timeout", "30"], 2, "'no-such-host.invalid' is not"),

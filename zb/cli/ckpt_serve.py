@@ -17,8 +17,9 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
                epilog=EPILOG)
 @click.option("--dir", "root", required=True, type=click.Path(file_okay=False, path_type=str),
               help="Snapshot root: the newest committed snapshot under it is served. A training node with "
-                   "ckpt.live_recovery writes its own to <ckpt.ram_dir>/live/<node id> (default /dev/shm/zb/live/<node "
-                   "id>) and serves them itself.")
+                   "ckpt.live_recovery keeps its own in <ckpt.ram_dir>/live/<node id> (default /dev/shm/zb/live/<node "
+                   "id>), one directory r<local rank> per local rank, and serves them itself; given a node's directory, "
+                   "its rank directory is served.")
 @click.option("--host", type=TEXT, default="127.0.0.1", show_default=True,
               help="Address to listen on: loopback by default, as `zb store`; 0.0.0.0 or an address of this machine "
                    "serves joiners on other machines.")
@@ -30,7 +31,8 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
               help="The run secret (elastic.secret_file): the token derives from it, and --publish seals the "
                    "address record with it.")
 @click.option("--publish", "store_addr", type=TEXT, metavar="HOST:PORT", default=None,
-              help="Global store (`zb store`) to write this sidecar's address into, under ckpt_serve/<node id>.")
+              help="Global store (`zb store`) to write this sidecar's address into, under ckpt_serve/<node id>/r<local "
+                   "rank> (the rank of the r<N> directory served, else 0), where joiners look for it.")
 @click.option("--node-id", "uid", envvar="GLOBAL_UNIQUE_ID", default=None, type=NodeId(),
               help="Node id for --publish. [env: GLOBAL_UNIQUE_ID]")
 @click.option("--advertise", type=TEXT, envvar="ZERO_BAND_LIVE_RECO_ADDR", default=None,

@@ -24,6 +24,7 @@ from zb.ckpt.format.catalog import prune
 from zb.ckpt.format.manifest import snapshot_name
 from zb.ckpt.format.snapshot import load_snapshot, write_snapshot
 from zb.ckpt.recovery.fetch import FetchResult, fetch_snapshot
+from zb.ckpt.sidecar.live_layout import rank_dir, sidecar_id
 from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address, unpublish_address
 from zb.ckpt.sidecar.server import serve_in_thread
 from zb.ckpt.sidecar.token import read_token
@@ -44,17 +45,13 @@ KEEP = 2                            # a download of the previous one may still b
 FETCH_ROUNDS = 3
 
 
-def sidecar_id(uid: str, local_rank: int) -> str:
-    return f"{uid}/r{local_rank}"
-
-
 class LiveSnapshots:
     """This local rank's RAM snapshots of the outer state and the sidecar that serves them."""
 
     def __init__(self, cfg: Config, uid: str, local_rank: int, fingerprint: str):
         self.uid, self.local_rank, self.fingerprint = uid, local_rank, fingerprint
         self.token = read_token(secret=shared_stores(cfg.elastic).secret)
-        self.root = Path(cfg.ckpt.ram_dir) / "live" / uid / f"r{local_rank}"
+        self.root = rank_dir(cfg.ckpt.ram_dir, uid, local_rank)
         if local_rank == 0:
             sweep_stale(cfg.ckpt.ram_dir)  # RAM copies of runs on this machine that died without cleaning up
         shutil.rmtree(self.root, ignore_errors=True)  # a previous incarnation's state is stale

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zb.ckpt.recovery.peer import parse_peer
+from zb.ckpt.sidecar.live_layout import rank_of, sidecar_id
 from zb.ckpt.sidecar.publish import advertised_address, publish_address, unpublish_address
 from zb.ckpt.sidecar.server import MAX_CONNECTIONS, SnapshotServer, make_server
 from zb.ckpt.sidecar.token import read_token
@@ -25,7 +26,7 @@ class Sidecar:
     server: SnapshotServer
     address: str                # advertised "host:port"
     store: Any = None
-    uid: str | None = None
+    uid: str | None = None      # the name it is published under: <node id>/r<local rank>
     key: str | None = None      # the store key it is published under
 
 
@@ -45,7 +46,9 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
         try:
             sidecar.store = _connect_store(store_addr, connect_timeout, secret)
             assert uid  # checked above: publishing needs a node id
-            sidecar.uid, sidecar.key = uid, publish_address(sidecar.store, uid, sidecar.address)
+            # Under the name a joiner's rank of the same number looks up, as the node's own sidecar is.
+            sidecar.uid = sidecar_id(uid, rank_of(server.root))
+            sidecar.key = publish_address(sidecar.store, sidecar.uid, sidecar.address)
         except BaseException:
             server.server_close()
             raise

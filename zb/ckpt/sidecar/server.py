@@ -36,6 +36,7 @@ from urllib.parse import parse_qs
 from zb.ckpt.format.catalog import check_quick, list_snapshots, read_committed
 from zb.ckpt.format.manifest import Manifest
 from zb.ckpt.sidecar.http import HttpError, parse_range, parse_step, route
+from zb.ckpt.sidecar.live_layout import served_dir
 from zb.dial import unresolvable
 from zb.errors import EnvironmentFailure, InvalidInput
 
@@ -278,12 +279,15 @@ class ServerHandle:
 def make_server(root: str | Path, token: str, host: str, port: int, client_timeout: float = 30.0,
                 max_connections: int = MAX_CONNECTIONS, host_option: str = "--host") -> SnapshotServer:
     """Bind the sidecar; bad input (`host_option` names where the host came from) is InvalidInput, a
-    busy port EnvironmentFailure (one clear line)."""
+    busy port EnvironmentFailure (one clear line). `root` may be a node's live directory: the rank
+    directory under it is served (zb.ckpt.sidecar.live_layout)."""
     root = Path(root)
     if not root.is_dir():
         raise InvalidInput(f"snapshot directory {root} does not exist or is not a directory: a training node with "
-                           "ckpt.live_recovery writes its snapshots to <ckpt.ram_dir>/live/<node id> (default "
-                           "/dev/shm/zb/live/<node id>); point --dir at such a directory of committed snapshots")
+                           "ckpt.live_recovery keeps its snapshots in <ckpt.ram_dir>/live/<node id>/r<local rank> "
+                           "(default /dev/shm/zb/live/<node id>/r0) while it runs; point --dir at that node "
+                           "directory or its rank's, or at any directory of committed snapshots")
+    root = served_dir(root)
     if not token:
         raise InvalidInput("the sidecar token is empty: set ZB_CKPT_TOKEN or pass --token-file with a secret")
     try:
