@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 from zb.secret import write_new_secret
 from zb.testing.procs import REPO, free_port, subprocess_env, zb_process
@@ -43,6 +44,40 @@ def test_zb_store_makes_a_secret_and_only_its_holders_read_the_run(tmp_path):
     finally:
         err = _stop(proc)
     assert "anyone who reaches" not in err          # loopback: no warning
+
+
+def test_status_with_a_secret_never_marks_a_store_and_a_fresh_secret_store_has_no_node_yet(tmp_path):
+    """Issue 37: `zb status --secret-file` wrote the run marker into a store without one (locking the run's own
+    nodes out), and a fresh `zb store --new-secret` store read as 'another program's store?'; `zb store
+    --http-port` with a secret failed to start its dashboard (it read the sealed store without the secret)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.signed_store import MARKER
+
+    secret = tmp_path / "run.secret"
+    write_new_secret(secret)
+    plain, info = _store()
+    try:
+        proc = zb_process("status", "--store", f"127.0.0.1:{info['port']}", "--secret-file", str(secret), "--timeout",
+                          "5", timeout=60)
+        client = dist.TCPStore("127.0.0.1", info["port"], is_master=False, use_libuv=True,
+                               timeout=timedelta(seconds=30))
+        assert not client.check([MARKER]) and client.num_keys() == 0, "a reader wrote to the store"
+    finally:
+        _stop(plain)
+    assert proc.returncode == 1 and "no run on the store" in proc.stderr and "no node has joined it" in proc.stderr
+    sealed, info = _store("--secret-file", str(secret), "--http-port", "0")
+    try:
+        proc = zb_process("status", "--store", f"127.0.0.1:{info['port']}", "--secret-file", str(secret), "--timeout",
+                          "5", timeout=60)
+        with urllib.request.urlopen(info["dashboard"] + "api/status", timeout=30) as r:
+            board = json.loads(r.read())
+    finally:
+        _stop(sealed)
+    assert proc.returncode == 1 and "no node has joined it" in proc.stderr, proc.stderr
+    assert "no node has joined it" in board["error"], board
 
 
 def test_zb_store_refuses_to_overwrite_a_secret_or_take_two(tmp_path):

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from zb.errors import InvalidInput
 from zb.secret import read_secret, sidecar_token, write_new_secret
-from zb.signed_store import authenticated, declare, prefixed, seal, unseal
+from zb.signed_store import MARKER, authenticated, declare, for_reading, holds_secret, prefixed, seal, unseal
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -137,6 +137,25 @@ def test_a_store_without_a_marker_admits_nodes_without_a_secret(host):
     plain = authenticated(_client(host), None, "test-store", _counters)
     plain.set("k", "v")
     assert host.get("k") == b"v"
+
+
+def test_a_reader_with_a_secret_never_marks_a_run_that_holds_none(host):
+    """Issue 37: `zb status --secret-file` against a run without a secret wrote the marker, and from then on
+    the run refused its own nodes. A reader never writes: it reads the run as it is, and says it has no secret."""
+    reader = for_reading(_client(host), SECRET, "test-store", _counters)
+    assert not holds_secret(reader) and not host.check([MARKER]) and host.num_keys() == 0
+    authenticated(_client(host), None, "test-store", _counters).set("k", "v")    # the run's nodes still join
+    declare(host, None, "bench")                                               # a host that declared no secret
+    assert not holds_secret(for_reading(_client(host), SECRET, "test-store", _counters))
+
+
+def test_a_reader_opens_the_runs_records_and_is_refused_as_a_node_is(host):
+    _node(host).set("k", "v")                                                  # the first node marks the run
+    assert for_reading(_client(host), SECRET, "test-store", _counters).get("k") == b"v"
+    with pytest.raises(InvalidInput, match="started with another secret"):
+        for_reading(_client(host), b"another secret of enough length!", "test-store", _counters)
+    with pytest.raises(InvalidInput, match="admits only nodes that hold its secret"):
+        for_reading(_client(host), None, "test-store", _counters)
 
 
 def test_the_stores_own_marker_is_the_runs(host):

@@ -29,6 +29,8 @@ from zb.status.report import build_report
 from zb.status.server import Dashboard, listen
 from zb.testing.procs import free_port, wait_until, zb_process
 
+SECRET = b"0123456789abcdef0123456789abcdef"
+
 
 @pytest.fixture
 def store():
@@ -354,6 +356,37 @@ def test_no_run_and_foreign_stores_are_one_line(store):
     store.set(keys.WORLD, b'{"who": "someone else"}')
     with pytest.raises(NoRun, match="not a zb world record"):
         RunReader(store, "test").read()
+
+
+def test_a_store_made_for_a_run_with_a_secret_is_one_no_node_joined_yet(store):
+    """Issue 37: `zb store --new-secret`'s marker alone read as 'another program's store?'."""
+    from zb.signed_store import declare, for_reading
+
+    declare(store, SECRET, "test")
+    for secret in (SECRET, b"another secret of enough length!"):
+        reader = RunReader(for_reading(store, SECRET, "test", keys.is_counter), "test", secret=secret)
+        with pytest.raises(NoRun, match="no run on the store at test yet: no node has joined it"):
+            reader.read()
+
+
+def test_a_secret_the_run_does_not_hold_is_said_and_nothing_is_written(store):
+    """Issue 37: a reader with a secret never writes the run marker; it shows the run, saying the secret has no
+    effect, until nodes holding it mark the run (a dashboard started before them), then opens their records."""
+    from zb.signed_store import MARKER, authenticated, for_reading
+
+    _world(store, ["a"])
+    _node(store, "a", step=7)
+    reader = RunReader(for_reading(store, SECRET, "test", keys.is_counter), "test", secret=SECRET)
+    doc = reader.read()
+    assert doc["nodes"][0]["step"] == 7 and "holds no secret" in doc["warning"] and not store.check([MARKER])
+    assert RunReader(store, "test").read()["warning"] is None
+    fresh = host("127.0.0.1", 0)
+    later = RunReader(for_reading(fresh, SECRET, "test", keys.is_counter), "test", secret=SECRET)
+    sealed = authenticated(fresh, SECRET, "test", keys.is_counter)   # a node holding the secret starts
+    _world(sealed, ["b"])
+    _node(sealed, "b", step=3)
+    doc = later.read()
+    assert doc["nodes"][0]["step"] == 3 and doc["warning"] is None
 
 
 def test_starting_nodes_show_before_any_world(store):

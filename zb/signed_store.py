@@ -10,8 +10,9 @@ an integer): the caller names them (zb.elastic.keys.is_counter), and they carry 
 wake-ups, never a decision.
 
 The run marker (MARKER, at the store's root) holds a random nonce and a proof that its writer held the
-secret. `zb store --secret-file` writes it; else the first node that holds a secret does. A node with
-another secret, or with none, is refused in one line (InvalidInput, exit 2) before it writes anything.
+secret. `zb store --secret-file` writes it; else the first node that holds a secret does; a command that
+only reads (`zb status`, the dashboard: `for_reading`) never does. A node with another secret, or with none,
+is refused in one line (InvalidInput, exit 2) before it writes anything.
 Records are keyed by the nonce too, so a record copied from another store (an old one, or a standby)
 never opens here.
 
@@ -284,12 +285,40 @@ def authenticated(client: Any, secret: bytes | None, where: str, counters: Calla
     if host_decides:
         client.wait([MARKER])
     if secret is None:
-        if client.check([MARKER]) and client.get(MARKER) != NO_SECRET:
-            raise InvalidInput(f"the run at {where} admits only nodes that hold its secret: pass --secret-file FILE "
-                               f"({WHERE}) with the file the run's store was given")
+        _refuse_without_secret(read_marker(client), where)
         return client
     marker = client.compare_set(MARKER, "", marker_value(secret))   # the marker there, or ours if none was
     return signed(client, record_key(secret, _nonce(marker, secret, where)), counters)
+
+
+def for_reading(client: Any, secret: bytes | None, where: str, counters: Callable[[str], bool]) -> Any:
+    """`client` of the store at `where` as a command that only reads opens it (`zb status`, the dashboard): as
+    `authenticated` does, but it never writes, not even the marker (a reader that wrote it would lock the run's
+    own nodes out). With a secret, the client itself while the run holds none (no marker, or NO_SECRET):
+    `holds_secret` tells the caller, who may look again later (nodes holding the secret write it as they start)."""
+    marker = read_marker(client)
+    if secret is None:
+        _refuse_without_secret(marker, where)
+        return client
+    if marker is None or marker == NO_SECRET:
+        return client
+    return signed(client, record_key(secret, _nonce(marker, secret, where)), counters)
+
+
+def read_marker(client: Any) -> bytes | None:
+    """The run marker of the store behind the plain `client`, None when it has none; never waits, never writes."""
+    return client.get(MARKER) if client.check([MARKER]) else None
+
+
+def holds_secret(store: Any) -> bool:
+    """Whether `store` (from `authenticated` or `for_reading`) seals and opens records with the run secret."""
+    return isinstance(store, SignedRecords)
+
+
+def _refuse_without_secret(marker: bytes | None, where: str) -> None:
+    if marker is not None and marker != NO_SECRET:
+        raise InvalidInput(f"the run at {where} admits only nodes that hold its secret: pass --secret-file FILE "
+                           f"({WHERE}) with the file the run's store was given")
 
 
 def declare(client: Any, secret: bytes | None, where: str) -> None:

@@ -80,6 +80,7 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
         reader.sample(live, sample_window(doc))
         doc = reader.read()
     _show(doc, as_json)
+    _warn(doc)
 
 
 def _check_combination(store, watch, serve, http_port, from_paths, out, force) -> None:
@@ -141,6 +142,14 @@ def _store_addresses(store: str | None) -> list:
             bracket = " (an IPv6 host in brackets: [HOST]:PORT)" if ":" in address.host else ""
             raise InvalidInput(f"--store {entry.strip()!r}: expected HOST:PORT with a port in 1..65535{bracket}")
     return addresses
+
+
+def _warn(doc: dict) -> None:
+    """The reader's warning (a --secret-file the run does not hold), on stderr beside the table or JSON."""
+    if doc.get("warning"):
+        from zb.cli.terminal import warn
+
+        warn(doc["warning"])
 
 
 def _show(doc: dict, as_json: bool) -> None:
@@ -209,6 +218,7 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
     from zb.status.reader import open_reader
 
     live = Live(console=stdout, auto_refresh=False) if interactive() and not as_json else None
+    warned = None
     try:
         if live:
             live.start()
@@ -223,6 +233,9 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
                     live.update(status_view(doc), refresh=True)
                 else:
                     _print_table(doc)
+                if doc.get("warning") != warned:   # once, not at every refresh
+                    warned = doc.get("warning")
+                    _warn(doc)
             except store_errors() + (EnvironmentFailure,) as e:
                 reader = None
                 stores = "stores" if len(addresses) > 1 else "store"
@@ -251,9 +264,10 @@ def _serve(addresses: list, where: str, bind: str, http_port: int, interval: flo
                 print_json({"url": board.url, "store": where, "bind": bind, "port": sock.getsockname()[1]})
             stderr.print(f"zb status: dashboard of the run on {where} at {board.url} (read-only; Ctrl-C to stop)",
                          markup=False)
-            error = board.document().get("error")
-            if error:
-                stderr.print(f"warning: {error}", markup=False)
+            first = board.document()
+            if first.get("error"):
+                stderr.print(f"warning: {first['error']}", markup=False)
+            _warn(first)
             stop.wait()
     finally:
         board.close()

@@ -62,7 +62,7 @@ def store(host: str, port: int, http_port: int | None, secret_file: str | None, 
         if secret_path:
             info["env"]["ZB_ELASTIC_SECRET_FILE"] = secret_path
         if http_sock is not None:
-            boards.append(_dashboard(http_sock, info))
+            boards.append(_dashboard(http_sock, info, secret))
             info["dashboard"] = boards[0].url
         if as_json:
             print_json(info)
@@ -80,11 +80,13 @@ def store(host: str, port: int, http_port: int | None, secret_file: str | None, 
             board.close()
 
 
-def _dashboard(sock, info: dict):
-    """The dashboard, reading this process's own store through a client of it."""
+def _dashboard(sock, info: dict, secret: bytes | None):
+    """The dashboard, reading this process's own store through a client of it (with the run's secret, if any:
+    the records it reads are sealed)."""
     from zb.status.reader import RunReader, open_store
     from zb.status.server import Dashboard
 
     dial = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else "::1" if info["host"] == "::" else info["host"]
     where = f"{info['addr']}:{info['port']}"
-    return Dashboard(sock, lambda: RunReader(open_store(dial, info["port"], 10.0), where), 2.0, where).start()
+    return Dashboard(sock, lambda: RunReader(open_store(dial, info["port"], 10.0, secret), where, secret=secret), 2.0,
+                     where).start()

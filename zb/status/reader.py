@@ -27,7 +27,7 @@ from zb.elastic.store_state import read_snapshot
 from zb.elastic.stores import holds_run, start_index
 from zb.elastic.tcpstore import read_lines, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError
-from zb.signed_store import authenticated
+from zb.signed_store import for_reading, holds_secret, read_marker
 from zb.status.record import decode_history, decode_record
 
 DEFAULT_HB_INTERVAL, DEFAULT_HB_TIMEOUT = 2.0, 10.0
@@ -53,7 +53,8 @@ def _quiet_stderr() -> Iterator[None]:
 def open_store(host: str, port: int, timeout: float, secret: bytes | None = None):
     """A read-only client of the store at host:port; one EnvironmentFailure line when nothing (or not a
     store) answers within `timeout` s; an address that does not resolve is invalid input (exit 2). A run
-    with a secret is read with it (zb.signed_store): InvalidInput without it."""
+    with a secret is read with it (zb.signed_store.for_reading, which never writes the run marker):
+    InvalidInput without it, or with another."""
     from zb.dial import store_client, wait_listening
 
     failed = wait_listening(host, port, timeout, "--store")
@@ -64,7 +65,7 @@ def open_store(host: str, port: int, timeout: float, secret: bytes | None = None
         client = store_client(host, port, timeout, 2 * timeout + 2.0,  # its own retries can overrun `timeout`
                               "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)",
                               use_libuv=True, wait_for_workers=False)
-    return authenticated(client, secret, f"{host}:{port}", keys.is_counter)
+    return for_reading(client, secret, f"{host}:{port}", keys.is_counter)
 
 
 _HINT = "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)"
@@ -79,7 +80,7 @@ def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | N
     EnvironmentFailure line)."""
     if len(addresses) == 1:
         only = addresses[0]
-        return RunReader(open_store(only.host, only.port, timeout, secret), str(only))
+        return RunReader(open_store(only.host, only.port, timeout, secret), str(only), secret=secret)
     deadline = time.monotonic() + timeout
     with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
         while True:
@@ -94,7 +95,7 @@ def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | N
                                  "(none of them answers); is `zb store` running there? check --store")
     client = found[index]
     assert client is not None   # start_index picks a store that answered
-    reader = RunReader(client[0], str(addresses[index]))
+    reader = RunReader(client[0], str(addresses[index]), secret=secret)
     reader.stores = [{"address": str(a), "answers": h is not None, "holds_run": h} for a, h in zip(addresses, held)]
     return reader
 
@@ -116,7 +117,7 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
             socket.create_connection((address.host, address.port), timeout=min(2.0, answer_s)).close()
             client = store_client(address.host, address.port, timeout, answer_s, _HINT, use_libuv=True,
                                   wait_for_workers=False)
-            client = authenticated(client, secret, str(address), keys.is_counter)
+            client = for_reading(client, secret, str(address), keys.is_counter)
             found[i] = (client, holds_run(client))
         except InvalidInput as e:
             refused.append(e)
@@ -135,10 +136,12 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
 
 
 class RunReader:
-    """Reads the run; remembers heartbeat counters across refreshes to judge liveness on its own clock."""
+    """Reads the run; remembers heartbeat counters across refreshes to judge liveness on its own clock.
+    `secret`: the one `store` was opened with (zb.signed_store.for_reading), if any."""
 
-    def __init__(self, store, where: str, history_budget: int = 64) -> None:
-        self.store, self.where, self.history_budget = store, where, history_budget
+    def __init__(self, store, where: str, history_budget: int = 64, secret: bytes | None = None) -> None:
+        self.store, self.where, self.history_budget, self.secret = store, where, history_budget, secret
+        self._plain = store.inner if holds_secret(store) else store    # the client under the sealing, if any
         # The run's stores as open_reader found them when it picked this one (one store: only this one).
         self.stores: list[dict[str, Any]] = [{"address": where, "answers": True, "holds_run": None}]
         self._hist_seen: dict[str, int | None] = {}    # uid -> history_version last read
@@ -180,6 +183,7 @@ class RunReader:
 
     def read(self, with_history: bool = False) -> dict[str, Any]:
         """The run as one JSON-able document; NoRun when the store holds no zb run."""
+        self._follow_marker()
         snap = read_snapshot(self.store, None)
         indexed = self.uids()
         world = snap.world
@@ -194,10 +198,23 @@ class RunReader:
         nodes = [self._node(u, records[u], world, snap.gone, pending) for u in uids]
         nodes.sort(key=_order)
         doc = {"source": self.where, "time": round(time.time(), 3), "nodes": nodes, "run": _run(world, nodes, records),
-               "stores": self._stores(world is not None, nodes)}
+               "stores": self._stores(world is not None, nodes), "warning": self._warning()}
         if with_history:
             doc["history"] = self._histories(records)
         return doc
+
+    def _follow_marker(self) -> None:
+        """Given a secret, a run that held none when this reader opened may have one now: its nodes that hold the
+        secret write the marker as they start (a dashboard started before them). Looked at again, never written."""
+        if self.secret is not None and not holds_secret(self.store):
+            self.store = for_reading(self._plain, self.secret, self.where, keys.is_counter)
+
+    def _warning(self) -> str | None:
+        """The line to show beside the run when the secret given has no effect (it is read as it is)."""
+        if self.secret is None or holds_secret(self.store):
+            return None
+        return (f"the run at {self.where} holds no secret (its store has no run marker): --secret-file "
+                "(ZB_ELASTIC_SECRET_FILE) has no effect, drop it; the run is shown unauthenticated")
 
     @property
     def several(self) -> bool:
@@ -239,7 +256,8 @@ class RunReader:
         if indexed:
             return          # nodes are starting: they published a record but no world exists yet
         try:
-            count = self.store.num_keys()
+            # The run marker alone is a store made for a run (`zb store --new-secret`) that no node joined yet.
+            count = self._plain.num_keys() - (read_marker(self._plain) is not None)
         except store_errors():
             count = 0
         if count:
