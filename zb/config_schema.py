@@ -254,10 +254,11 @@ class CkptConfig:
                                    check="positive")
     path: Optional[str] = knob(None, "Directory for durable checkpoints on this node's disk.")
     remote: RemoteConfig = section(RemoteConfig, "Remote copies of checkpoints.")
-    topk: int = knob(3, "Keep only the newest K complete checkpoints (on ckpt.path and the remote copy; an older "
-                        "one goes only once a newer one is complete); 0 keeps every one.", check="non_negative")
-    resume: Optional[str] = knob(None, "Resume from `latest` (newest complete step on disk or on the remote copy), "
-                                       "a step directory, or a remote URL of one.")
+    topk: int = knob(3, "Keep only the newest K complete checkpoints of the running branch (on ckpt.path and the "
+                        "remote copy; an older one goes only once a newer one is complete; the newest step of a branch "
+                        "a resume left is kept); 0 keeps every one.", check="non_negative")
+    resume: Optional[str] = knob(None, "Resume from `latest` (the newest complete step of the current branch, on "
+                                       "disk or on the remote copy), a step directory, or a remote URL of one.")
     ram_dir: str = knob("/dev/shm/zb", "RAM-backed staging directory for snapshots.")
     live_recovery: bool = knob(False, "Keep a RAM snapshot after every outer step and serve it to joiners.")
     skip_dataloader: bool = knob(False, "On resume, restore model and optimizer state but start the data from the "

@@ -13,9 +13,11 @@ or a directory of node directories (ckpt.ram_dir itself, a remote copy mirrored 
 a remote copy (ckpt.remote.path or one node's directory in it; any fsspec URL, s3:// needs zb[remote]); with DIR
 too, a node found in both is listed once and `latest` considers both copies, as a resume does.
 Per step: run position (step, outer step, tokens), bytes, committed parts of the local rank count,
-complete or why not, final (written at the end of a run). `latest` is the step --ckpt.resume latest
-takes; checksums are checked only when it loads (zb ckpt verify checks them now). Several nodes: `common`
-is the newest step complete on every node, the step a restarted DiLoCo run agrees on.
+complete or why not, final (written at the end of a run), its branch. A run that resumes an older step
+writes a new branch; with several branches each is listed with its steps and where it started. `latest`
+is the step --ckpt.resume latest takes: the newest of the current branch (the one written last) and its
+ancestors; checksums are checked only when it loads (zb ckpt verify checks them now). Several nodes:
+`common` is the newest such step complete on every node, the step a restarted DiLoCo run agrees on.
 Exit 2: DIR missing or holding no checkpoints; exit 1: the remote cannot be read."""
 
 VERIFY_EPILOG = """PATH: a step directory (<ckpt.path>/step-NNNNNNNNN), one of its rank-N parts, or DIR --step N.
@@ -38,8 +40,8 @@ def ckpt() -> None:
 def ls(directory: str | None, remote: str | None, as_json: bool) -> None:
     """List the checkpoints under DIR, and the one a resume takes.
 
-    Per step: its run position, size, parts, whether it is complete (and why not) and final; then the
-    step `--ckpt.resume latest` takes."""
+    Per step: its run position, size, parts, whether it is complete (and why not), final and its branch;
+    then the branches, and the step `--ckpt.resume latest` takes."""
     from zb.ckpt.durable.inventory import list_checkpoints
     from zb.cli.terminal import print_json, stdout
 
@@ -62,6 +64,23 @@ def _state(entry) -> str:
     return "complete" if entry.complete else f"incomplete: {entry.why}"
 
 
+def _branch(branch: str | None) -> str:
+    """A branch as shown: the first 6 characters of its id (--json has all), 'legacy' before lineage."""
+    return "?" if branch is None else branch[:6] or "legacy"
+
+
+def _branch_lines(node) -> list[str]:
+    """One line per branch, only when there are several (one branch is the usual case)."""
+    if len(node.branches) < 2:
+        return []
+    lines = []
+    for b in node.branches:
+        start = "from scratch" if b.base is None else f"from step {b.base} of branch {_branch(b.base_branch)}"
+        role = "current: latest takes from it" if b.current else "left; its newest step is kept by pruning"
+        lines.append(f"branch {_branch(b.id)}: step(s) {', '.join(map(str, b.steps))} ({start}); {role}")
+    return lines
+
+
 def _latest_line(node) -> str:
     if node.latest is None:
         return "latest: none complete (--ckpt.resume latest starts from scratch)"
@@ -78,7 +97,8 @@ def listing_lines(listing) -> list[str]:
             parts = f"{e.parts}/{e.ranks if e.ranks is not None else '?'} part(s)"
             where = " remote" if e.where == "remote" else ""
             lines.append(f"  step {e.step}{where}  outer step {outer}  tokens {tokens}  {e.bytes:,} bytes  {parts}  "
-                         f"{_state(e)}" + ("  final" if e.final else ""))
+                         f"{_state(e)}  branch {_branch(e.branch)}" + ("  final" if e.final else ""))
+        lines += [f"  {line}" for line in _branch_lines(node)]
         lines.append(f"  {_latest_line(node)}")
     if sum(n.node is not None for n in listing.nodes) > 1:
         lines.append(f"common: {'none' if listing.common is None else f'step {listing.common}'} (the newest step "
@@ -96,15 +116,18 @@ def _print_tables(listing) -> None:
         title = ", ".join(node.roots) + (f" (node {node.node})" if node.node else "")
         table = Table(title=escape(title), title_justify="left")
         remote = any(e.where == "remote" for e in node.steps)
-        for name in ("step", "where", "outer step", "tokens", "bytes", "parts", "state", "final"):
+        for name in ("step", "where", "outer step", "tokens", "bytes", "parts", "state", "branch", "final"):
             if name != "where" or remote:
                 table.add_column(name, justify="left" if name in ("where", "state") else "right")
         for e in node.steps:
             outer, tokens = _position(e)
             state = "[green]complete[/]" if e.complete else f"[red]incomplete[/]: {escape(e.why or '')}"
             table.add_row(str(e.step), *([e.where] if remote else []), outer, tokens, f"{e.bytes:,}",
-                          f"{e.parts}/{e.ranks if e.ranks is not None else '?'}", state, "final" if e.final else "")
+                          f"{e.parts}/{e.ranks if e.ranks is not None else '?'}", state,
+                          _branch(e.branch) + ("*" if e.step in node.lineage else ""), "final" if e.final else "")
         stdout.print(table)
+        for line in _branch_lines(node):
+            stdout.print(escape(line))
         stdout.print(escape(_latest_line(node)))
     if sum(n.node is not None for n in listing.nodes) > 1:
         common = "none" if listing.common is None else f"step {listing.common}"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zb.ckpt.durable.layout import check_complete, part_name, scan_steps, step_dirs, step_from_name
+from zb.ckpt.durable.layout import check_complete, latest_step, part_name, scan_steps, step_dirs, step_from_name
 from zb.ckpt.durable.state import MODEL, OUTER
 from zb.ckpt.format.catalog import read_committed, verify_snapshot
 from zb.ckpt.format.manifest import Manifest
@@ -41,9 +41,10 @@ def resolve_step_dir(path: Path) -> Path:
         return path.parent
     if step_from_name(path.name) is not None or (path / part_name(0)).is_dir():
         return path
-    done, bad = scan_steps(path)
-    if done:
-        return step_dirs(path)[done[-1]]
+    _, bad = scan_steps(path)
+    latest = latest_step(path)  # the newest complete step of the current branch, as a resume takes it
+    if latest is not None:
+        return step_dirs(path)[latest]
     if bad:
         newest = max(bad)
         raise InvalidInput(f"no complete checkpoint under {path}: the newest, step {newest}, is incomplete or "

@@ -38,7 +38,7 @@ log = logging.getLogger("zb.swarm")
 def checkpointed_stage(cfg: "Config") -> int | None:
     """The stage of the checkpoint this worker would resume (ckpt.resume), None without one: an unpinned
     worker takes its checkpoint's stage instead of the store's choice."""
-    from zb.ckpt.durable.layout import complete_steps, part_name, resolve_part
+    from zb.ckpt.durable.layout import latest_step, part_name, resolve_part
     from zb.ckpt.format.catalog import read_manifest
     from zb.ckpt.format.manifest import snapshot_name
 
@@ -46,10 +46,10 @@ def checkpointed_stage(cfg: "Config") -> int | None:
     if not spec or "://" in spec:
         return None
     if spec == "latest":
-        steps = complete_steps(Path(root)) if root and Path(root).is_dir() else []
-        if not steps or root is None:
+        latest = latest_step(Path(root)) if root and Path(root).is_dir() else None
+        if latest is None or root is None:
             return None
-        part = Path(root) / snapshot_name(steps[-1]) / part_name(0)
+        part = Path(root) / snapshot_name(latest) / part_name(0)
     else:
         part = resolve_part(Path(spec), 0)
     try:

@@ -19,6 +19,7 @@ from typing import Any
 
 from zb.ckpt.durable.agree import newest_common_step
 from zb.ckpt.durable.layout import part_name, scan_steps, step_dirs, step_from_name
+from zb.ckpt.durable.lineage import Entry, Origin, current_branch, current_lineage, entry_of, merge, tips
 from zb.ckpt.format.catalog import read_committed, verify_snapshot
 from zb.ckpt.format.manifest import TMP_PREFIX, Manifest
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError, missing_extra
@@ -40,6 +41,18 @@ class StepEntry:
     bytes: int                   # everything under the step directory
     position: dict | None        # RunPosition: step, outer_step, tokens, run_tokens
     final: bool                  # written at the end of a run (its last step, or a stop)
+    branch: str | None = None    # its branch (zb.ckpt.durable.lineage; "" written before lineage), None if unreadable
+    base: dict | None = None     # {"step", "branch"} its branch started from; None: from scratch
+    created: float = 0.0         # when it was written (its manifest)
+
+
+@dataclass
+class Branch:
+    id: str                      # "" for checkpoints written before lineage
+    base: int | None             # the step it started from (None: from scratch)
+    base_branch: str | None
+    steps: list[int]             # its complete steps
+    current: bool                # the branch `latest` takes from (the one written last)
 
 
 @dataclass
@@ -48,6 +61,8 @@ class NodeListing:
     roots: list[str]
     steps: list[StepEntry] = field(default_factory=list)
     latest: int | None = None    # the step --ckpt.resume latest takes (local or remote)
+    lineage: list[int] = field(default_factory=list)   # the steps latest chooses from: the current branch's lineage
+    branches: list[Branch] = field(default_factory=list)
 
 
 @dataclass
@@ -104,8 +119,28 @@ def _local_entry(step: int, path: Path, why: str | None) -> StepEntry:
         except (InvalidInput, OSError):
             pass
     ranks, position, final = meta_facts(manifests[0]) if manifests else (None, None, False)
+    if why is not None:
+        why = _unfinished(path, manifests) or why
     return StepEntry(step, str(path), "local", why is None, why, len(manifests), ranks, _disk_bytes(path), position,
-                     final)
+                     final, *_lineage_facts(manifests))
+
+
+def _lineage_facts(manifests: list[Manifest]) -> tuple[str | None, dict | None, float]:
+    if not manifests:
+        return None, None, 0.0
+    e = entry_of(manifests[0])
+    return e.branch, e.origin.to_json()["base"], e.created
+
+
+def _unfinished(step_dir: Path, committed: list[Manifest]) -> str | None:
+    """Why a step is incomplete when a part is only being written: name the `.tmp-` copy, not a missing part."""
+    done = {m.name for m in committed}
+    for entry in sorted(os.scandir(step_dir), key=lambda e: e.name):
+        if entry.name.startswith(TMP_PREFIX) and _PART.fullmatch(entry.name[len(TMP_PREFIX):]):
+            name = entry.name[len(TMP_PREFIX):]
+            if name not in done:
+                return f"{name} is still being written or was cut short (only {entry.name} exists)"
+    return None
 
 
 def check_directory(path: Path, what: str = "directory") -> Path:
@@ -157,12 +192,25 @@ def list_checkpoints(path: str | Path | None = None, remote: str | None = None) 
             listing.steps += entries
     for listing in nodes.values():
         listing.steps.sort(key=lambda e: (e.step, e.where))
-        complete = [e.step for e in listing.steps if e.complete]
-        listing.latest = max(complete) if complete else None
+        _add_lineage(listing)
     ordered = sorted(nodes.values(), key=lambda n: n.node or "")
-    named = {n.node: [e.step for e in n.steps if e.complete] for n in ordered if n.node is not None}
+    named = {n.node: n.lineage for n in ordered if n.node is not None}
     common = newest_common_step(named) if len(named) > 1 else None
     return Listing(sources, ordered, common)
+
+
+def _add_lineage(listing: NodeListing) -> None:
+    """The node's branches, the lineage `latest` chooses from, and `latest`, as a resume decides them."""
+    found = merge([Entry(e.step, Origin(e.branch, (e.base["step"], e.base["branch"]) if e.base else None), e.created)
+                   for e in listing.steps if e.complete and e.branch is not None])
+    listing.lineage = current_lineage(found)
+    listing.latest = listing.lineage[-1] if listing.lineage else None
+    current, newest = current_branch(found), tips(found)
+    for branch in sorted(newest, key=lambda b: newest[b]):
+        steps = sorted(s for s, e in found.items() if e.branch == branch)
+        base = found[steps[0]].origin.base
+        listing.branches.append(Branch(branch, base[0] if base else None, base[1] if base else None, steps,
+                                       branch == current))
 
 
 def _remote_listings(url: str) -> list[tuple[str | None, str, list[StepEntry]]]:
@@ -223,7 +271,8 @@ def _remote_entries(fs, root: str, url: str) -> list[StepEntry]:
         ranks, position, final = meta_facts(manifests[0]) if manifests else (None, None, False)
         why = None if step in done else bad.get(step, "not every part is committed")
         entries.append(StepEntry(step, f"{url.rstrip('/')}/{name}", "remote", why is None, why, len(manifests),
-                                 ranks, int(fs.du(f"{root}/{name}", total=True)), position, final))
+                                 ranks, int(fs.du(f"{root}/{name}", total=True)), position, final,
+                                 *_lineage_facts(manifests)))
     return entries
 
 

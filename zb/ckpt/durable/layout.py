@@ -7,8 +7,8 @@
 Each local rank writes and commits its own part, so no rank waits for another and no collective is
 needed in the background. Every part's manifest records `local_world_size`; a checkpoint is complete
 when parts rank-0 .. rank-(n-1) are all committed and agree on n. Pruning removes a rank's own parts
-only, and only of steps older than the newest `keep` complete checkpoints, so an older checkpoint is
-never lost before a newer one is complete on every rank.
+only, of the steps zb.ckpt.durable.lineage.plan_prune names (reading this rank's own manifests), so
+an older checkpoint is never lost before a newer one of its branch is complete on every rank.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import re
 import shutil
 from pathlib import Path
 
+from zb.ckpt.durable.lineage import Entry, Origin, current_lineage, entry_of, plan_prune
 from zb.ckpt.format.catalog import check_quick, read_committed, recover_leftovers, remove_snapshot
-from zb.ckpt.format.manifest import TMP_PREFIX, Manifest
+from zb.ckpt.format.manifest import TMP_PREFIX, Manifest, snapshot_name
 from zb.errors import InvalidInput
 
 log = logging.getLogger("zb.ckpt")
@@ -91,33 +92,52 @@ def clean_own_leftovers(root: Path, local_rank: int) -> list[str]:
     done = []
     for path in step_dirs(root).values():
         done += recover_leftovers(path, [part_name(local_rank)])
-        try:
-            path.rmdir()  # only when empty: a crash before any part was committed
+        if drop_if_empty(path):  # a crash (or a full disk) before any part was committed
             done.append(f"removed the empty {path}")
-        except OSError:
-            pass
     return done
 
 
-def prune_own_parts(root: Path, local_rank: int, keep: int) -> list[int]:
-    """Remove this rank's parts (and leftovers) of steps older than the newest `keep` complete ones."""
-    kept = complete_steps(root)[-keep:]
-    if len(kept) < keep or not kept:
-        return []
-    removed = []
-    for step, path in step_dirs(root).items():
-        if step >= kept[0]:
-            continue
+def entries(root: Path, local_rank: int = 0, steps: list[int] | None = None) -> dict[int, Entry]:
+    """step -> lineage entry of every complete step under root (or of `steps`), read from local rank
+    `local_rank`'s part: each rank decides from its own manifests."""
+    out = {}
+    for step in complete_steps(root) if steps is None else steps:
+        try:
+            out[step] = entry_of(read_committed(Path(root) / snapshot_name(step) / part_name(local_rank)))
+        except (InvalidInput, OSError):
+            continue  # removed or replaced since it was listed: not a step to decide by
+    return out
+
+
+def latest_step(root: Path) -> int | None:
+    """The step `--ckpt.resume latest` takes first under root: the newest complete step of the
+    current branch's lineage (markers and sizes; a resume still verifies the checksums)."""
+    line = current_lineage(entries(root))
+    return line[-1] if line else None
+
+
+def prune_own_parts(root: Path, local_rank: int, running: Origin, keep: int, *,
+                    keep_tips: bool = True) -> list[tuple[int, str]]:
+    """Remove this rank's parts (and leftovers) of the steps lineage.plan_prune names; (step, why) of each."""
+    dirs = step_dirs(root)
+    doomed = plan_prune(entries(root, local_rank), running, keep, keep_tips=keep_tips, incomplete=list(dirs))
+    for step, _ in doomed:
+        path = dirs[step]
         own = path / part_name(local_rank)
         if own.exists():
             remove_snapshot(own)
         shutil.rmtree(path / f"{TMP_PREFIX}{part_name(local_rank)}", ignore_errors=True)
-        try:
-            path.rmdir()  # the last rank to leave removes the step directory
-        except OSError:
-            pass
-        removed.append(step)
-    return removed
+        drop_if_empty(path)  # the last rank to leave removes the step directory
+    return doomed
+
+
+def drop_if_empty(step_dir: Path) -> bool:
+    """Remove a step directory that holds nothing (a write that failed before any part, a prune)."""
+    try:
+        step_dir.rmdir()
+        return True
+    except OSError:
+        return False
 
 
 def resolve_part(path: Path, local_rank: int) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -40,14 +41,16 @@ from zb.ckpt.durable.layout import (
     check_complete,
     clean_own_leftovers,
     complete_steps,
+    entries,
     part_count,
     part_name,
     resolve_part,
     scan_steps,
     step_from_name,
 )
+from zb.ckpt.durable.lineage import Entry, Origin, continue_or_fork, current_lineage, describe, merge, origin_of
 from zb.ckpt.durable.ramdir import ram_only_steps, release, sweep_stale
-from zb.ckpt.durable.remote import check_remote, download_part, remote_scan, remote_steps
+from zb.ckpt.durable.remote import check_remote, download_part, remote_entries
 from zb.ckpt.durable.reshard import join_and_split, stripe_of
 from zb.ckpt.durable.state import (
     MODEL,
@@ -124,6 +127,8 @@ class CheckpointManager:
                 log.warning("%s; checkpoints are written straight to ckpt.path instead", e)
                 self.ram_root = None
         self._tidy()
+        # A run writes a new branch unless it resumes the newest step of one (zb.ckpt.durable.lineage).
+        self.origin = Origin(self._new_branch_id(), None)
         self._staging = Staging()
         self._free = threading.Event()  # set once the last submitted job no longer needs the staging buffers
         self._free.set()
@@ -161,7 +166,7 @@ class CheckpointManager:
         staged = self._staging.fill(live)
         meta = {**json_meta(state), "local_world_size": self.local_world_size, "local_rank": self.local_rank,
                 "node_id": self.uid, "shared_files": [OUTER] if state.outer is not None else [],
-                "final": final}
+                "final": final, "lineage": self.origin.to_json()}
         # One event per job: an older job finishing must not free the buffers a queued one still reads.
         self._free = threading.Event()
         blocking = time.perf_counter() - t0
@@ -259,11 +264,19 @@ class CheckpointManager:
                         "finished): copied from %s to %s", step, src, copied)
 
     def committed_steps(self) -> list[int]:
-        """Complete checkpoints of this node (all local ranks' markers; sizes checked), on its disk or
-        on the remote copy, oldest first."""
+        """Complete checkpoints of this node's current branch and its ancestors (all local ranks'
+        markers; sizes checked), on its disk or on the remote copy, oldest first: what `latest` may take."""
+        return current_lineage(self._entries())
+
+    def _entries(self) -> dict[int, Entry]:
+        """step -> lineage entry of every complete checkpoint of this node, local or remote (this rank's view)."""
         root = self._root()
-        local = complete_steps(root) if root else []
-        return sorted(set(local) | set(remote_steps(self.remote) if self.remote else []))
+        local = entries(root, self.local_rank) if root else {}
+        return merge(local.values(), remote_entries(self.remote)[0].values() if self.remote else ())
+
+    def _new_branch_id(self) -> str:
+        """A fresh branch id, the same on every local rank (the smallest of their random proposals)."""
+        return f"{self._all_min(secrets.randbits(48)):012x}"
 
     def _root(self) -> Path | None:
         return self.disk_root or self.ram_root
@@ -388,16 +401,22 @@ class CheckpointManager:
         memory, from this node's disk or else the remote copy; each one skipped is named in a warning."""
         root, bound = self._need_root(), math.inf
         local, damaged = scan_steps(root)
-        remote, damaged_remote = remote_scan(self.remote) if self.remote else ([], {})
+        remote, damaged_remote = remote_entries(self.remote) if self.remote else ({}, {})
         if self.local_rank == 0:  # every local rank sees the same step directories
             for where, bad, other in ((root, damaged, remote), (self.remote, damaged_remote, local)):
                 for step, why in bad.items():
                     if step not in other:  # else the other copy is used
                         log.warning("skipping checkpoint step %d (%s/%s): %s", step, where, snapshot_name(step), why)
+        found = merge(entries(root, self.local_rank, local).values(), remote.values())
+        line = current_lineage(found)
         while True:
-            mine = [s for s in sorted(set(local) | set(remote)) if s < bound]
+            mine = [s for s in line if s < bound]
             step = self._all_min(mine[-1] if mine else -1)
             if step < 0:
+                others = sorted(set(found) - set(line))
+                if others and self.local_rank == 0:
+                    log.warning("no checkpoint of the current branch could be loaded; steps %s belong to branches the "
+                                "run left: name one with --ckpt.resume to take it", ", ".join(map(str, others)))
                 return None
             loaded = None
             try:
@@ -452,7 +471,21 @@ class CheckpointManager:
         load_rng(loaded[RNG])
         position = RunPosition.from_json(meta[JSON_KEY])
         log.info("resumed from %s (step %d)", loaded["path"], position.step)
+        self._follow(Entry(position.step, origin_of(meta), 0.0))
         return Resumed(loaded["path"], position, meta["data_state"], loaded.get(OUTER), meta.get("extra", {}))
+
+    def _follow(self, resumed: Entry) -> None:
+        """The branch this run writes after resuming `resumed`: the same one when it was the branch's
+        newest step, else a new branch from it (said, with what stays on the branch it left)."""
+        found = self._entries()
+        self.origin = continue_or_fork(found, resumed, self.origin.branch)
+        if self.origin.base is None or self.origin.branch == resumed.branch or self.local_rank != 0:
+            return
+        newer = sorted(s for s, e in found.items() if e.branch == resumed.branch and s > resumed.step)
+        log.warning("resuming step %d while this node holds newer steps of its branch (%s): this run writes a new "
+                    "%s; `latest` takes this branch once it has a checkpoint, and pruning keeps step %d, the "
+                    "newest of the branch it left", resumed.step, ", ".join(map(str, newer)), describe(self.origin),
+                    newer[-1])
 
     def _check_compatible(self, part: Path, meta: dict, state: TrainState) -> None:
         saved = {k: v for k, v in meta.get("fingerprint", {}).items() if k not in _MAY_DIFFER}

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from zb.ckpt.durable.layout import part_count, part_name, step_from_name
+from zb.ckpt.durable.lineage import Entry, Origin, entry_of, plan_prune
 from zb.ckpt.format.catalog import commit, read_committed, sha256_file, tmp_dir
 from zb.ckpt.format.manifest import MANIFEST, MARKER, Manifest, sha256_bytes, snapshot_name
 from zb.errors import EnvironmentFailure, InvalidInput, missing_extra
@@ -60,15 +61,17 @@ def upload_part(src: Path, url: str) -> int:
     return sent
 
 
-def prune_remote(url: str, keep_from: int) -> None:
-    """Delete step directories older than step `keep_from` under a remote node directory."""
+def prune_remote(url: str, running: Origin, keep: int) -> list[tuple[int, str]]:
+    """Delete the step directories under a remote node directory that lineage.plan_prune names (the
+    same rule as on ckpt.path); (step, why) of each."""
     fs, root = remote_fs(url)
     if not fs.exists(root):
-        return
-    for entry in fs.ls(root, detail=False):
-        step = step_from_name(entry.rstrip("/").rsplit("/", 1)[-1])
-        if step is not None and step < keep_from:
-            fs.rm(entry, recursive=True)
+        return []
+    found, _ = _scan(fs, root)
+    doomed = plan_prune(found, running, keep)
+    for step, _ in doomed:
+        fs.rm(f"{root}/{snapshot_name(step)}", recursive=True)
+    return doomed
 
 
 def read_remote_manifest(fs, part: str) -> Manifest:
@@ -92,27 +95,37 @@ def remote_steps(url: str) -> list[int]:
 
 def remote_scan(url: str) -> tuple[list[int], dict[int, str]]:
     """(complete remote steps oldest first, {step: why it is not complete}); see remote_steps."""
+    done, bad = remote_entries(url)
+    return sorted(done), bad
+
+
+def remote_entries(url: str) -> tuple[dict[int, Entry], dict[int, str]]:
+    """({step: lineage entry} of the complete remote steps, {step: why it is not complete}).
+    An unreachable remote is logged and counts as empty."""
     try:
         fs, root = remote_fs(url)
         if not fs.exists(root):
-            return [], {}
-        entries = fs.ls(root, detail=False)
+            return {}, {}
+        return _scan(fs, root)
     except Exception as e:  # noqa: BLE001 - any backend error: the remote is just not usable now
         log.warning("cannot list the remote checkpoints at %s: %s: %s", url, type(e).__name__, e)
-        return [], {}
-    done, bad = [], {}
-    for entry in entries:
+        return {}, {}
+
+
+def _scan(fs, root: str) -> tuple[dict[int, Entry], dict[int, str]]:
+    done, bad = {}, {}
+    for entry in fs.ls(root, detail=False):
         step = step_from_name(entry.rstrip("/").rsplit("/", 1)[-1])
         if step is None:
             continue
         try:
-            n = part_count(read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(0)}"))
-            for rank in range(1, n):
+            first = read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(0)}")
+            for rank in range(1, part_count(first)):
                 read_remote_manifest(fs, f"{root}/{snapshot_name(step)}/{part_name(rank)}")
-            done.append(step)
+            done[step] = entry_of(first)
         except Exception as e:  # noqa: BLE001 - an incomplete or unreadable step is simply not listed
             bad[step] = str(e)
-    return sorted(done), bad
+    return done, bad
 
 
 def download_part(url: str, step: int, local_rank: int, dst_root: Path) -> Path:

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from zb.ckpt.durable.copies import copy_part, retry
-from zb.ckpt.durable.layout import part_name, prune_own_parts
+from zb.ckpt.durable.layout import drop_if_empty, part_name, prune_own_parts
+from zb.ckpt.durable.lineage import Origin, origin_of
 from zb.ckpt.durable.ramdir import claim
 from zb.ckpt.durable.remote import prune_remote, upload_part
 from zb.ckpt.durable.state import OUTER, Staging
@@ -136,17 +137,20 @@ class Worker:
                                    lambda: copy_part(first, disk_root / snapshot_name(job.step)),
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
+                drop_if_empty(disk_root / snapshot_name(job.step))  # no empty step directory after a full disk
                 log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
         self._record(job.step, durable, error, first)
+        origin = origin_of(job.meta)
         if durable is not None and self.t.disk_root is not None and _is_under(durable, self.t.disk_root):
-            self._prune(self.t.disk_root, self.t.topk)  # only now that a newer checkpoint is committed
+            self._prune(self.t.disk_root, origin, self.t.topk)  # only now that a newer checkpoint is committed
         nbytes = sum(p.stat().st_size for p in first.iterdir() if p.is_file())
         self._report_checkpoint(job, durable, nbytes)
         if self.t.remote is not None and (job.final or not self.t.remote_interval
                                           or job.step % self.t.remote_interval == 0):
-            self._upload(job, durable or first, nbytes)
+            self._upload(job, durable or first, nbytes, origin)
         if self.t.ram_root is not None and _is_under(first, self.t.ram_root):
-            self._prune(self.t.ram_root, 1)
+            # With ckpt.path the RAM copies only feed it: the newest stays. Without, they are the checkpoints.
+            self._prune(self.t.ram_root, origin, 1, keep_tips=self.t.disk_root is None)
 
     def _already_durable(self, job: Job) -> bool:
         """A final checkpoint of a step the interval already saved is not written again (rewriting
@@ -161,7 +165,7 @@ class Worker:
         job.release.set()
         log.info("final checkpoint: step %d is already committed at %s; not writing it again", job.step, path)
         if self.t.remote is not None and job.step not in self._uploaded:
-            self._upload(job, path, sum(p.stat().st_size for p in path.iterdir() if p.is_file()))
+            self._upload(job, path, sum(p.stat().st_size for p in path.iterdir() if p.is_file()), origin_of(job.meta))
         return True
 
     def _record(self, step: int, path: Path | None, error: Exception | None, first: Path | None = None) -> None:
@@ -201,20 +205,22 @@ class Worker:
                 return path, disk_error
             if root == self.t.disk_root:
                 disk_error = error
+            drop_if_empty(root / snapshot_name(job.step))  # a full disk must not leave an empty step behind
             log.error("checkpoint of step %d could not be written to %s: %s", job.step, root, error)
         return None, disk_error or error
 
-    def _prune(self, root: Path | None, keep: int | None) -> None:
-        if root is None or not keep:
+    def _prune(self, root: Path, origin: Origin, keep: int, *, keep_tips: bool = True) -> None:
+        if not keep:
             return
         try:
-            removed = prune_own_parts(root, self.t.local_rank, keep)
-            if removed:
-                log.info("pruned checkpoint steps %s under %s", removed, root)
+            removed = prune_own_parts(root, self.t.local_rank, origin, keep, keep_tips=keep_tips)
         except OSError as e:
             log.warning("pruning %s failed: %s", root, e)
+            return
+        for step, why in removed:
+            log.info("pruned checkpoint step %d under %s: %s", step, root, why)
 
-    def _upload(self, job: Job, src: Path, nbytes: int) -> None:
+    def _upload(self, job: Job, src: Path, nbytes: int, origin: Origin) -> None:
         remote = self.t.remote
         assert remote is not None  # uploads happen only with ckpt.remote.path
         url = f"{remote.rstrip('/')}/{snapshot_name(job.step)}/{part_name(self.t.local_rank)}"
@@ -230,9 +236,10 @@ class Worker:
             return
         log.info("checkpoint step %d uploaded to %s: %s bytes in %.1f s", job.step, url, f"{nbytes:,}", seconds)
         self._uploaded.append(job.step)
-        if self.t.topk and self.t.local_rank == 0 and len(self._uploaded) >= self.t.topk:
-            self._uploaded = self._uploaded[-self.t.topk:]
-            retry("pruning the remote", lambda: prune_remote(remote, self._uploaded[0]), 1, 0.0)
+        if self.t.topk and self.t.local_rank == 0:
+            pruned, _ = retry("pruning the remote", lambda: prune_remote(remote, origin, self.t.topk), 1, 0.0)
+            for step, why in pruned or []:
+                log.info("pruned checkpoint step %d under %s: %s", step, remote, why)
 
     def _report_checkpoint(self, job: Job, path: Path | None, nbytes: int) -> None:
         background = time.perf_counter() - job.started
