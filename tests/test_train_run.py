@@ -180,3 +180,20 @@ def test_the_plain_step_line_has_step_time_and_eta_and_the_run_rate_only_with_ot
     assert "run tok/s" not in alone and "0.5 s/step" in alone and alone.endswith("ETA 0:00:45")
     pooled = format_step_line(10, 100, 2.0, 1e-3, 0.5, 1000.0, 3000.0, 30_000, step_s=0.5, eta_s=None)
     assert "run tok/s 3,000" in pooled and "ETA" not in pooled
+
+
+def test_data_too_small_for_a_held_out_split_is_refused_before_training(tmp_path):
+    """One document leaves no held-out one for the rank: said at the start, exit 2, not after
+    eval.interval steps of training (it trained 50 steps, then stopped at the first evaluation)."""
+    data = tmp_path / "a.txt"
+    data.write_text("one document without a blank line in it, " * 200 + "\n")
+    common = ("--data.dataset_name_or_paths", str(data), "--data.tokenizer", "bytes", "--data.seq_length", "64",
+              "--optim.total_steps", "50")
+    proc = _zb(*common, "--log.dir", str(tmp_path / "logs"))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "step 1/" not in proc.stderr and not read_metrics(tmp_path / "logs" / "metrics.jsonl", "step")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.dataset_name_or_paths = ") and "has too few documents to hold out an eval " \
+        "split for every rank" in last and "(eval.interval = -1)" in last and "1 document in" in last, last
+    proc = _zb(*common, "--eval.interval", "-1", "--log.dir", str(tmp_path / "off"))
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -85,6 +85,11 @@ class DataLoader:
     def __iter__(self) -> "DataLoader":
         return self
 
+    def check_nonempty(self) -> None:
+        """Raise InvalidInput now when this rank's shard holds no document of its split, which reading would
+        find only at the first batch (for the held-out split: at the first evaluation, after training)."""
+        self.stream.check_nonempty()
+
     def _open(self) -> None:
         offset, self._resume_offset = self._resume_offset, None
         docs = self.stream.documents(self._pos)
@@ -162,6 +167,9 @@ class FakeLoader:
 
     def __iter__(self) -> "FakeLoader":
         return self
+
+    def check_nonempty(self) -> None:
+        """Fake batches are made, not read: never empty."""
 
     def __next__(self) -> Batch:
         salt = 1 if self.split == "eval" else 0

@@ -67,6 +67,11 @@ class MixedStream:
         """What seeds a shuffle buffer opened at `pos`."""
         return (pos["draws"],)
 
+    def check_nonempty(self) -> None:
+        """Raise now when a source's shard holds no document (a draw would find it later)."""
+        for stream in self.streams:
+            stream.check_nonempty()
+
     def documents(self, pos: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
         """(position, text) of the mixed documents from `pos` on, forever."""
         draws, at = pos["draws"], [dict(p) for p in pos["sources"]]

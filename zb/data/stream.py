@@ -94,6 +94,10 @@ class DocStream:
         return count % self.rr_count == self.rr_index and \
             is_held_out(part.key, doc, self.eval_fraction) == self.held_out
 
+    def check_nonempty(self) -> None:
+        """Raise now, not at the first read, when this shard of this split holds no document."""
+        next(self.documents(self.start()))
+
     def documents(self, pos: dict[str, int]) -> Iterator[tuple[dict[str, int], str]]:
         """(position, text) of this shard's documents from `pos` on; wraps around epochs forever."""
         epoch, first_part, first_doc, count = pos["epoch"], pos["part"], pos["doc"], pos["count"]
@@ -107,11 +111,20 @@ class DocStream:
                         yield {"epoch": epoch, "part": p, "doc": doc, "count": count}, part.text(raw)
                     count += 1
             if not found and first_part == 0 and first_doc == 0:
-                what = "held-out" if self.held_out else "training"
-                raise InvalidInput(f"data.dataset_name_or_paths = {self.source!r}: no {what} documents for this "
-                                   f"rank (shard {self.rr_index} of {self.rr_count}, data.eval_fraction = "
-                                   f"{self.eval_fraction}); add data, use fewer ranks or change data.eval_fraction")
+                raise InvalidInput(self._none_mine(count))
             epoch, first_part, first_doc, count = epoch + 1, 0, 0, 0
+
+    def _none_mine(self, count: int) -> str:
+        """The line for a shard without a document; `count`: the documents of the files this rank reads."""
+        docs = f"{count} document{'s' * (count != 1)}"
+        where = (f"(shard {self.rr_index} of {self.rr_count}, data.eval_fraction = {self.eval_fraction}, {docs} "
+                 "in the files this rank reads)")
+        if not self.held_out:
+            return (f"data.dataset_name_or_paths = {self.source!r}: no training documents for this rank {where}; "
+                    "add data, use fewer ranks or change data.eval_fraction")
+        return (f"data.dataset_name_or_paths = {self.source!r} has too few documents to hold out an eval split for "
+                f"every rank: none is held out for this rank {where}; add documents (a .txt file's are separated by "
+                "blank lines), raise data.eval_fraction, use fewer ranks, or turn evaluation off (eval.interval = -1)")
 
 
 def shuffled(docs: Iterator[tuple[dict[str, int], str]], size: int, seed: int

@@ -174,6 +174,8 @@ def build_loaders(cfg: Config, tokenizer, local: LocalWorld, data_rank: int, dat
     if local.rank == 0:
         _warn_without_downloads(cfg)
     train = make("train")
+    if cfg.eval.interval >= 0 or cfg.eval.only:
+        make("eval").check_nonempty()   # a shard with no held-out document: said before training, not after it
     cuda = torch.cuda.is_available()  # False on a train.device=cpu run: see device.hide_gpus
     # On the CPU the step and the thread share the cores and the GIL: measured slower there
     # (BENCHMARKS.md), so it is on by default only where the host mostly waits for the device.
