@@ -63,6 +63,27 @@ def test_bad_inputs_exit_2_with_one_line(args, message):
     assert "Traceback" not in proc.stderr
 
 
+def test_misleading_lines_now_say_what_is_wrong(tmp_path):
+    """Issue 37: a directory given as @config was "not found"; a section [optimizer] got "did you mean
+    optim.lr?" (a key, where a section was written); GLOBAL_ADDR=::1:29721 "did not resolve" with no word
+    of the brackets an IPv6 address with a port needs."""
+    (tmp_path / "run.toml").write_text("[optim]\nlr = 0.02\n")
+    section = tmp_path / "section.toml"
+    section.write_text("[optimizer]\nlr = 0.02\n")
+    for args, env, message in [
+        (["train", f"@{tmp_path}"], {}, f"config file {tmp_path} is a directory; a config file is expected: @FILE.toml "
+                                        f"(it holds @{tmp_path / 'run.toml'}, @{section})"),
+        (["train", f"@{section}"], {}, f"unknown section [optimizer] in {section}; did you mean [optim]?"),
+        (["train", "--diloco.inner_steps", "5"], {"GLOBAL_ADDR": "::1:29721"},
+         "write IPv6 addresses in brackets: [::1]:29721"),
+    ]:
+        proc = zb_process(*args, **env)
+        assert proc.returncode == 2, (args, proc.stderr)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (args, proc.stderr)
+        assert "not found" not in errors[0] and "optim.lr" not in errors[0] and "resolve" not in errors[0]
+
+
 def _zb_bytes(args: list[bytes], env: dict[str, bytes]) -> subprocess.CompletedProcess:
     """`python -m zb` with raw bytes in argv and environment, as a shell passes $'\\xff'."""
     environ = {k.encode(): v.encode() for k, v in subprocess_env().items()}

@@ -88,7 +88,8 @@ def test_prime_variables_are_read_or_warned_about(caplog, monkeypatch):
 
 @pytest.mark.parametrize("text, message", [
     ("[optim]\nlrr = 1\n", "unknown key optim.lrr in"),
-    ("[optimizer]\nlr = 1\n", "unknown section [optimizer]"),
+    ("[optimizer]\nlr = 1\n", "unknown section [optimizer] in"),
+    ("[zzzq]\nlr = 1\n", "; the sections are [ckpt], [data], [diloco], [elastic], [eval], [log], [model], [optim]"),
     ("[optim]\nlr = -1.0\n", "optim.lr = -1.0 (from file"),
     ("[optim]\nlr = 'fast'\n", "optim.lr = 'fast' (from file"),
     ("[optim]\nbatch_size = 10\n[train]\nmicro_bs = 4\n", "must be a multiple of train.micro_bs"),

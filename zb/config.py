@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import AbstractSet, Any, Callable, Mapping, Sequence
 
 from zb import config_prime as prime
-from zb.addresses import valid_store_list
+from zb.addresses import bracket_hint, valid_store_list
 from zb.config_checks import advisories, problems
 from zb.config_schema import ENVIRONMENT, Config
 from zb.errors import InvalidInput, ZbError
@@ -143,6 +143,15 @@ def _suggest(key: str) -> str:
     return f"; did you mean {close[0]}?" if close else "; see `zb train --help` for the keys"
 
 
+def _suggest_section(name: str) -> str:
+    """A section for an unknown one: a table is a section, so a key (optim.lr for [optimizer]) would mislead."""
+    close = difflib.get_close_matches(name, sorted(SECTIONS), n=1)
+    if close:
+        return f"; did you mean [{close[0]}]?"
+    tops = sorted({s for s in SECTIONS if "." not in s} - prime.PRIME_SECTIONS)
+    return f"; the sections are {', '.join(f'[{s}]' for s in tops)}"
+
+
 def _convert(spec: KeySpec, value: Any, source: str) -> Any:
     """Turn a TOML value or a string from env/flags into the key's type, or raise naming key and source."""
     where = _describe(source)
@@ -185,7 +194,8 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
     if spec.check is not None and value is not None:
         test, rule = CHECKS[spec.check]
         if not test(value):
-            raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: {rule}")
+            hint = bracket_hint(value) if spec.check == "store_list" else ""   # the one mistake the rule cannot name
+            raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: {rule}" + (f"; {hint}" if hint else ""))
     return value
 
 
@@ -251,7 +261,7 @@ def _flatten_toml(table: Mapping[str, Any], source: str, prefix: str = "") -> di
         key = f"{prefix}{name}"
         if isinstance(value, dict):
             if key not in SECTIONS:
-                raise ConfigError(f"unknown section [{key}] in {source}" + _suggest(key))
+                raise ConfigError(f"unknown section [{key}] in {source}" + _suggest_section(key))
             flat[key] = {}  # marks the section as present (an empty [diloco] turns DiLoCo on)
             flat.update(_flatten_toml(value, source, key + "."))
         elif key in KEYS or key in prime.PRIME_KEYS:
@@ -264,6 +274,9 @@ def _flatten_toml(table: Mapping[str, Any], source: str, prefix: str = "") -> di
 def read_toml(path: str) -> dict[str, Any]:
     """Flat {key: value} of one config file; a missing or malformed file is an InvalidInput."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {path} is a directory; a config file is expected: @FILE.toml"
+                          + _tomls_in(p))
     if not p.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
@@ -274,6 +287,17 @@ def read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: nested too deeply (no config nests more "
                           "than a few levels)") from None
     return _flatten_toml(table, str(path))
+
+
+def _tomls_in(directory: Path) -> str:
+    """The config files a directory holds, for the line that refuses the directory itself."""
+    try:
+        found = sorted(str(f) for f in directory.glob("*.toml") if f.is_file())
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    return f" (it holds {', '.join('@' + f for f in found[:3])}{', ...' if len(found) > 3 else ''})"
 
 
 def env_values(environ: Mapping[str, str]) -> list[tuple[str, str, str]]:
