@@ -368,3 +368,19 @@ def test_train_on_local_files_offline_is_one_line_and_exit_1(tmp_path, env, mess
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and "data.tokenizer = 'mistralai/Mistral-7B-v0.1'" in errors[0]
     assert "Retry" not in proc.stderr and "retry" not in proc.stderr
+
+
+def test_subset_data_offline_says_offline_forbids_its_download(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1 and no saved file list: `zb subset-data` is the download, so it is told to unset
+    HF_HUB_OFFLINE, not to "fetch the files first with `zb subset-data`" (itself); training still is."""
+    proc = zb_process("subset-data", "--dataset", "x/y", "--out", str(tmp_path / "out"), timeout=120,
+                      HF_HUB_OFFLINE="1")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "HF_HUB_OFFLINE is set, which forbids the downloads zb subset-data makes" in lines[0] \
+        and "unset HF_HUB_OFFLINE" in lines[0] and "with `zb subset-data`" not in lines[0], proc.stderr
+    from zb.data.hub import open_dataset
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InvalidInput, match="fetch the files first with `zb subset-data`"):
+        open_dataset("x/y", key="data.dataset_name_or_paths", retries=0, cache_dir=tmp_path / "cache")

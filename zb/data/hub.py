@@ -158,8 +158,10 @@ def offline() -> bool:
     return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes")
 
 
-def open_dataset(repo_id: str, *, key: str, retries: int, cache_dir: Path | None = None) -> HubDataset:
-    """The dataset's file list: from the hub, or from the saved list when offline or unreachable."""
+def open_dataset(repo_id: str, *, key: str, retries: int, cache_dir: Path | None = None,
+                 downloading: bool = False) -> HubDataset:
+    """The dataset's file list: from the hub, or from the saved list when offline or unreachable.
+    `downloading`: the caller is there to fetch the files (zb subset-data), so "fetch them first" is no way out."""
     check_endpoint()
     cache_dir = cache_dir or cache_root()
     endpoint = hub_endpoint()
@@ -168,8 +170,7 @@ def open_dataset(repo_id: str, *, key: str, retries: int, cache_dir: Path | None
     saved = _read_listing(repo_id, cache_dir)
     if offline():
         if saved is None:
-            raise InvalidInput(f"{key} = {repo_id!r}: HF_HUB_OFFLINE is set and {cache_dir} holds no saved file list; "
-                               "fetch the files first with `zb subset-data` (and point ZB_DATA_CACHE at its --out)")
+            raise InvalidInput(_offline_without_list(repo_id, key, cache_dir, downloading))
         return saved
     try:
         revision = _probe(repo_id, endpoint, key, retries)
@@ -183,6 +184,15 @@ def open_dataset(repo_id: str, *, key: str, retries: int, cache_dir: Path | None
     dataset = HubDataset(repo_id, revision, _list_files(repo_id, revision, endpoint, retries), cache_dir)
     _save_listing(dataset)
     return dataset
+
+
+def _offline_without_list(repo_id: str, key: str, cache_dir: Path, downloading: bool) -> str:
+    if downloading:
+        return (f"{key} = {repo_id!r}: HF_HUB_OFFLINE is set, which forbids the downloads zb subset-data makes "
+                f"({cache_dir} holds no file list of it yet); unset HF_HUB_OFFLINE to fetch it, or, with a local "
+                "copy of its files, train on them directly (data.dataset_name_or_paths = their paths)")
+    return (f"{key} = {repo_id!r}: HF_HUB_OFFLINE is set and {cache_dir} holds no saved file list; "
+            "fetch the files first with `zb subset-data` (and point ZB_DATA_CACHE at its --out)")
 
 
 def _probe(repo_id: str, endpoint: str, key: str, retries: int) -> str:

@@ -49,7 +49,7 @@ def subset_dataset(name: str, *, data_rank: int, data_world_size: int, out: Path
     as the training keys of the same names: the files fetched are the ones training will read."""
     progress = progress or Progress()
     name, config = name_and_config(name, config, "--dataset")
-    ds = open_dataset(name, key="--dataset", retries=retries, cache_dir=out)
+    ds = open_dataset(name, key="--dataset", retries=retries, cache_dir=out, downloading=True)
     files = select_files(ds.files, split, config, f"--dataset {name!r}")
     if filters:
         files = [f for f in files if any(part in f.path for part in filters)]
