@@ -14,6 +14,7 @@ from typing import Iterator
 from zb.addresses import parse_stores
 from zb.config_schema import Config, DilocoConfig
 from zb.model_sizes import model_names
+from zb.overlap_modes import mode_of, unused_fragment_keys
 
 
 def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
@@ -26,31 +27,20 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "optim.stable_steps", f"is not below optim.total_steps ({cfg.optim.total_steps}): the LR never decays"
     if cfg.data.fake and cfg.data.dataset_ratio is not None:
         yield "data.dataset_ratio", "has no effect with data.fake (random tokens)"
-    if cfg.diloco is not None and cfg.diloco.overlap != "streaming":
-        defaults = DilocoConfig()
-        for key in ("fragments", "fragment_delay", "fragment_alpha"):
-            if getattr(cfg.diloco, key) != getattr(defaults, key):
-                yield f"diloco.{key}", f"has no effect with diloco.overlap = {cfg.diloco.overlap} (streaming only)"
+    if cfg.diloco is not None:
+        yield from unused_fragment_keys(mode_of(cfg.diloco.overlap), cfg.diloco, DilocoConfig())
     if cfg.diloco is not None and cfg.diloco.round_seconds is not None and \
             cfg.diloco.inner_steps != DilocoConfig().inner_steps:
         yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
-    if cfg.diloco is not None and cfg.diloco.overlap == "eager":
-        yield "diloco.overlap", ("eager lost 14-37% in loss against blocking DiLoCo, best setting against best, on every "
-                                 "model we could train (0.15M-6.6M params), where streaming was within 1% (BENCHMARKS.md, "
-                                 "\"Eager across the regime\"): prefer diloco.overlap = streaming unless a short run "
-                                 "of your own model says otherwise")
-    if cfg.diloco is not None and cfg.diloco.overlap == "eager" and cfg.diloco.outer_momentum > 0:
-        yield "diloco.outer_momentum", ("with diloco.overlap = eager, outer momentum made eager 84-99% worse than "
-                                        "blocking DiLoCo in our sweep, where momentum 0 with diloco.outer_lr 0.7 was "
-                                        "eager's best (BENCHMARKS.md, \"Eager across the regime\"): set "
-                                        "diloco.outer_momentum = 0")
+    if cfg.diloco is not None:
+        yield from mode_of(cfg.diloco.overlap).advisories(cfg.diloco)
     if cfg.diloco is not None and cfg.diloco.error_feedback and cfg.diloco.compression == "none":
         yield "diloco.error_feedback", "has no effect with diloco.compression = none (nothing is dropped)"
     if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
         yield "elastic.link_probe_seconds", "has no effect without elastic.measure_links"
     if cfg.elastic.store_failover_s != 30.0 and _stores(cfg) < 2:
         yield "elastic.store_failover_s", "has no effect with one store in elastic.addr (nothing to fail over to)"
-    if cfg.diloco is not None and cfg.diloco.overlap != "none" and cfg.diloco.round_seconds is None and \
+    if cfg.diloco is not None and mode_of(cfg.diloco.overlap).in_flight and cfg.diloco.round_seconds is None and \
             cfg.optim.total_steps % cfg.diloco.inner_steps:
         yield "optim.total_steps", (f"is not a multiple of diloco.inner_steps ({cfg.diloco.inner_steps}): with "
                                     "diloco.overlap the run ends on the shared params, so the inner steps after the "
@@ -67,7 +57,7 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and cfg.diloco.clip is not None:
         if cfg.diloco.clip < 1:
             yield "diloco.clip", "must be at least 1 (the median contribution itself is never scaled)"
-        if cfg.diloco.overlap != "none":
+        if mode_of(cfg.diloco.overlap).in_flight:
             yield "diloco.clip", (f"cannot combine with diloco.overlap = {cfg.diloco.overlap} yet: the norms are "
                                   "compared in the check-in, which an overlapped all-reduce has already left behind")
     if cfg.diloco is not None and cfg.diloco.evict_clipped and cfg.diloco.clip is None:
@@ -103,8 +93,8 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is not None and not adaptive and cfg.ckpt.interval is not None and \
             cfg.ckpt.interval % cfg.diloco.inner_steps:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
-    if cfg.diloco is not None and cfg.diloco.overlap == "streaming":
-        yield from _streaming_problems(cfg.diloco, adaptive)
+    if cfg.diloco is not None:
+        yield from mode_of(cfg.diloco.overlap).problems(cfg.diloco, adaptive)
     if cfg.eval.only and not cfg.ckpt.resume:
         yield "eval.only", "evaluates a checkpoint: name it with ckpt.resume (latest with ckpt.path, a step directory " \
                            "or a remote URL of one)"
@@ -132,19 +122,8 @@ def _swarm_problems(cfg: Config) -> Iterator[tuple[str, str]]:
     if cfg.diloco is None:
         yield "swarm.stages", ("needs a [diloco] table: the workers of a stage sync by DiLoCo (set diloco.inner_steps, "
                                "1 syncs every step)")
-    elif cfg.diloco.overlap != "none" or cfg.diloco.round_seconds is not None:
+    elif mode_of(cfg.diloco.overlap).in_flight or cfg.diloco.round_seconds is not None:
         yield "swarm.stages", "needs diloco.overlap = none and no diloco.round_seconds (a stage syncs at fixed steps)"
-
-
-def _streaming_problems(d, adaptive: bool) -> Iterator[tuple[str, str]]:
-    """Fixed rounds cut into fragments' steps (with diloco.round_seconds the clock cuts them: zb.diloco.rounds)."""
-    if not adaptive and d.inner_steps % d.fragments:
-        yield "diloco.fragments", f"must divide diloco.inner_steps ({d.inner_steps}): each fragment syncs once a round"
-    elif not adaptive and d.fragment_delay >= d.inner_steps // d.fragments:
-        yield "diloco.fragment_delay", (f"must be below inner_steps / fragments ({d.inner_steps // d.fragments}): a "
-                                        "fragment's all-reduce must end before the next one starts")
-    if not 0.0 <= d.fragment_alpha <= 1.0:
-        yield "diloco.fragment_alpha", "must be between 0 and 1"
 
 
 def dataset_entries(spec: str) -> list[str]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from zb.overlap_modes import MODES
+
 
 def knob(default: Any, doc: str, *, choices: tuple = (), aliases: dict | None = None, env: str | None = None,
          check: str | None = None, run_defining: bool = False, items: tuple = ()) -> Any:
@@ -219,7 +221,7 @@ class DilocoConfig:
                         "all-reduce runs behind the next round; its average is applied one round later with the eager "
                         "correction, arXiv 2502.12996) or streaming (diloco.fragments synced in turn, each all-reduce "
                         "behind diloco.fragment_delay inner steps, arXiv 2501.18512).",
-                        choices=("none", "eager", "streaming"), run_defining=True)
+                        choices=tuple(MODES), run_defining=True)
     fragments: int = knob(1, "Streaming: P, fragments synced in turn (transformer blocks strided over them); "
                              "diloco.inner_steps must be a multiple of P (rounds of fixed steps).", check="positive", run_defining=True)
     fragment_delay: int = knob(1, "Streaming: tau, inner steps a fragment's all-reduce overlaps (below inner_steps / "

@@ -18,6 +18,7 @@ from zb.errors import InvalidInput, LeavingRun
 from zb.events import Refused, emit
 from zb.fingerprint import fingerprint
 from zb.local_world import LocalWorld, local_world
+from zb.overlap_modes import mode_of
 from zb.status.publisher import publish_status
 from zb.train.checkpointing import RunCheckpoints
 from zb.train.device import (
@@ -103,6 +104,7 @@ class TrainingRun:
         self.total = cfg.train.max_steps or cfg.optim.total_steps
         self.tokens_per_step = cfg.optim.batch_size * cfg.data.seq_length
         self.diloco: DilocoNode | None = None
+        self.data_slot: tuple[int, int] | None = None   # (data rank, data world size), once known: checkpoints keep it
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
         emit_run_start(self.sink, cfg, local_world_size=local.world_size, device=placement.device.type)
         self.checkpoints = RunCheckpoints(cfg, uid=cfg.elastic.unique_id, local_rank=local.rank,
@@ -148,6 +150,7 @@ class TrainingRun:
             except InvalidInput as e:   # the run refused this node (settings that differ from the run's)
                 emit(self.sink, Refused(reason=str(e)))
                 raise
+            self.data_slot = (data_rank, data_world)
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, self.local, data_rank,
                                                                 data_world)
             self._restore_data_position()
@@ -177,15 +180,23 @@ class TrainingRun:
         return Ended(self.stop_signal, self.ledger.position.step)
 
     def _evaluate_only(self) -> None:
-        """eval.only: the checkpoint ckpt.resume names, on this node's held-out shard; nothing else."""
+        """eval.only: the model of the checkpoint ckpt.resume names, on the held-out data of the node's data slot;
+        nothing else, and nothing written but this run's own metrics (zb.train.eval_only)."""
+        from zb.train.eval_only import data_slot, read_checkpoint
+
         cfg = self.cfg
-        self.train_loader, self.eval_loader = build_loaders(cfg, self.tokenizer, self.local, cfg.data.data_rank or 0,
-                                                            cfg.data.data_world_size or 1)
-        loaded = self.checkpoints.resume(store=None, scope="", joining=False)
+        loaded = read_checkpoint(cfg, self.model, self.fingerprint, local_rank=self.local.rank,
+                                 local_world_size=self.local.world_size, group=control_group())
         if loaded is None:
             raise InvalidInput(f"eval.only: ckpt.resume = '{cfg.ckpt.resume}' found no complete checkpoint under "
                                f"{cfg.ckpt.path}; see `zb ckpt ls {cfg.ckpt.path}`")
+        self.data_slot = data_slot(cfg, loaded)
+        self.train_loader, self.eval_loader = build_loaders(cfg, self.tokenizer, self.local, *self.data_slot)
         self.ledger.move_to(loaded.position, own_tokens=True)
+        if self.local.is_head:
+            log.info("eval.only: the checkpoint's model params (this node's, as the run evaluated them) on data slot "
+                     "%d of %d; its optimizer and DiLoCo outer state are not read (zb generate --params outer and "
+                     "zb export read the outer params)", *self.data_slot)
         loss = self._evaluate()
         log.info("eval.only: checkpoint %s (step %d): held-out loss %.4f, perplexity %.4g over %d micro batches "
                  "per rank", loaded.path, self.ledger.position.step, loss, perplexity(loss), cfg.eval.batches)
@@ -221,7 +232,7 @@ class TrainingRun:
                           data_state=self.train_loader.state_dict(),
                           outer=self.diloco.checkpoint_tensors() if self.diloco is not None else None,
                           config=to_dict(self.cfg), fingerprint=self.fingerprint,
-                          data_exact=self.train_loader.exact_resume)
+                          data_exact=self.train_loader.exact_resume, data_slot=self.data_slot)
 
     def _resume(self) -> None:
         diloco = self.diloco
@@ -351,7 +362,8 @@ class TrainingRun:
         """The outer step's log line (its event went out from the ledger)."""
         note = note or report.note or ("" if report.applied else " | NOT applied")
         assert self.cfg.diloco is not None  # outer steps happen only with DiLoCo
-        hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" if self.cfg.diloco.overlap != "none" else ""
+        hidden = f" ({report.hidden_s:.2f} s hidden, {report.stall_s:.2f} s stalled)" \
+            if mode_of(self.cfg.diloco.overlap).in_flight else ""
         if report.fragment is not None:
             note = f" | fragment {report.fragment}{note}"
         if report.round_steps is not None:
