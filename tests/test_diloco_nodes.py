@@ -116,6 +116,25 @@ def test_joiner_with_another_model_is_refused(make_run):
     assert all(e["global_world_size"] == 1 for e in run.metrics("n0", "outer_step"))
 
 
+def test_a_node_at_a_store_whose_run_ended_is_told_so_not_to_join_it(make_run):
+    """Issue 37: a new run with other settings on a store whose run had ended (every node said goodbye)
+    was told "Use the run's settings to join it": there is nothing to join. It is told that run ended
+    and how to start a new one; the namespace it is pointed to works."""
+    run = make_run(1)
+    run.start_train("n0", "--optim.total_steps", "10")
+    assert run.finish("n0") == 0, run.log("n0")
+    late = run.start_train("late", "--optim.total_steps", "10", "--train.seed", "5")
+    assert late.wait(120) == 2, run.log("late")
+    errors = [line for line in (run.tmp / "late.log").read_text().splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.log("late")
+    assert re.search(r"this store holds a run that has ended \(every node of its last world, mesh version \d+, left: "
+                     r"n0\) and this node's settings differ from that run's: train.seed \(run: \d+, this node: 5\)\. "
+                     r"For a new run start a new `zb store`, or pick a new namespace on this one with "
+                     r"--elastic.namespace$", errors[0]), errors[0]
+    run.start_train("fresh", "--optim.total_steps", "10", "--train.seed", "5", "--elastic.namespace", "second")
+    assert run.finish("fresh") == 0, run.log("fresh")
+
+
 def test_non_finite_pseudo_gradient_is_skipped_everywhere(make_run):
     run = make_run(2)
     run.start_train("n0", "--optim.total_steps", "10", rank=0)

@@ -15,7 +15,7 @@ It lives below both of its users (zb.diloco checks it at join, zb.ckpt at resume
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from zb import __version__
 from zb.config import KEYS, get, toml_value
@@ -49,14 +49,21 @@ def _short(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else f"{text[:limit - 3]}... ({len(text)} chars)"
 
 
-def check_against(mine: dict[str, Any], published: str) -> None:
-    """Raise InvalidInput (exit 2) naming every differing key."""
+def check_against(mine: dict[str, Any], published: str, ended: Callable[[], str | None] = lambda: None) -> None:
+    """Raise InvalidInput (exit 2) naming every differing key. `ended` says how the store's run ended
+    (None: it may be live), asked only on a difference: a run that ended cannot be joined."""
     try:
         theirs = json.loads(published)
     except ValueError:
         raise InvalidInput("the run's published fingerprint is unreadable; is this store used by another tool?") \
             from None
     diff = differences(mine, theirs)
-    if diff:
-        raise InvalidInput("this node's settings differ from the run's: " + "; ".join(diff)
-                           + ". Use the run's settings to join it.")
+    if not diff:
+        return
+    how = ended()
+    if how is not None:
+        raise InvalidInput(f"this store holds a run that has ended ({how}) and this node's settings differ from "
+                           "that run's: " + "; ".join(diff) + ". For a new run start a new `zb store`, or pick a new "
+                           "namespace on this one with --elastic.namespace")
+    raise InvalidInput("this node's settings differ from the run's: " + "; ".join(diff)
+                       + ". Use the run's settings to join it.")

@@ -40,6 +40,7 @@ from zb.diloco.sync import SyncStats
 from zb.diloco.transfer import StateTransfer
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.membership import exclude
+from zb.elastic.store_state import ended_world
 from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import store_errors
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -189,8 +190,15 @@ class DilocoNode:
                 mine["stripes"] = json.loads(published).get("stripes", mine["stripes"])
             except (ValueError, AttributeError):
                 pass  # check_against names the unreadable fingerprint
-        check_against(mine, published)
+        check_against(mine, published, self._run_ended)
         return {"stripes": mine["stripes"]}
+
+    def _run_ended(self) -> str | None:
+        """How the store's run ended, when every node of its last world said goodbye (else None)."""
+        world = ended_world(self.connect())
+        if world is None:
+            return None
+        return f"every node of its last world, mesh version {world.version}, left: {', '.join(world.nodes) or 'none'}"
 
     def _use_stripes(self, stripes: int) -> None:
         """Lay the outer state out in the run's stripes (zb.diloco.stripes); a node with fewer local ranks

@@ -49,6 +49,17 @@ def read_snapshot(store, resolution: int | None) -> Snapshot:
                     moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]))
 
 
+def ended_world(store) -> World | None:
+    """The last world of the run in this store (and namespace) when every node of it said goodbye: that run
+    has ended. None while a node of it may be live (one killed without a goodbye counts as live: only
+    waiting out its heartbeat would tell), or before any world."""
+    snap = read_snapshot(store, None)
+    world = snap.world
+    if world is None or any((m, world.tokens.get(m, "")) not in snap.gone for m in world.nodes):
+        return None
+    return world
+
+
 def _count(raw: bytes) -> int:
     try:
         return int(raw or b"0")
