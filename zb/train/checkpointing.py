@@ -31,7 +31,8 @@ class RunCheckpoints:
         self.cfg, self.state_of = cfg, state_of
         self.manager = None
         ckpt = cfg.ckpt
-        if ckpt.path or ckpt.interval or ckpt.resume or ckpt.remote.path:
+        # eval.only reads its checkpoint itself (zb.train.eval_only): a manager tidies, probes and sweeps as it starts.
+        if not cfg.eval.only and (ckpt.path or ckpt.interval or ckpt.resume or ckpt.remote.path):
             from zb.ckpt.durable.manager import CheckpointManager
 
             if ckpt.remote.path and source_of(cfg, "elastic.unique_id") == "default" and is_head:

@@ -10,7 +10,8 @@ A rank's checkpoint part holds these safetensors files (names are part of the fo
                         "inflight/part" (the average in flight at the save, kept for the restart); with
                         diloco.error_feedback "feedback/params" or "feedback/fragments" (this node's residual)
 
-Numbers (counters, scheduler, optimizer hyperparameters, data position) go in the manifest as JSON.
+Numbers (counters, scheduler, optimizer hyperparameters, data position, the data slot the node reads: what
+`zb train --eval.only` evaluates on) go in the manifest as JSON.
 `Staging` preallocates CPU buffers once and refills them at every save: the only blocking work.
 """
 
@@ -40,6 +41,7 @@ class TrainState:
     config: dict                                   # zb.config.to_dict(cfg)
     fingerprint: dict                              # zb.fingerprint.fingerprint(...)
     data_exact: bool = True                        # loader.exact_resume
+    data_slot: tuple[int, int] | None = None       # (data rank, data world size) this node reads; None: unknown
     extra: dict = field(default_factory=dict)      # any other JSON the caller wants back
 
 
@@ -81,9 +83,11 @@ def json_meta(state: TrainState) -> dict[str, Any]:
     """Everything that is not a tensor: numbers and the data position, as plain JSON."""
     groups = [{k: v for k, v in g.items() if k != "params" and _is_number_like(v)}
               for g in state.optimizer.param_groups]
+    slot = None if state.data_slot is None else {"rank": state.data_slot[0], "world_size": state.data_slot[1]}
     return {JSON_KEY: state.position.to_json(), "data_state": state.data_state, "data_exact": state.data_exact,
-            "scheduler": _scheduler_state(state.scheduler), "param_groups": groups, "config": state.config,
-            "fingerprint": state.fingerprint, "threads": torch.get_num_threads(), "extra": state.extra}
+            "data_slot": slot, "scheduler": _scheduler_state(state.scheduler), "param_groups": groups,
+            "config": state.config, "fingerprint": state.fingerprint, "threads": torch.get_num_threads(),
+            "extra": state.extra}
 
 
 def _is_number_like(v: Any) -> bool:
