@@ -171,6 +171,7 @@ def test_cli_serves_a_nodes_live_directory_where_joiners_look_and_stops_on_sigte
     write_sample(rank_dir(tmp_path / "ram", "n1", 0))   # where a node's local rank 0 keeps them (zb.diloco.live)
     store_port = free_port()
     store = TCPStore("127.0.0.1", store_port, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store.set("ckpt_serve/n1/r0", "10.9.9.9:7000")   # the live node's own sidecar, published under the same name
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
@@ -186,7 +187,7 @@ def test_cli_serves_a_nodes_live_directory_where_joiners_look_and_stops_on_sigte
         check_fetched(result)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-        assert not store.check(["ckpt_serve/n1/r0"])
+        assert store.get("ckpt_serve/n1/r0") == b"10.9.9.9:7000", "the node's own sidecar is findable again"
     finally:
         proc.kill()
         proc.wait()
@@ -211,6 +212,7 @@ def test_a_live_directory_of_several_ranks_is_refused_and_a_rank_directory_publi
 
     published = {}
     monkeypatch.setattr(process, "_connect_store", lambda addr, timeout, secret: object())
+    monkeypatch.setattr(process, "peer_addresses", lambda store, nodes: {})
     monkeypatch.setattr(process, "publish_address", lambda store, node, address: published.setdefault(node, address))
     sidecar = process.open_sidecar(str(rank_dir(tmp_path, "n1", 1)), "127.0.0.1", 0, None, "127.0.0.1:5000", "n1",
                                    None, 5.0)
@@ -264,6 +266,7 @@ def test_cli_listens_on_loopback_by_default_and_warns_when_publishing_it_afar(tm
     import zb.ckpt.sidecar.process as process
 
     monkeypatch.setattr(process, "_connect_store", lambda addr, timeout, secret: object())   # a store elsewhere, reached
+    monkeypatch.setattr(process, "peer_addresses", lambda store, nodes: {})
     monkeypatch.setattr(process, "publish_address", lambda store, node, address: f"ckpt_serve/{node}")
     for host, warned in (("127.0.0.1", True), ("0.0.0.0", False)):
         caplog.clear()
@@ -382,7 +385,7 @@ def test_route(target, expected):
 
 
 def test_advertised_address_and_store_keys():
-    from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address
+    from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address, unpublish_address
 
     assert advertised_address("10.1.2.3", 7000) == "10.1.2.3:7000"
     assert advertised_address("0.0.0.0", 7000, advertise="node-a.vpn") == "node-a.vpn:7000"
@@ -393,12 +396,25 @@ def test_advertised_address_and_store_keys():
         def set(self, key, value):
             self[key] = value.encode()
 
+        def get(self, key):
+            return self[key]
+
         def check(self, keys):
             return all(k in self for k in keys)
+
+        def delete_key(self, key):
+            return self.pop(key, None) is not None
 
     store = DictStore()
     assert publish_address(store, "n1", "10.0.0.1:7000") == "ckpt_serve/n1"
     assert peer_addresses(store, ["n1", "n2"]) == {"n1": "10.0.0.1:7000"}
+    # Taking ours away: the address it replaced comes back; one published since ours stays; else it goes.
+    unpublish_address(store, "n1", "10.0.0.1:7000", replaced="10.0.0.2:7000")
+    assert peer_addresses(store, ["n1"]) == {"n1": "10.0.0.2:7000"}
+    unpublish_address(store, "n1", "10.0.0.1:7000")
+    assert peer_addresses(store, ["n1"]) == {"n1": "10.0.0.2:7000"}
+    unpublish_address(store, "n1", "10.0.0.2:7000")
+    assert peer_addresses(store, ["n1"]) == {}
 
 
 def test_a_run_secret_gives_the_token_and_the_others_have_no_effect(caplog):

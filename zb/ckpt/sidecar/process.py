@@ -9,7 +9,7 @@ from typing import Any
 
 from zb.ckpt.recovery.peer import parse_peer
 from zb.ckpt.sidecar.live_layout import rank_of, sidecar_id
-from zb.ckpt.sidecar.publish import advertised_address, publish_address, unpublish_address
+from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address, unpublish_address
 from zb.ckpt.sidecar.server import MAX_CONNECTIONS, SnapshotServer, make_server
 from zb.ckpt.sidecar.token import read_token
 from zb.dial import wait_listening
@@ -28,6 +28,7 @@ class Sidecar:
     store: Any = None
     uid: str | None = None      # the name it is published under: <node id>/r<local rank>
     key: str | None = None      # the store key it is published under
+    replaced: str | None = None  # the address that key held before (the node's own sidecar's), given back at the end
 
 
 def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_addr: str | None,
@@ -48,6 +49,7 @@ def open_sidecar(root: str, host: str, port: int, token_file: str | None, store_
             assert uid  # checked above: publishing needs a node id
             # Under the name a joiner's rank of the same number looks up, as the node's own sidecar is.
             sidecar.uid = sidecar_id(uid, rank_of(server.root))
+            sidecar.replaced = peer_addresses(sidecar.store, [sidecar.uid]).get(sidecar.uid)
             sidecar.key = publish_address(sidecar.store, sidecar.uid, sidecar.address)
         except BaseException:
             server.server_close()
@@ -105,5 +107,5 @@ def run_until_signal(sidecar: Sidecar) -> None:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if sidecar.store is not None and sidecar.uid is not None:   # open_sidecar sets both
-            unpublish_address(sidecar.store, sidecar.uid)
+            unpublish_address(sidecar.store, sidecar.uid, sidecar.address, sidecar.replaced)
         sidecar.server.server_close()

@@ -28,12 +28,21 @@ def publish_address(store: Any, uid: str, address: str) -> str:
     return key
 
 
-def unpublish_address(store: Any, uid: str) -> None:
-    """Best effort: a store that is already gone is fine at shutdown."""
+def unpublish_address(store: Any, uid: str, address: str | None = None, replaced: str | None = None) -> None:
+    """Remove the address; with `address` (ours), only while the key still holds it, and giving it back to
+    the address ours `replaced`: `zb ckpt-serve` on a live node's directory publishes under the node's own
+    sidecar's name, and must not leave the node unfindable when it stops. Best effort: a store that is
+    already gone is fine at shutdown."""
+    key = address_key(uid)
     try:
-        store.delete_key(address_key(uid))
+        if address is not None and peer_addresses(store, [uid]).get(uid) != address:
+            return   # published again since ours: that one stays
+        if replaced is not None:
+            store.set(key, replaced)
+        else:
+            store.delete_key(key)
     except Exception as e:  # noqa: BLE001 - any store failure here only means there is nothing to clean
-        log.debug("could not remove %s from the store: %s", address_key(uid), e)
+        log.debug("could not remove %s from the store: %s", key, e)
 
 
 def peer_addresses(store: Any, uids: list[str]) -> dict[str, str]:
