@@ -103,6 +103,41 @@ def test_eager_close_ends_every_node_on_the_consensus_model():
         assert torch.allclose(node.model.flat(), expected, atol=1e-5)
 
 
+def delayed_reference(start: torch.Tensor, moves: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The naive one-round delay (the eager paper's baseline, arXiv 2502.12996): every round starts from the
+    shared params; at the end of round r they step with round r-1's average, so round r's average waits one
+    round. Returns (the params every node trains round R+1 from, the params after the run's closing average)."""
+    theta = torch.nn.Parameter(start.clone())
+    opt = outer_sgd(theta)
+    previous = None
+    for round_moves in moves:
+        if previous is not None:
+            theta.grad = previous
+            opt.step()
+        previous = torch.stack(round_moves).mean(0)
+    before_close = theta.detach().clone()
+    theta.grad = previous
+    opt.step()
+    return before_close, theta.detach()
+
+
+def test_delayed_outer_steps_equal_the_single_process_one_round_delay():
+    """diloco.overlap = delayed: nothing local; every node trains each round from the shared params, stepped with
+    the average of two rounds before; the close applies the last one."""
+    world, nodes = start_world(["a", "b", "c"], **{"diloco.overlap": "delayed"})
+    start = TinyModel().flat()
+    moves = deltas(3, 3, start.numel())
+    run_rounds(nodes, moves)
+    before_close, after_close = delayed_reference(start, moves)
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), before_close, atol=1e-6)
+    assert [r.applied for r in nodes[0].reports] == [False, True, True]   # the first boundary has nothing in flight
+    assert len({n.reports[-1].params_hash for n in nodes}) == 1
+    together(nodes, lambda n: n.diloco.close_run(n.position))
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), after_close, atol=1e-6)
+
+
 def test_streaming_fragments_step_the_shared_params_with_their_averages():
     """Streaming with tau = 0 and alpha = 0: each fragment's sync replaces it with the shared params
     stepped by the fragment's average, so after a whole round every node holds the shared params."""
@@ -164,7 +199,7 @@ def test_a_node_readmitted_after_an_eviction_receives_the_state():
     moves = deltas(2, 1, start.numel())[0]
     for node, move in zip(nodes, moves):
         node.train(move)
-    nodes[1].diloco._fresh_view = nodes[0].diloco._fresh_view = False
+    nodes[1].diloco.steps.fresh_view = nodes[0].diloco.steps.fresh_view = False
     world.set_world(["a", "b"], joined=("b",))   # b was dropped while frozen, and admitted again
     reports = together(nodes, lambda n: n.outer_step())
     assert reports[0].num_peers == 1 and reports[0].applied and not reports[1].applied
@@ -186,7 +221,7 @@ def test_a_blocking_joiner_takes_the_state_at_its_first_outer_step():
     starts = together([*nodes, joiner], lambda n: n.diloco.start() if n is joiner else n.diloco.mesh.resolve())
     assert joiner.diloco.roles.role == Role.NEEDS_STATE and starts[0].mesh_version == 2
     for node in nodes:
-        node.diloco._fresh_view = True   # the resolution above is this outer step's
+        node.diloco.steps.fresh_view = True   # the resolution above is this outer step's
     moves2 = deltas(3, 1, start.numel(), seed=2)[0]
     for node, move in zip(nodes, moves2):
         node.train(move)
@@ -252,7 +287,7 @@ def test_progress_is_published_after_the_store_client_was_dropped():
 def test_claims_go_back_into_a_restarted_store_and_are_not_rewritten_otherwise():
     """The run's fingerprint and the node's data slot are written again only into a store reached through a
     new client (a restarted, empty one): not at every outer step, where they cost two round trips."""
-    from zb.diloco.node import FINGERPRINT_KEY
+    from zb.diloco.claims import FINGERPRINT_KEY
 
     world, nodes = start_world(["a"])
     moves = deltas(1, 3, TinyModel().flat().numel())
@@ -344,7 +379,7 @@ def test_overlap_a_blocking_joiner_takes_the_shared_state(flags, steps):
     joiner = make_node(world, "j", node_config(**flags), seed=7)
     together([*nodes, joiner], lambda n: n.diloco.start() if n is joiner else n.diloco.mesh.resolve())
     for n in nodes:
-        n.diloco._fresh_view = True
+        n.diloco.steps.fresh_view = True
     # The joiner takes part from its first outer step on (it sends zeros until it holds the state).
     rounds = train_and_sync([*nodes, joiner], [*moves[1], torch.zeros(numel)], steps)
     reports = [rs for rs in rounds if rs[0] is not None][-1]
@@ -374,7 +409,7 @@ def test_eager_a_recovered_joiner_takes_the_average_in_flight_from_the_donor(cap
     joiner.diloco.roles.joined(recovered=True)
     joiner.position = nodes[0].position
     for n in nodes:
-        n.diloco._fresh_view = True
+        n.diloco.steps.fresh_view = True
     for node, move in zip(nodes, moves[1]):
         node.train(move)
     with caplog.at_level(logging.INFO, logger="zb.diloco"):
@@ -848,9 +883,9 @@ def test_evict_clipped_counts_an_outer_step_once_however_many_attempts_checked_i
     view = SimpleNamespace(nodes=["a", "b", "c"], uid="a")
     plan = make_plan([Role.CONTRIBUTOR] * 3, [0] * 3, norms=[1.0, 1000.0, 1.1], clip=2.0)
     for outer_step in (0, 0, 0, 1, 1):
-        node.diloco._note_clipped(view, plan, outer_step)
-    assert node.diloco._clipped_rounds == {"b": 2} and node.diloco._evicted == set()
-    node.diloco._note_clipped(view, plan, 2)
-    assert node.diloco._evicted == {"b"} and node.diloco._evicted_now == ["b"]
-    node.diloco._note_clipped(view, plan, 2)
-    assert node.diloco._evicted_now == ["b"]          # decided once
+        node.diloco.trust.note(view, plan, outer_step)
+    assert node.diloco.trust.clipped_rounds == {"b": 2} and node.diloco.trust.evicted == set()
+    node.diloco.trust.note(view, plan, 2)
+    assert node.diloco.trust.evicted == {"b"} and node.diloco.trust.evicted_now == ["b"]
+    node.diloco.trust.note(view, plan, 2)
+    assert node.diloco.trust.evicted_now == ["b"]          # decided once

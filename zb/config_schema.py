@@ -219,8 +219,9 @@ class DilocoConfig:
     blocking_join: bool = knob(True, "Joiners fetch state from a live node before the step they join (else live recovery).")
     overlap: str = knob("none", "Overlap the outer all-reduce with inner steps: none (blocking outer step), eager (the "
                         "all-reduce runs behind the next round; its average is applied one round later with the eager "
-                        "correction, arXiv 2502.12996) or streaming (diloco.fragments synced in turn, each all-reduce "
-                        "behind diloco.fragment_delay inner steps, arXiv 2501.18512).",
+                        "correction, arXiv 2502.12996), streaming (diloco.fragments synced in turn, each all-reduce "
+                        "behind diloco.fragment_delay inner steps, arXiv 2501.18512) or delayed (the naive one-round "
+                        "delay: the average applied one round later, nothing local; a baseline).",
                         choices=tuple(MODES), run_defining=True)
     fragments: int = knob(1, "Streaming: P, fragments synced in turn (transformer blocks strided over them); "
                              "diloco.inner_steps must be a multiple of P (rounds of fixed steps).", check="positive", run_defining=True)

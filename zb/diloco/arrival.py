@@ -11,22 +11,24 @@ agreement on what arrived is its stripe owners'.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Protocol
+from contextlib import AbstractContextManager
+from typing import Callable, Protocol
 
 import torch
+import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.config_schema import DilocoConfig
-from zb.diloco.algorithm import Boundary, CheckIn, OuterAlgorithm
+from zb.diloco.algorithm import NodeContext, OuterAlgorithm
 from zb.diloco.background import Arrival, BackgroundAllReduce, HeldArrival
-from zb.diloco.checkin import Arrived, Plan
+from zb.diloco.checkin import Plan
 from zb.diloco.outer import OuterState
 from zb.diloco.streams import StreamGroups
-from zb.diloco.transfer import StateTransfer
+from zb.diloco.transfer import StateTransfer, send_each
 from zb.elastic import localsync
+from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure
 from zb.events import OuterReport
-from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")
 
@@ -52,21 +54,36 @@ class InFlight(Protocol):
 AVERAGE, PART = "inflight/average", "inflight/part"
 
 
+class InFlightState(InFlight, Protocol):
+    """The buffers and the job in flight of an overlapped algorithm."""
+
+    job: BackgroundAllReduce | HeldArrival | None
+
+    def wait(self) -> Arrival | None: ...
+
+    def close(self, grace_s: float) -> None: ...
+
+
 class OverlappedAlgorithm(OuterAlgorithm):
-    """An algorithm whose all-reduce runs behind the inner steps (eager, streaming): each outer step is a
-    boundary that agrees on the average in flight, and the run's end waits for the last one and leaves
+    """An algorithm whose all-reduce runs behind the inner steps (eager, streaming, delayed): each outer step
+    is a boundary that agrees on the average in flight, and the run's end waits for the last one and leaves
     the model at the shared params (the consensus model, no node's own term or merge residue)."""
 
-    state: Any   # the algorithm's buffers and the job in flight (EagerOverlap, StreamingOverlap)
+    state: InFlightState
 
-    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
-        return self._boundary(position, data_state, closing=False)
+    def arrive(self) -> Arrival | None:
+        return self.state.wait()
 
-    def close_run(self, position: RunPosition) -> OuterReport | None:
-        if self.state.job is None:
-            self.outer.push_to_model()
-            return None
-        return self._boundary(position, None, closing=True)[0]
+    def note_arrival(self, report: OuterReport, arrival: Arrival | None) -> None:
+        if arrival is None:
+            report.note = " | no average in flight yet"
+            return
+        report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
+                                                                   round(arrival.mbps, 2))
+        report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
+
+    def in_flight(self) -> bool:
+        return self.state.job is not None
 
     def close(self, grace_s: float) -> None:
         self.state.close(grace_s)
@@ -80,7 +97,7 @@ class OverlappedAlgorithm(OuterAlgorithm):
             return out
         arrival = self.state.job.wait()
         self.state.job = HeldArrival(arrival)
-        if arrival.ok:
+        if arrival.ok and arrival.buffer is not None:
             out[AVERAGE] = arrival.buffer
             out[PART] = torch.tensor([self.state.part_in_flight()])
         return out
@@ -95,23 +112,12 @@ class OverlappedAlgorithm(OuterAlgorithm):
                         "settings: it is dropped, and every node skips it alike", average.numel(), part)
         # The node's local ranks keep it all or none (each boundary agrees on what they hold); a rank with no
         # stripe, whose part of a resharded checkpoint is empty, takes the part local rank 0 kept.
-        if not localsync.all_ok(self.node.local_group, fits):
+        if not localsync.all_ok(self.ctx.local_group, fits):
             return
         assert average is not None  # it fits
-        self.state.adopt_part(_part_of_head(self.node, self.outer, part))
+        self.state.adopt_part(_part_of_head(self.ctx, self.outer, part))
         self.state.job = HeldArrival(Arrival(average.clone(), None))
         log.info("resumed with the average that was in flight at the checkpoint: it is applied at the next boundary")
-
-    def _boundary(self, position: RunPosition, data_state: dict | None,
-                  closing: bool) -> tuple[OuterReport, RunPosition | None]:
-        raise NotImplementedError
-
-    def _arrive(self, position: RunPosition) -> tuple[Arrival | None, OuterReport, CheckIn]:
-        """The average in flight arrives (the wait is the stall), and the check-in agrees on what every
-        node holds of it."""
-        arrival = self.state.wait()
-        report, done = agree_on_arrival(self.node, position, arrival)
-        return arrival, report, done
 
 
 def _part(tensors: dict[str, torch.Tensor]) -> int:
@@ -121,12 +127,12 @@ def _part(tensors: dict[str, torch.Tensor]) -> int:
     return int(part.reshape(-1)[0]) if part is not None and part.numel() else -1
 
 
-def _part_of_head(node: Boundary, outer: OuterState, part: int) -> int:
+def _part_of_head(ctx: NodeContext, outer: OuterState, part: int) -> int:
     """Local rank 0's part on every local rank: on a node that moves rows, a rank with no stripe holds no
     average, and learns which part (streaming: which fragment to merge) from the head."""
     if outer.layout.identity:
         return part
-    return localsync.broadcast_json(node.local_group, node.local.rank, {"part": part})["part"]
+    return localsync.broadcast_json(ctx.local_group, ctx.local_rank, {"part": part})["part"]
 
 
 class Transfers:
@@ -135,13 +141,14 @@ class Transfers:
     (zb.diloco.stripes) starts none: its share of the average is empty, so that average has arrived already."""
 
     def __init__(self, cfg: DilocoConfig, local_rank: int, owner: bool, pg_timeout_s: float,
-                 connect: Callable[[], Any]):
+                 connect: Callable[[], dist.Store]):
         self.cfg, self.owner, self._connect = cfg, owner, connect
         self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
-        self._store: Any = None  # used by the background thread only; made on the first transfer over several nodes
+        self._store: dist.Store | None = None  # used by the background thread only; made on the first transfer
 
-    def start(self, buffer: torch.Tensor, view: Any, global_pg: Any, scale: int, tokens: int | None = None,
-              feedback: Callable[[], Any] | None = None) -> BackgroundAllReduce | HeldArrival:
+    def start(self, buffer: torch.Tensor, view: WorldView, global_pg: dist.ProcessGroup, scale: int,
+              tokens: int | None = None, feedback: Callable[[], AbstractContextManager[torch.Tensor]] | None = None
+              ) -> BackgroundAllReduce | HeldArrival:
         """All-reduce `buffer` in place behind the inner steps (SUM / scale, or weighted by `tokens`: see
         BackgroundAllReduce) over the world `view`; `feedback` opens the buffer's error-feedback residual
         (an ErrorFeedback.attempt)."""
@@ -149,7 +156,7 @@ class Transfers:
             return HeldArrival(Arrival(buffer, None))
         return BackgroundAllReduce(buffer, lambda: self._groups(view, global_pg), self.cfg, scale, tokens, feedback)
 
-    def _groups(self, view: Any, global_pg: Any) -> list[Any]:
+    def _groups(self, view: WorldView, global_pg: dist.ProcessGroup) -> list[dist.ProcessGroup]:
         if view.global_world_size == 1:
             return [global_pg]  # nothing travels
         try:
@@ -160,29 +167,9 @@ class Transfers:
             raise
 
 
-def agree_on_arrival(node: Boundary, position: RunPosition, arrival: Arrival | None) -> tuple[OuterReport, CheckIn]:
-    """Tell the check-in what this node holds of the average in flight; the report so far."""
-    if arrival is not None and not arrival.ok:
-        node.mesh.report_failure(arrival.error.rank if arrival.error is not None else None)
-    arrived = Arrived.NONE if arrival is None else Arrived.OK if arrival.ok else Arrived.FAILED
-    if arrival is not None and not localsync.all_ok(node.local_group, arrival.ok):
-        arrived = Arrived.FAILED  # one local rank's transfer failed: the node holds no whole average
-    done = node.check_in(position, arrived)
-    if not done.ok:
-        done.plan = None
-    report = done.report()
-    if arrival is None:
-        report.note = " | no average in flight yet"
-    else:
-        report.allreduce_s, report.wire_bytes, report.wire_mbps = (round(arrival.seconds, 4), arrival.wire_bytes,
-                                                                   round(arrival.mbps, 2))
-        report.hidden_s, report.stall_s = round(arrival.hidden_s, 4), round(arrival.stall_s, 4)
-    return report, done
-
-
-def apply_arrived(node: Boundary, outer: OuterState, state: InFlight, view: Any, plan: Plan,
+def apply_arrived(ctx: NodeContext, outer: OuterState, state: InFlight, view: WorldView, plan: Plan,
                   arrival: Arrival | None) -> bool:
-    """The shared step with the average launched last boundary, on every applier or on none."""
+    """The shared step with the average launched at an earlier boundary, on every applier or on none."""
     me = view.global_rank
     if not plan.average_ok or me not in plan.appliers:
         if plan.contributors and not plan.average_ok and me in plan.appliers and arrival is not None:
@@ -192,11 +179,11 @@ def apply_arrived(node: Boundary, outer: OuterState, state: InFlight, view: Any,
     donor = plan.contributors[0]
     average = arrival.buffer if me in plan.contributors and arrival is not None else None
     if late:
-        average = _share_average(node, outer, state, view, donor, late, average)
+        average = _share_average(ctx, outer, state, view, donor, late, average)
         if average is None:
             return False
     assert average is not None  # an applier that did not contribute is one of `late`: it received the average
-    if not localsync.all_ok(node.local_group, bool(torch.isfinite(average).all())):
+    if not localsync.all_ok(ctx.local_group, bool(torch.isfinite(average).all())):
         # The same bits on every node: every node decides alike (the offender reset at launch).
         log.warning("non-finite average pseudo-gradient: skipped on every node")
         return False
@@ -204,38 +191,38 @@ def apply_arrived(node: Boundary, outer: OuterState, state: InFlight, view: Any,
     return True
 
 
-def _share_average(node: Boundary, outer: OuterState, state: InFlight, view: Any, donor: int, late: list[int],
-                   average: torch.Tensor | None) -> torch.Tensor | None:
+def _share_average(ctx: NodeContext, outer: OuterState, state: InFlight, view: WorldView, donor: int,
+                   late: list[int], average: torch.Tensor | None) -> torch.Tensor | None:
     """Donor -> recovered joiners: the average they did not take part in. It travels between the ranks that
     hold a stripe (zb.diloco.stripes); the others' share of it is empty."""
     if view.global_rank == donor:
         assert average is not None  # the donor contributed: it holds the average
         if outer.layout.owner:
-            transfer = StateTransfer(node.mesh.global_pg, outer, node.optimizer, node.dcfg.min_bandwidth_mbps)
+            transfer = StateTransfer(ctx.mesh.global_pg, outer, ctx.optimizer, ctx.dcfg.min_bandwidth_mbps)
             part = state.part_in_flight()
-            node.send_each(late, lambda r: transfer.send_tensor(r, average, part), "the average")
+            send_each(ctx.mesh, late, lambda r: transfer.send_tensor(r, average, part), "the average")
         return average
     if view.global_rank not in late:
         return average
-    return _receive_average(node, outer, state, donor)
+    return _receive_average(ctx, outer, state, donor)
 
 
-def _receive_average(node: Boundary, outer: OuterState, state: InFlight, donor: int) -> torch.Tensor:
+def _receive_average(ctx: NodeContext, outer: OuterState, state: InFlight, donor: int) -> torch.Tensor:
     """A recovered joiner's side of _share_average, on every local rank: a failure on any of them stops them
     all; a rank with no stripe learns which part the average is (streaming: the fragment to merge) from
     local rank 0."""
     buffer: torch.Tensor | None = None
     part, error = -1, None
     if outer.layout.owner:
-        transfer = StateTransfer(node.mesh.global_pg, outer, node.optimizer, node.dcfg.min_bandwidth_mbps)
+        transfer = StateTransfer(ctx.mesh.global_pg, outer, ctx.optimizer, ctx.dcfg.min_bandwidth_mbps)
         try:
             buffer, part = transfer.receive_tensor(donor, state.average_numel)
         except PeerFailure as e:
             error = e
-    if not localsync.all_ok(node.local_group, error is None):
+    if not localsync.all_ok(ctx.local_group, error is None):
         raise EnvironmentFailure(f"joining failed: the average from rank {donor} did not arrive "
                                  f"({error or 'on another local rank'}); restart this node to join again")
-    part = _part_of_head(node, outer, part)
+    part = _part_of_head(ctx, outer, part)
     state.adopt_part(part)  # streaming: a joiner launched nothing, the donor says which fragment
     log.info("took the average in flight from rank %d (the recovered snapshot predates it)", donor)
     return buffer if buffer is not None else torch.zeros(state.average_numel(part))

@@ -7,7 +7,7 @@ the all-reduce. One node's outsized update (a bug, a diverged node, a hostile on
 by at most k times what a typical node moves it. The median is the lower one (with two contributors,
 the smaller norm), so with two nodes the larger of the two is bounded by the other.
 
-With diloco.evict_clipped, a node clipped in a few outer steps in a row (zb.diloco.node.CLIPPED_REPORT_AFTER) is
+With diloco.evict_clipped, a node clipped in a few outer steps in a row (zb.diloco.trust.CLIPPED_REPORT_AFTER) is
 evicted: `clipped_in_a_row` and `to_evict` are the decision, a pure function of the check-in tables every
 node saw, so every node that saw them takes it alike.
 

@@ -26,18 +26,19 @@ model into stripes and `push_start` writes it back, each a collective over the n
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Callable, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from zb.config_schema import DilocoConfig
 from zb.diloco.algorithm import (
-    Boundary,
-    adaptive_plan,
-    end_round,
+    Applied,
+    NodeContext,
+    Step,
     log_skipped,
-    run_position,
     share_weight,
+    warn_dropped,
     warn_non_finite_own,
 )
 from zb.diloco.arrival import OverlappedAlgorithm, Transfers, apply_arrived
@@ -46,7 +47,8 @@ from zb.diloco.eager import OuterSGD, OwnTerm, own_step
 from zb.diloco.error_feedback import ErrorFeedback
 from zb.diloco.outer import OuterState
 from zb.elastic import localsync
-from zb.events import OuterReport
+from zb.elastic.view import WorldView
+from zb.overlap_modes import Eager, Mode
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")
@@ -56,67 +58,59 @@ class EagerAlgorithm(OverlappedAlgorithm):
     """The eager rule at each round boundary; the check-in also says who holds the average launched at
     the last boundary: it is applied only when every contributor does."""
 
-    name = "eager"
+    mode: ClassVar[type[Mode]] = Eager   # the naive delay (zb.diloco.delayed) is this without the eager term
 
-    def __init__(self, node: Boundary, outer: OuterState):
-        super().__init__(node, outer)
-        self.state = EagerOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect,
-                                  self.feedback)
+    def __init__(self, ctx: NodeContext, outer: OuterState, *, own_term: bool = True):
+        super().__init__(ctx, outer)
+        self.state: EagerOverlap = EagerOverlap(outer, ctx.dcfg, ctx.local_rank, ctx.pg_timeout_s, ctx.connect,
+                                                self.feedback, own_term=own_term)
         self.extra_bytes = self.state.extra_bytes
 
-    def _boundary(self, position: RunPosition, data_state: dict | None,
-                  closing: bool) -> tuple[OuterReport, RunPosition | None]:
-        node, ov = self.node, self.state
-        arrival, report, done = self._arrive(position)
-        view, plan = done.view, done.plan
-        if plan is None:
-            if not closing:
-                log_skipped(done.attempts)   # nobody could be reached: the next check-in finds where this node stands
-                end_round(node, report, view, None)
-                return report, None
-            log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
-                      "shared params without it", done.attempts)
-            ov.reset_own()
-            self.outer.push_to_model()
-            return report, None
-        plan, position = adaptive_plan(node, plan, position)
-        me = view.global_rank
+    def skip(self, attempts: int, closing: bool) -> None:
+        if not closing:
+            log_skipped(attempts)   # nobody could be reached: the next check-in finds where this node stands
+            return
+        log.error("the last average could not be agreed on after %d failed check-ins: the model ends on the "
+                  "shared params without it", attempts)
+        self.state.reset_own()
+        self.outer.push_to_model()
+
+    def apply(self, step: Step) -> Applied:
+        """2-4 of the module's steps: this round's pseudo-gradient, the shared step with the average that
+        arrived, the node's own term."""
+        ov, plan, me = self.state, step.plan, step.me
         contributing = me in plan.contributors
-        weight = share_weight(node, plan, me)
-        finite = localsync.all_ok(node.local_group, ov.take_fresh(contributing and not closing))
-        was_recovered = node.roles.recovered
-        report.applied = apply_arrived(node, self.outer, ov, view, plan, arrival)
-        if contributing and not closing:
+        finite = localsync.all_ok(self.ctx.local_group, ov.take_fresh(contributing and not step.closing))
+        step.report.applied = apply_arrived(self.ctx, self.outer, ov, step.view, plan, step.arrival)
+        if contributing and not step.closing:
             if not finite:
-                warn_non_finite_own()   # push_start below restarts the params from the outer ones
-                node.optimizer.state.clear()
-            ov.own_step(finite, world_size=len(plan.contributors), weight=weight)
-        received = node.hand_over_state(view, plan, position)
-        if received is not None or me in plan.receivers or closing:
-            ov.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
-        if was_recovered and me in plan.appliers:
-            received = run_position(plan, position)
-            node.roles.caught_up()
-        if closing:
-            return node.close_on_shared(report), received
-        # The store writes after the step go out before the launch: on a slow link they would otherwise queue
-        # behind the bulk transfer and hold up the next inner steps.
-        node.after_step(report, view, received or position, data_state)
-        ov.launch(view, node.mesh.global_pg, world_size=max(1, len(plan.contributors)), weight=weight)
-        ov.push_start()
-        end_round(node, report, view, plan)
-        return report, received
+                warn_non_finite_own()   # push_start at the launch restarts the params from the outer ones
+                self.ctx.optimizer.state.clear()
+            ov.own_step(finite, world_size=len(plan.contributors), weight=share_weight(self.ctx, plan, me))
+        return Applied(joined_run=me in plan.appliers, caught_up=step.was_recovered and me in plan.appliers)
+
+    def handed_over(self, step: Step, got_state: bool) -> None:
+        if got_state or step.closing:
+            self.state.reset_own()  # the run's shared state, with no eager term of this node's (at the end: every node's)
+
+    def launch(self, step: Step, received: RunPosition | None) -> None:
+        """5-6: the fresh pseudo-gradient's all-reduce starts, and the next round trains from shared + own."""
+        plan = step.plan
+        self.state.launch(step.view, self.ctx.mesh.global_pg, world_size=max(1, len(plan.contributors)),
+                          weight=share_weight(self.ctx, plan, step.me))
+        self.state.push_start()
 
 
 class EagerOverlap:
     """This rank's eager state: its own term, the two CPU buffers (one in flight, one free) and the
-    background all-reduce."""
+    background all-reduce. Without an own term (`own_term` False: the naive one-round delay) the node
+    trains from the shared params alone."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], Any], feedback: ErrorFeedback | None = None):
+                 connect: Callable[[], dist.Store], feedback: ErrorFeedback | None = None, *, own_term: bool = True):
         self.outer, self.cfg, self.feedback = outer, cfg, feedback
         self.opt = OuterSGD.of(outer.optimizer)
-        self.own = OwnTerm.zeros_like(outer.flat.data, self.opt)
+        self.own: OwnTerm | None = OwnTerm.zeros_like(outer.flat.data, self.opt) if own_term else None
         self.fresh = torch.zeros_like(outer.flat.data)
         self.spare: torch.Tensor | None = outer.flat.grad  # the blocking path's gradient buffer, reused
         self.transfers = Transfers(cfg, local_rank, outer.layout.owner, pg_timeout_s, connect)
@@ -125,8 +119,8 @@ class EagerOverlap:
     @property
     def extra_bytes(self) -> int:
         """CPU bytes held beside the blocking path's (outer params, momentum, one gradient buffer)."""
-        own = [self.own.offset, self.own.momentum, self.own.last_share, self.fresh]
-        return sum(t.numel() * t.element_size() for t in own if t is not None)
+        own = [self.own.offset, self.own.momentum, self.own.last_share] if self.own is not None else []
+        return sum(t.numel() * t.element_size() for t in [*own, self.fresh] if t is not None)
 
     # -- 1. the previous boundary's average --------------------------------------------------------
     def wait(self) -> Arrival | None:
@@ -150,7 +144,7 @@ class EagerOverlap:
         if not contributing:
             self.fresh.zero_()
             return True
-        torch.add(self.outer.flat.data, self.own.offset, out=self.fresh)
+        self._start_params(self.fresh)
         self.outer.subtract_model(self.fresh)
         return bool(torch.isfinite(self.fresh).all())
 
@@ -169,6 +163,7 @@ class EagerOverlap:
         is not applied here (it still travels, so every node skips that average, as the blocking path does)."""
         # Non-finite: the stale share is still withdrawn, and the last share becomes zero (nothing of
         # this node's enters the average, which every node skips).
+        assert self.own is not None  # the eager rule's
         own_step(self.own, self.fresh if finite else torch.zeros_like(self.fresh), world_size, self.opt,
                  weight=weight)
 
@@ -184,10 +179,12 @@ class EagerOverlap:
 
     def reset_own(self) -> None:
         """A node that received the run's shared state starts with no eager term of its own."""
-        self.own = OwnTerm.zeros_like(self.outer.flat.data, self.opt)
+        if self.own is not None:
+            self.own = OwnTerm.zeros_like(self.outer.flat.data, self.opt)
 
     # -- 5. launch ---------------------------------------------------------------------------------------
-    def launch(self, view, global_pg, *, world_size: int, weight: float | None = None) -> None:
+    def launch(self, view: WorldView, global_pg: dist.ProcessGroup, *, world_size: int,
+               weight: float | None = None) -> None:
         """Start the all-reduce of `fresh` in the background (SUM / world_size; weighted: the SUM of each
         node's fresh * weight), on the overlap's groups (zb.diloco.arrival.Transfers)."""
         buffer = self.fresh
@@ -202,12 +199,19 @@ class EagerOverlap:
     @torch.no_grad()
     def push_start(self) -> None:
         """The model := shared + own offset (built in the free buffer; it is overwritten next boundary)."""
-        torch.add(self.outer.flat.data, self.own.offset, out=self.fresh)
-        self.outer.push_to_model(self.fresh)
+        self.outer.push_to_model(self._start_params(self.fresh))
+
+    def _start_params(self, out: torch.Tensor) -> torch.Tensor:
+        """out := the params a round starts from: shared + own offset (shared alone without an own term)."""
+        if self.own is None:
+            return out.copy_(self.outer.flat.data)
+        return torch.add(self.outer.flat.data, self.own.offset, out=out)
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def own_tensors(self) -> dict[str, torch.Tensor]:
         """The own term, for this node's checkpoint (never for joiners or snapshots: it is per node)."""
+        if self.own is None:
+            return {}
         out = {"own/offset": self.own.offset, "own/last_share": self.own.last_share}
         if self.own.momentum is not None:
             out["own/momentum"] = self.own.momentum
@@ -216,6 +220,9 @@ class EagerOverlap:
     @torch.no_grad()
     def load_own_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Resume the own term (the average in flight is zb.diloco.arrival's)."""
+        if self.own is None:
+            warn_dropped(tensors, "delayed", ("own/",))
+            return
         if "own/offset" not in tensors:
             log.warning("the checkpoint holds no eager term (it was written with diloco.overlap = none): "
                         "this node resumes from the shared outer params")

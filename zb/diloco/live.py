@@ -17,7 +17,9 @@ import json
 import logging
 import shutil
 import threading
+import time
 from pathlib import Path
+from typing import Any
 
 from zb.ckpt.durable.ramdir import claim, release, sweep_stale
 from zb.ckpt.format.catalog import prune
@@ -30,11 +32,13 @@ from zb.ckpt.sidecar.server import serve_in_thread
 from zb.ckpt.sidecar.token import read_token
 from zb.config_schema import Config
 from zb.diloco.outer import OuterState
-from zb.elastic import keys
+from zb.elastic import keys, localsync
 from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import read_many
 from zb.elastic.world import World
 from zb.errors import EnvironmentFailure
+from zb.events import emit
+from zb.local_world import LocalWorld
 from zb.position import JSON_KEY, RunPosition
 
 log = logging.getLogger("zb.diloco")
@@ -97,6 +101,28 @@ class LiveSnapshots:
             unpublish_address(store, sidecar_id(self.uid, self.local_rank))
         self.server.close()
         release(self.root.parent, [self.root.name])  # nothing serves these snapshots any more
+
+
+def recover_node(store: Any, cfg: Config, local: LocalWorld, local_group: Any, outer: OuterState, fingerprint: str,
+                 sink: Any) -> RunPosition | None:
+    """Every local rank of a joining node: the run's outer state from the live nodes' snapshots, loaded into
+    `outer` and the model; the run's position, or None when any local rank found none (a blocking join then)."""
+    started = time.perf_counter()
+    owner = outer.layout.owner    # a rank with no stripe has nothing to fetch
+    uid = cfg.elastic.unique_id
+    assert uid is not None, "the entry point names the node (node_identity) before it builds the DilocoNode"
+    found = recover(store, cfg, uid, local.rank, outer, fingerprint) if owner else None
+    if not localsync.all_ok(local_group, found is not None or not owner):
+        return None
+    outer.push_to_model()
+    mine = found[0].to_json() if found is not None else None
+    position = RunPosition.from_json(localsync.broadcast_json(local_group, local.rank, {"position": mine})["position"])
+    if local.is_head:
+        assert found is not None  # local rank 0 always holds a stripe: all_ok above says it found one
+        emit(sink, found[1].record())
+        log.info("recovered the run's outer state of outer step %s from %s in %.2f s",
+                 position.outer_step, ", ".join(found[1].peers), time.perf_counter() - started)
+    return position
 
 
 def publish_progress(store, outer_step: int, step: int) -> None:

@@ -30,17 +30,17 @@ import logging
 import math
 import re
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from zb.config_schema import DilocoConfig
 from zb.diloco.algorithm import (
-    Boundary,
-    adaptive_plan,
-    end_round,
+    Applied,
+    NodeContext,
+    Step,
     log_skipped,
-    run_position,
     warn_dropped,
     warn_non_finite_own,
 )
@@ -51,7 +51,9 @@ from zb.diloco.error_feedback import ErrorFeedback
 from zb.diloco.fragment_rounds import FragmentRounds
 from zb.diloco.outer import OuterState
 from zb.elastic import localsync
+from zb.elastic.view import WorldView
 from zb.events import OuterReport
+from zb.overlap_modes import Streaming
 from zb.position import RunPosition
 
 log = logging.getLogger("zb.diloco")
@@ -79,17 +81,18 @@ class StreamingAlgorithm(OverlappedAlgorithm):
     then the merge; joiners are admitted and handed the state here (nothing is in flight). A checkpoint
     holds the shared outer state and the fragment's average in flight, if any (zb.diloco.arrival)."""
 
-    name = "streaming"
+    mode = Streaming
     feedback_layout = "fragments"   # the residual is laid out fragment after fragment, as the buffers it sends
 
-    def __init__(self, node: Boundary, outer: OuterState):
-        super().__init__(node, outer)
-        self.state = StreamingOverlap(outer, node.dcfg, node.local.rank, node.cfg.elastic.pg_timeout, node.connect,
-                                      self.feedback)
+    def __init__(self, ctx: NodeContext, outer: OuterState):
+        super().__init__(ctx, outer)
+        self.state: StreamingOverlap = StreamingOverlap(outer, ctx.dcfg, ctx.local_rank, ctx.pg_timeout_s,
+                                                        ctx.connect, self.feedback)
         self.extra_bytes = self.state.extra_bytes
         # diloco.round_seconds: the clock says when fragments launch and apply (zb.diloco.fragment_rounds).
-        self.timed = FragmentRounds(node.rounds, node.dcfg.fragments, node.dcfg.fragment_delay) \
-            if node.rounds is not None else None
+        self.timed = FragmentRounds(ctx.rounds, ctx.dcfg.fragments, ctx.dcfg.fragment_delay) \
+            if ctx.rounds is not None else None
+        self._weight: float | None = None   # this node's share of the average applied at this boundary
 
     def begin_rounds(self, position: RunPosition) -> None:
         if self.timed is not None:
@@ -98,65 +101,56 @@ class StreamingAlgorithm(OverlappedAlgorithm):
     def sync_points(self, step: int) -> tuple[int | None, int | None]:
         return self.timed.after_step(step) if self.timed is not None else self.state.sync_points(step)
 
-    def launch_fragment(self, fragment: int) -> None:
+    def launch_fragment(self, fragment: int, contributing: bool) -> None:
         """Start the fragment's all-reduce over the current world. No check-in: roles change only at
         an outer step (joiners are admitted there), so every node of the world sends; a node whose
         world is stale (it was frozen) fails its transfer and is sorted out at the outer step. Under
         diloco.round_seconds the average is weighted by the tokens behind each node's part."""
-        node = self.node
-        contributing = node.roles.contributing
         tokens = None
         if self.timed is not None:
             tokens = self.timed.take_tokens(fragment) if contributing else 0
-        self.state.launch(fragment, node.mesh.view, node.mesh.global_pg, contributing, tokens)
+        view = self.ctx.mesh.view
+        assert view is not None  # the node started: it has a world
+        self.state.launch(fragment, view, self.ctx.mesh.global_pg, contributing, tokens)
         log.debug("fragment %d: all-reduce launched (%d values)", fragment, self.state.numel(fragment))
 
-    def _boundary(self, position: RunPosition, data_state: dict | None,
-                  closing: bool) -> tuple[OuterReport, RunPosition | None]:
-        node, ov = self.node, self.state
-        arrival, report, done = self._arrive(position)
-        view, plan = done.view, done.plan
-        if plan is None:
-            log_skipped(done.attempts)
-            if closing:
-                self.outer.push_to_model()
-            else:
-                self._next_part(report, view, None, position)
-            return report, None
-        plan, position = adaptive_plan(node, plan, position)
-        me = view.global_rank
-        was_recovered = node.roles.recovered
-        finite = localsync.all_ok(node.local_group, not (arrival is not None and ov.non_finite))
-        report.applied = apply_arrived(node, self.outer, ov, view, plan, arrival)  # a recovered joiner takes it here
-        report.fragment = ov.fragment
+    def skip(self, attempts: int, closing: bool) -> None:
+        log_skipped(attempts)
+        if closing:
+            self.outer.push_to_model()
+
+    def apply(self, step: Step) -> Applied:
+        """The fragment's shared step with its average (on every node or none), then the merge."""
+        ov, plan, me, arrival = self.state, step.plan, step.me, step.arrival
+        finite = localsync.all_ok(self.ctx.local_group, not (arrival is not None and ov.non_finite))
+        step.report.applied = apply_arrived(self.ctx, self.outer, ov, step.view, plan, arrival)
+        step.report.fragment = ov.fragment
         if not finite:
             warn_non_finite_own()
-            node.optimizer.state.clear()
+            self.ctx.optimizer.state.clear()
             self.outer.push_to_model()
-        elif report.applied and me in plan.contributors and not closing:
-            ov.merge(node.dcfg.fragment_alpha)
-        received = node.hand_over_state(view, plan, position)
-        if was_recovered and me in plan.appliers:
+        elif step.report.applied and me in plan.contributors and not step.closing:
+            ov.merge(self.ctx.dcfg.fragment_alpha)
+        self._weight = arrival.weight if arrival is not None else None
+        joined = step.was_recovered and me in plan.appliers
+        return Applied(joined_run=me in plan.appliers, caught_up=joined)
+
+    def handed_over(self, step: Step, got_state: bool) -> None:
+        if step.was_recovered and step.me in step.plan.appliers:
             self.outer.push_to_model()  # a recovered joiner holds no progress of its own yet
-            received = run_position(plan, position)
-            node.roles.caught_up()
-        if closing:
-            return node.close_on_shared(report), received
-        node.after_step(report, view, received or position, data_state)
+
+    def launch(self, step: Step, received: RunPosition | None) -> None:
         if self.timed is not None and received is not None:
             self.timed.restart_counts()   # its pseudo-gradients start from the run's state
-        self._next_part(report, view, plan, received or position)
-        if arrival is not None and arrival.weight is not None:
-            report.round_weight = round(arrival.weight, 6)   # the share this node's part had in the average
-        return report, received
 
-    def _next_part(self, report: OuterReport, view: Any, plan: Any, position: RunPosition) -> None:
+    def round_started(self, report: OuterReport, position: RunPosition) -> None:
         """diloco.round_seconds: the next part of the round starts now, for the fragment of the next outer
         step (`position`: where this node stood before this one)."""
-        if self.timed is None:
-            return
-        end_round(self.node, report, view, plan)
-        self.timed.begin(position.outer_step + 1, launched=False)
+        if self.timed is not None:
+            self.timed.begin(position.outer_step + 1, launched=False)
+        if self._weight is not None:
+            report.round_weight = round(self._weight, 6)   # the share this node's part had in the average
+        self._weight = None
 
 
 class StreamingOverlap:
@@ -164,7 +158,7 @@ class StreamingOverlap:
     flight and its background all-reduce."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], Any], feedback: ErrorFeedback | None = None):
+                 connect: Callable[[], dist.Store], feedback: ErrorFeedback | None = None):
         self.outer, self.cfg, self.feedback = outer, cfg, feedback
         self.opt = OuterSGD.of(outer.optimizer)
         self.momentum = self._momentum_buffer()
@@ -215,7 +209,8 @@ class StreamingOverlap:
 
     # -- launch ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def launch(self, fragment: int, view, global_pg, contributing: bool, tokens: int | None = None) -> bool:
+    def launch(self, fragment: int, view: WorldView, global_pg: dist.ProcessGroup, contributing: bool,
+               tokens: int | None = None) -> bool:
         """Start the fragment's all-reduce (shared - model, or zeros) in the background over the
         world `view` (every node in it sends; with `tokens`, weighted by them: BackgroundAllReduce);
         returns whether this node's part was finite. On a node that moves rows (zb.diloco.stripes)

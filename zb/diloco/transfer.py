@@ -10,7 +10,9 @@ else; every transfer is bounded by a deadline from its size and diloco.min_bandw
 from __future__ import annotations
 
 import hashlib
+import logging
 from datetime import timedelta
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,8 @@ from zb.collectives import PeerFailure
 from zb.diloco.outer import OuterState, local_shard
 from zb.errors import InvalidInput
 from zb.position import RunPosition
+
+log = logging.getLogger("zb.diloco")
 
 TAG = 7_000  # distinct from the all-reduce ring's tags
 HEADER_LEN = 8
@@ -65,6 +69,20 @@ def _wait(work, nbytes: int, bw: float, peer: int, what: str) -> None:
     except Exception as e:  # noqa: BLE001 - gloo's errors name an address; we know the peer
         raise PeerFailure(f"state transfer ({what}) with rank {peer} failed: {str(e).splitlines()[0]}",
                           rank=peer) from None
+
+
+class FailureReports(Protocol):
+    def report_failure(self, rank: int | None) -> None: ...
+
+
+def send_each(mesh: FailureReports, ranks: list[int], send: Callable[[int], object], what: str) -> None:
+    """The donor's side of a hand-over: a joiner that fails to receive is reported, the rest go on."""
+    for r in ranks:
+        try:
+            send(r)
+        except PeerFailure as e:
+            log.warning("could not send %s to joiner rank %d: %s", what, r, e)
+            mesh.report_failure(r)
 
 
 class StateTransfer:

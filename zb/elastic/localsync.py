@@ -9,7 +9,9 @@ longest wait of local rank 0 (zb.train.device.control_timeout_s).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
+
+from zb.errors import EnvironmentFailure, InvalidInput
 
 
 def _device(group):
@@ -39,6 +41,22 @@ def broadcast_json(group, local_rank: int, payload: dict[str, Any] | None) -> di
     if local_rank != 0:
         return json.loads(buf.cpu().numpy().tobytes().decode())
     assert payload is not None  # local rank 0 always shares a payload
+    return payload
+
+
+def run_on_head(group, local_rank: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Local rank 0 runs `fn` and every local rank gets its JSON result; an error there is raised on every
+    local rank, with its exit code (2: InvalidInput, else EnvironmentFailure)."""
+    payload = None
+    if local_rank == 0:
+        try:
+            payload = fn()
+        except Exception as e:  # noqa: BLE001 - told to the other local ranks, then re-raised
+            broadcast_json(group, 0, {"error": str(e), "code": getattr(e, "exit_code", 1)})
+            raise
+    payload = broadcast_json(group, local_rank, payload)
+    if "error" in payload:
+        raise (InvalidInput if payload.get("code") == 2 else EnvironmentFailure)(payload["error"])
     return payload
 
 
