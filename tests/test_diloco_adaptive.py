@@ -140,14 +140,14 @@ def test_fragment_parts_take_turns_and_end_at_the_runs_last_step():
     seen = []
     for step in (11, 12):
         clock.now += 0.1
-        seen.append(parts.after_step(step))
+        seen.append(parts.sync_points(step))
     assert seen == [(None, None), (None, 1)]
     rc.start()
     parts.begin(outer_step=6, launched=False)
     seen, tokens = [], []
     for step in range(13, 21):
         clock.now += 0.1
-        seen.append(parts.after_step(step))
+        seen.append(parts.sync_points(step))
         if seen[-1][0] is not None:
             tokens.append(parts.take_tokens(seen[-1][0]))   # what the launch takes (StreamingAlgorithm)
     assert seen[:5] == [(None, None)] * 5 and seen[5:] == [(0, None), (None, None), (None, 0)]  # 18 + tau = 20

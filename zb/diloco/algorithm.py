@@ -73,7 +73,7 @@ class NodeContext:
 
 
 @dataclass(frozen=True)
-class CheckIn:
+class CheckInResult:
     """The world and plan an outer step runs under. After the last failed attempt `ok` is False, `plan` is
     that attempt's (None if its check-in failed) and `stats` is None."""
 

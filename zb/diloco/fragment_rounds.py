@@ -41,7 +41,7 @@ class FragmentRounds:
         self.fragment = outer_step % self.fragments
         self.after_launch = 0 if launched else None
 
-    def after_step(self, step: int) -> tuple[int | None, int | None]:
+    def sync_points(self, step: int) -> tuple[int | None, int | None]:
         """(fragment to launch, fragment to apply) after inner step `step` (this node's counter)."""
         self.steps += 1
         launch = None

@@ -29,7 +29,7 @@ import torch
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
 from zb.diloco import checkin, drift, rounds
-from zb.diloco.algorithm import CheckIn, OuterAlgorithm, Step, adaptive_plan, end_round, run_position
+from zb.diloco.algorithm import CheckInResult, OuterAlgorithm, Step, adaptive_plan, end_round, run_position
 from zb.diloco.background import Arrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.claims import RunClaims
@@ -91,7 +91,7 @@ class OuterSteps:
         took over the run's state, the run's position before the step."""
         alg = self.algorithm
         arrival = alg.arrive()                                                     # 1
-        done = self.check_in(position, self._arrived(arrival))                     # 2
+        done = self.resolve_and_check_in(position, self._arrived(arrival))              # 2
         report = done.report()
         alg.note_arrival(report, arrival)
         if not done.ok or done.plan is None:
@@ -139,7 +139,7 @@ class OuterSteps:
             return Arrived.FAILED  # one local rank's transfer failed: the node holds no whole average
         return Arrived.OK
 
-    def check_in(self, position: RunPosition, arrived: Arrived) -> CheckIn:
+    def resolve_and_check_in(self, position: RunPosition, arrived: Arrived) -> CheckInResult:
         """Resolve the world and check in (with the algorithm's exchange), retried without the failed peers."""
         digest = checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
         work = self.work()   # this node's steps and tokens of the round (the weights of the average, when weighted)
@@ -180,10 +180,10 @@ class OuterSteps:
             if not self.layout.identity:
                 plan = self._plan_of_head(plan)
             if localsync.all_ok(self.local_group, ok):
-                return CheckIn(view, plan, stats, attempts, True, resolve_s, checkin_s)
+                return CheckInResult(view, plan, stats, attempts, True, resolve_s, checkin_s)
             stats = None
         assert view is not None  # at least one attempt
-        return CheckIn(view, plan, None, attempts, False, resolve_s, checkin_s)
+        return CheckInResult(view, plan, None, attempts, False, resolve_s, checkin_s)
 
     def _norm(self) -> float:
         """diloco.clip: this node's pseudo-gradient norm, compared with the others' in the check-in (blocking

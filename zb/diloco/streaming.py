@@ -99,7 +99,7 @@ class StreamingAlgorithm(OverlappedAlgorithm):
             self.timed.begin(position.outer_step, launched=self.state.job is not None)
 
     def sync_points(self, step: int) -> tuple[int | None, int | None]:
-        return self.timed.after_step(step) if self.timed is not None else self.state.sync_points(step)
+        return self.timed.sync_points(step) if self.timed is not None else self.state.sync_points(step)
 
     def launch_fragment(self, fragment: int, contributing: bool) -> None:
         """Start the fragment's all-reduce over the current world. No check-in: roles change only at
