@@ -19,7 +19,7 @@ from zb.testing.procs import REPO
 WHOLE_RUN_FIXTURES = {"make_run", "cluster"}
 WHOLE_RUN_FILES = {"test_swarm_checkpoints", "test_swarm_run", "test_train_resume", "test_train_ckpt_end",
                    "test_status_live", "test_simulator", "test_wheel", "test_diloco_mixed_ranks", "test_diloco_adaptive",
-                   "test_diloco_outer"}
+                   "test_diloco_outer", "test_read_only"}
 
 
 def pytest_collection_modifyitems(items):

@@ -38,3 +38,29 @@ def test_eval_only_needs_a_checkpoint(tmp_path):
     assert proc.returncode == 2 and "eval.only = true (from flag --eval.only): evaluates a checkpoint" in proc.stderr
     proc = zb_process("train", *TINY, "--eval.only", "--ckpt.resume", "latest", "--ckpt.path", str(tmp_path / "none"))
     assert proc.returncode == 2 and "found no complete checkpoint" in proc.stderr, proc.stderr
+
+
+def _checkpoint(meta: dict):
+    from zb.position import RunPosition
+    from zb.train.eval_only import Checkpoint
+
+    return Checkpoint("ck/step-000000006", RunPosition(6, 2), meta)
+
+
+def test_eval_only_takes_the_data_slot_its_checkpoint_records_unless_given(caplog):
+    """Issue 37: eval.only evaluated data slot 0 of 1 whatever node wrote the checkpoint (a DiLoCo node of slot 1
+    of 2 got another loss than it logged); the manifest now records the slot, and flags still win."""
+    from zb.config import load_config
+    from zb.train.eval_only import data_slot
+
+    recorded = _checkpoint({"data_slot": {"rank": 1, "world_size": 2}, "config": {"diloco": {"inner_steps": 3}}})
+    assert data_slot(load_config([], {}, environ={}), recorded) == (1, 2)
+    assert data_slot(load_config([], {"data.data_rank": 0}, environ={}), recorded) == (0, 2)
+    plain = _checkpoint({"config": {"data": {"data_rank": 3, "data_world_size": 4}}})   # older, without DiLoCo
+    assert data_slot(load_config([], {}, environ={}), plain) == (3, 4) and not caplog.records
+    older = _checkpoint({"config": {"diloco": {"inner_steps": 3}, "data": {}}})        # older, of a DiLoCo node
+    assert data_slot(load_config([], {}, environ={}), older) == (0, 1)
+    assert [r.getMessage() for r in caplog.records if "records no data slot" in r.getMessage()] != []
+    caplog.clear()
+    assert data_slot(load_config([], {"data.data_rank": 1, "data.data_world_size": 2}, environ={}), older) == (1, 2)
+    assert not caplog.records

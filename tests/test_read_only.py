@@ -1,8 +1,10 @@
-"""Commands that read never write (issue 37): after a real 2-node DiLoCo run with checkpoints (a `zb store`
-that outlives it, disk, RAM and remote copies), every read-only command leaves every store key and value and
-every file and directory under the run's directories as it found them: `zb status` (one-shot, --json,
---secret-file, --watch, --serve and its page), `zb ckpt ls` and `zb ckpt verify`, `zb generate`, `zb export`
-(its OUT aside) and `zb train --eval.only`. One run serves the module; each command is its own test."""
+"""Commands that read never write (issue 37): after a real 2-node DiLoCo run without a secret (a `zb store` that
+outlives it, checkpoints on disk and a remote copy, and RAM copies as a live node and a killed one leave them),
+every read-only command leaves every store key and value and every file and directory of the run as it found
+them: `zb status` (one-shot, --json, --secret-file, --watch, --serve and its page), `zb ckpt ls` and `zb ckpt
+verify`, `zb generate`, `zb export` (its OUT aside) and `zb train --eval.only` (its own metrics aside). One run
+serves the module (per pytest worker); each command is its own test, and the snapshot compares list_keys and
+every value, and each entry's size, mtime_ns and sha256 (a directory's mtime catches a file made and removed)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from zb.metrics import read_metrics
 from zb.secret import write_new_secret
 from zb.testing.cluster import TrainCluster
 from zb.testing.procs import REPO, subprocess_env, zb_process
+
+# The run is made once per pytest worker, inside the first test that worker takes.
+pytestmark = pytest.mark.timeout(400)
 
 NODES = ("n0", "n1")
 # Two outer steps of 3 inner steps, a checkpoint and a held-out loss at each.
@@ -70,7 +75,7 @@ class Finished:
 
     def snapshot(self) -> dict:
         """Every store key and value, and every file (size, mtime, sha256) and directory (mtime) of the run's."""
-        return {"store": _store_items(self.run.port), "files": _tree(self.tmp, skip=("out", "eval-log"))}
+        return {"store": _store_items(self.run.port), "files": _tree(self.tmp)}
 
 
 def _store_items(port: int) -> dict[str, bytes]:
@@ -81,14 +86,12 @@ def _store_items(port: int) -> dict[str, bytes]:
     return dict(zip(names, client.multi_get(names))) if names else {}
 
 
-def _tree(root: Path, skip: tuple[str, ...]) -> dict[str, tuple]:
-    """Every entry under root but the `skip` top-level names (outputs the user asked for): a directory's
-    mtime changes when anything is created or removed in it, even a file removed again."""
+def _tree(root: Path) -> dict[str, tuple]:
+    """Every entry under root: a directory's mtime changes when anything is created or removed in it, even a
+    file removed again."""
     out = {}
     for path in sorted(root.rglob("*")):
         rel = path.relative_to(root)
-        if rel.parts[0] in skip:
-            continue
         st = path.lstat()
         if path.is_dir():
             out[str(rel)] = ("dir", st.st_mtime_ns)
@@ -133,7 +136,6 @@ def _ok(proc: subprocess.CompletedProcess, code: int = 0) -> str:
     return proc.stdout
 
 
-@pytest.mark.timeout(400)
 @pytest.mark.parametrize("flags", [(), ("--json",), ("--secret-file", "SECRET"), ("--json", "--secret-file", "SECRET")],
                          ids=["table", "json", "secret-file", "json-secret-file"])
 def test_status_reads_only(unchanged, flags):
@@ -205,8 +207,9 @@ def test_status_serve_reads_only(unchanged, secret, tmp_path):
 def test_ckpt_ls_reads_only(unchanged, args):
     run = unchanged
     where = {"CK": str(run.ckpt_dir("n1")), "REMOTE": str(run.tmp / "remote"), "RAM": str(run.tmp / "ram")}
-    proc = zb_process("ckpt", "ls", *[where.get(a, a) for a in args], timeout=90)
-    assert proc.returncode in (0, 2) and "Traceback" not in proc.stderr, proc.stderr
+    out = _ok(zb_process("ckpt", "ls", *[where.get(a, a) for a in args], timeout=90))
+    if "--json" in args:
+        json.loads(out)
 
 
 @pytest.mark.parametrize("args", [["STEP"], ["STEP", "--json"], ["CK", "--step", "3"], ["STEP/rank-0"]],
@@ -226,23 +229,59 @@ def test_generate_reads_only(unchanged, params):
     assert json.loads(out)["step"] == 6
 
 
-def test_export_writes_only_its_out(unchanged):
+def test_export_writes_only_its_out(unchanged, tmp_path):
     run = unchanged
-    _ok(zb_process("export", str(run.step_dir("n1", 6)), str(run.tmp / "out" / "hf"), timeout=120))
-    assert (run.tmp / "out" / "hf" / "config.json").is_file()
+    _ok(zb_process("export", str(run.step_dir("n1", 6)), str(tmp_path / "hf"), timeout=120))
+    assert (tmp_path / "hf" / "config.json").is_file()
 
 
-def test_eval_only_reads_only_and_takes_the_nodes_data_slot(unchanged):
-    """Node n1's checkpoint of step 6, evaluated alone with the run's flags: the held-out loss n1 logged at step 6,
-    on its own data slot, which the checkpoint records (no --data flags); nothing of the run is written."""
+def _eval_only(run: Finished, log_dir: Path, *args: str,
+               launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`zb train --eval.only` with the run's flags, as node n1 on the run's machine (its store still up), its
+    metrics in `log_dir`."""
+    cmd = [*launcher, "train", *TrainCluster.ARGS, *RUN, *run.ckpt("n1"), "--eval.only", "--log.dir", str(log_dir),
+           *args]
+    env = subprocess_env(GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(run.run.port), GLOBAL_WORLD_SIZE="2",
+                         GLOBAL_UNIQUE_ID="n1", OMP_NUM_THREADS="1")
+    head = [sys.executable, "-m", "zb"] if not launcher else [sys.executable, "-m"]
+    return subprocess.run([*head, *cmd], capture_output=True, text=True, timeout=170, env=env, cwd=REPO)
+
+
+def test_eval_only_reads_only_and_takes_the_nodes_data_slot(unchanged, tmp_path):
+    """Node n1's checkpoint of step 6, evaluated alone with the run's flags as node n1 (beside its RAM copy): the
+    held-out loss n1 logged at step 6, on its own data slot, which the checkpoint records (no --data flags)."""
     run = unchanged
     logged = [e for e in run.run.metrics("n1", "eval") if e["step"] == 6]
     assert logged, run.run.metrics("n1", "eval")
-    log_dir = run.tmp / "eval-log"
-    proc = zb_process("train", *TrainCluster.ARGS, *RUN, *run.ckpt("n1"), "--eval.only", "--ckpt.resume", "latest",
-                      "--log.dir", str(log_dir), timeout=150, GLOBAL_ADDR="127.0.0.1", GLOBAL_PORT=str(run.run.port),
-                      GLOBAL_WORLD_SIZE="2", GLOBAL_UNIQUE_ID="n1", OMP_NUM_THREADS="1")
+    proc = _eval_only(run, tmp_path, "--ckpt.resume", "latest")
     _ok(proc)
-    (event,) = read_metrics(log_dir / "metrics.jsonl", "eval")
+    (event,) = read_metrics(tmp_path / "metrics.jsonl", "eval")
     assert event["step"] == 6 and event["loss"] == logged[-1]["loss"], (event, logged)
     assert "ignores" not in proc.stderr and "data slot 1 of 2" in proc.stderr, proc.stderr
+
+
+def test_eval_only_of_a_remote_copy_reads_it_aside(unchanged, tmp_path):
+    """A remote step directory is downloaded into a temporary directory, never into ckpt.path."""
+    run = unchanged
+    url = f"file://{run.tmp / 'remote' / 'n1' / 'step-000000006'}"
+    proc = _eval_only(run, tmp_path, "--ckpt.resume", url)
+    _ok(proc)
+    logged = [e for e in run.run.metrics("n1", "eval") if e["step"] == 6][-1]
+    assert read_metrics(tmp_path / "metrics.jsonl", "eval")[-1]["loss"] == logged["loss"]
+    assert f"eval.only: checkpoint {url} (step 6)" in proc.stderr, proc.stderr
+
+
+def test_eval_only_with_two_local_ranks_reshards_and_reads_only(unchanged, tmp_path):
+    run = unchanged
+    proc = _eval_only(run, tmp_path, "--ckpt.resume", "latest",
+                      launcher=("torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "zb"))
+    _ok(proc)
+    assert "written by 1 local ranks and this node has 2: its model is resharded" in proc.stderr, proc.stderr
+
+
+def test_eval_only_refuses_another_runs_checkpoint_in_one_line(unchanged, tmp_path):
+    run = unchanged
+    proc = _eval_only(run, tmp_path, "--ckpt.resume", "latest", "--model.n_layers", "3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert "was written by a different run: model.n_layers (checkpoint: unset, this node: 3)" in line, line

@@ -150,16 +150,16 @@ class _Reader:
             check_meta(manifest.meta, manifest.step)
         except ValueError as e:
             raise CorruptSnapshot(f"{first}: {e}") from None
-        tensors = self._model_tensors(parts)
+        tensors = self._model_tensors(parts, resharded=written_by != self.size)
         load_model(self.model, tensors)
         if written_by != self.size and self.rank == 0:
             log.info("eval.only: checkpoint %s was written by %d local ranks and this node has %d: its model is "
                      "resharded", first.parent, written_by, self.size)
         return Checkpoint(where or str(first.parent), RunPosition.from_json(manifest.meta[JSON_KEY]), manifest.meta)
 
-    def _model_tensors(self, parts: list[Path]) -> dict[str, torch.Tensor]:
+    def _model_tensors(self, parts: list[Path], resharded: bool) -> dict[str, torch.Tensor]:
         live = {n: (tuple(t.shape), t.dtype) for n, t in model_tensors(self.model).items()}
-        if len(parts) == 1:   # this rank's own part: its shapes are this rank's shards
+        if not resharded:   # this rank's own part: its shapes are this rank's shards
             try:
                 return load_snapshot(parts[0], {MODEL: live})[0][MODEL]
             except InvalidInput as e:
