@@ -4,6 +4,11 @@ A library function raises one of these with a message that says what went wrong 
 the CLI prints that one line and exits with the code. Anything else is a bug and gets a traceback.
 """
 
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
 
 class ZbError(Exception):
     """Base class of expected failures; `exit_code` is what the CLI exits with."""
@@ -28,6 +33,20 @@ class LeavingRun(ZbError):
     takes no further part in the run: the caller stops as it would on the signal."""
 
     exit_code = 1
+
+
+def free_space(path: str | Path | None) -> str:
+    """'N MB free' (or kB, GB) on the disk that holds `path` (or its nearest existing ancestor): what a
+    message about a full disk tells, so that the user sees how far from enough it is."""
+    probe = Path(path) if path is not None else Path(".")
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return "free space unknown"
+    unit, scale = next((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1)) if free >= s or s == 1)
+    return f"{free / scale:,.1f} {unit} free" if scale > 1 else f"{free} bytes free"
 
 
 def missing_extra(feature: str, package: str, extra: str) -> EnvironmentFailure:

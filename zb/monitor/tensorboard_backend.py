@@ -6,6 +6,7 @@ training step of its event (an event without one, such as `recovery`, takes the 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ class TensorboardBackend:
     def __init__(self, log_dir: str):
         from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
 
+        _quiet_writer_thread()
         self.path = Path(log_dir) / SUBDIR
         self._writer = SummaryWriter(log_dir=str(self.path))
         self._step = 0
@@ -33,3 +35,21 @@ class TensorboardBackend:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _quiet_writer_thread() -> None:
+    """TensorBoard writes from a thread of its own; when a write fails (a full disk) that thread dies
+    with a traceback on stderr, and the error comes back at the next add_scalar, where MetricsSink
+    reports it in one line and drops the backend. The traceback is left out; other threads' are not."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "zb_quiet_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not isinstance(args.thread, _AsyncWriterThread):
+            previous(args)
+
+    hook.zb_quiet_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook

@@ -9,13 +9,18 @@ under <log.dir>/wandb and `wandb sync` uploads it later.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from zb.config_schema import LogConfig
 from zb.errors import EnvironmentFailure
 from zb.monitor.scalars import scalars
+
+log = logging.getLogger("zb.metrics")
 
 
 def init_arguments(cfg: LogConfig, *, node: str, diloco: bool) -> dict[str, Any]:
@@ -44,7 +49,9 @@ class WandbBackend:
         mode = args.get("mode") or os.environ.get("WANDB_MODE", "online")
         try:
             # console="off": wandb would otherwise wrap stdout/stderr, which zb keeps for its own lines.
-            self._run = wandb.init(config=run_config, settings=wandb.Settings(console="off", silent=True), **args)
+            with _logging_errors_unprinted():
+                self._run = wandb.init(config=run_config, settings=wandb.Settings(console="off", silent=True),
+                                       **args)
             self._run.define_metric("step")
             self._run.define_metric("*", step_metric="step")
         except Exception as e:  # wandb raises many types (CommError, UsageError, ...); none is a zb bug
@@ -54,6 +61,7 @@ class WandbBackend:
             raise EnvironmentFailure(f"log.backends wandb: could not start a wandb run in {mode} mode "
                                      f"({type(e).__name__}: {first_line}){hint}") from None
         self.dir = Path(self._run.dir).parent
+        _quiet_log_files(self.dir)
         self._step = 0
 
     def write(self, record: dict[str, Any]) -> None:
@@ -66,3 +74,32 @@ class WandbBackend:
 
     def close(self) -> None:
         self._run.finish()
+
+
+@contextmanager
+def _logging_errors_unprinted() -> Iterator[None]:
+    """While wandb starts (its log file is not ours to quiet yet): a line it cannot write is dropped
+    without logging's traceback (logging.raiseExceptions is logging's own switch for that)."""
+    previous, logging.raiseExceptions = logging.raiseExceptions, False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = previous
+
+
+def _quiet_log_files(where: Path) -> None:
+    """wandb logs about itself into a file under <log.dir>/wandb. On a full disk every one of those lines
+    would print logging's "--- Logging error ---" and a traceback on stderr: say it once instead (the
+    run goes on; what wandb fails to write of the metrics themselves MetricsSink reports)."""
+    said: list[bool] = []
+
+    def handle_error(record: logging.LogRecord) -> None:
+        if not said:
+            said.append(True)
+            error = sys.exc_info()[1]
+            log.warning("wandb's own log under %s cannot be written (%s): its lines are dropped; training goes on",
+                        where, getattr(error, "strerror", None) or error)
+
+    for handler in logging.getLogger("wandb").handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handleError = handle_error  # type: ignore[method-assign]

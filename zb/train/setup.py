@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from zb.config import fail
 from zb.config_schema import Config
 from zb.elastic import localsync
-from zb.errors import EnvironmentFailure
+from zb.errors import EnvironmentFailure, free_space
 from zb.local_world import LocalWorld
 from zb.metrics import MetricsSink
 from zb.train.device import Placement, pick_placement
@@ -70,8 +71,6 @@ def preflight(cfg: Config, local: LocalWorld, *, announce: bool = True) -> Place
 
 def _warn_without_downloads(cfg: Config) -> None:
     """data.retries and data.cache_budget_gb act on hub downloads: say so when they cannot."""
-    from pathlib import Path
-
     from zb.config import source_of
     from zb.data.hub import offline
     from zb.data.sources import source_kind
@@ -91,12 +90,15 @@ def open_metrics(cfg: Config, *, node: str, is_head: bool) -> MetricsSink:
     """<log.dir>/metrics.jsonl and the other log.backends, opened (by the node's head) before anything
     is built, so that a log.dir that cannot hold them, or a backend whose package is missing, stops the
     run at once in one line. As for ckpt.path (zb.ckpt.durable.copies): a path that can never work (a
-    file, read-only, no permission) is exit 2, a full disk exit 1."""
+    file, read-only, no permission) is exit 2, a disk full already exit 1. A disk that fills later only
+    costs metrics (zb.metrics): training goes on."""
     from zb.monitor import backend_names, check_backends, open_backends
 
     check_backends(cfg)  # on every local rank, so that a missing package stops the whole node alike
     sink = None
     try:
+        if is_head:
+            _probe_log_dir(cfg.log.dir)
         sink = MetricsSink(cfg.log.dir, node, enabled=is_head, jsonl="jsonl" in backend_names(cfg))
         if is_head:
             sink.backends = open_backends(cfg, node=node)
@@ -104,11 +106,25 @@ def open_metrics(cfg: Config, *, node: str, is_head: bool) -> MetricsSink:
     except OSError as e:
         why = f"cannot hold the metrics: {e.strerror or e}"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            fail(cfg, "log.dir", f"{why}; free space there or point --log.dir at another disk", EnvironmentFailure)
+            fail(cfg, "log.dir", f"{why} ({free_space(Path(cfg.log.dir))}); free space there or point --log.dir at "
+                                 "another disk", EnvironmentFailure)
         fail(cfg, "log.dir", f"{why}; give a writable directory (--log.dir DIR)")
     finally:
         if sink is not None and sys.exc_info()[0] is not None:
             sink.close()
+
+
+def _probe_log_dir(log_dir: str) -> None:
+    """Make log.dir and write (and sync) a few bytes in it: opening a file succeeds on a disk that is full,
+    only a write tells."""
+    from zb.ckpt.durable.copies import write_probe
+
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    probe = Path(log_dir) / f".zb-probe-{os.getpid()}"
+    try:
+        write_probe(probe)
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def node_identity(cfg: Config, local: LocalWorld) -> str:
