@@ -84,6 +84,7 @@ def test_a_disk_that_fills_during_the_run_is_reported_at_its_end(tmp_path, caplo
         line = str(failed.value)
         assert "the last 1 checkpoint(s) (step 2) were not written durably" in line and "\n" not in line
         assert "No space left on device" in line and "the last durable checkpoint is step 1" in line
+        assert f"free on {disk})" in line   # how far from enough the disk is (issue 37)
         ram_copy = tmp_path / "ram" / "n0" / snapshot_name(2)
         assert f"kept in RAM at {ram_copy}" in line
 

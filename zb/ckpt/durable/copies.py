@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from zb.ckpt.format.catalog import commit, fsync_path, read_committed, tmp_dir
-from zb.errors import EnvironmentFailure, InvalidInput
+from zb.errors import EnvironmentFailure, InvalidInput, free_space
 
 log = logging.getLogger("zb.ckpt")
 
@@ -69,8 +69,8 @@ def check_writable_dir(path: str, key: str = "ckpt.path") -> None:
     except OSError as e:
         why = e.strerror or str(e)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise EnvironmentFailure(f"{key} {path!r}: {why}: free space there or point {key} at another "
-                                     "disk") from None
+            raise EnvironmentFailure(f"{key} {path!r}: {why} ({free_space(target)}): free space there or point {key} "
+                                     "at another disk") from None
         raise InvalidInput(f"{key} {path!r} cannot hold checkpoints: {why}; give a writable directory "
                            f"(--{key} DIR)") from None
     finally:
@@ -78,6 +78,16 @@ def check_writable_dir(path: str, key: str = "ckpt.path") -> None:
             probe.unlink(missing_ok=True)
         except OSError:
             pass  # there was never a probe (not a directory)
+
+
+def describe_failure(error: Exception | None, where: Path) -> str:
+    """A failed copy in a few words; a full disk also says how much room `where`'s disk has left."""
+    if error is None:
+        return "not written"
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        text += f" ({free_space(where)} on {where})"
+    return text
 
 
 def write_probe(path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zb.ckpt.durable.copies import copy_part, retry
+from zb.ckpt.durable.copies import copy_part, describe_failure, retry
 from zb.ckpt.durable.layout import drop_if_empty, part_name, prune_own_parts
 from zb.ckpt.durable.lineage import Origin, origin_of
 from zb.ckpt.durable.ramdir import claim
@@ -138,7 +138,8 @@ class Worker:
                                    self.t.attempts, self.t.retry_delay)
             if durable is None:
                 drop_if_empty(disk_root / snapshot_name(job.step))  # no empty step directory after a full disk
-                log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first, error)
+                log.error("checkpoint of step %d is only in RAM (%s): %s", job.step, first,
+                          describe_failure(error, disk_root))
         self._record(job.step, durable, error, first)
         origin = origin_of(job.meta)
         if durable is not None and self.t.disk_root is not None and _is_under(durable, self.t.disk_root):
@@ -176,7 +177,7 @@ class Worker:
         if path is not None and _is_under(path, self.t.disk_root):
             self.durable[step], self.last_durable, self.not_durable, self.ram_only = path, step, [], None
         else:
-            why = f"{type(error).__name__}: {error}" if error else "not written"
+            why = describe_failure(error, self.t.disk_root)
             self.not_durable = [(s, w) for s, w in self.not_durable if s != step] + [(step, why)]  # a final retry
             self.ever_failed = [s for s in self.ever_failed if s != step] + [step]
             self.ram_only = first if first is not None and self.t.ram_root is not None else self.ram_only
@@ -206,7 +207,8 @@ class Worker:
             if root == self.t.disk_root:
                 disk_error = error
             drop_if_empty(root / snapshot_name(job.step))  # a full disk must not leave an empty step behind
-            log.error("checkpoint of step %d could not be written to %s: %s", job.step, root, error)
+            log.error("checkpoint of step %d could not be written to %s: %s", job.step, root,
+                      describe_failure(error, root))
         return None, disk_error or error
 
     def _prune(self, root: Path, origin: Origin, keep: int, *, keep_tips: bool = True) -> None:
