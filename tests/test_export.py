@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -295,3 +296,26 @@ def test_a_full_disk_is_exit_1_and_leaves_the_earlier_export_whole(one_rank, tmp
         with pytest.raises(EnvironmentFailure, match=r"writing the export .*/hf failed \(No space left on device"):
             export_checkpoint(one_rank, disk / "hf", force=True)  # fp32, ~0.6 MB: does not
         assert _tree(disk / "hf") == before and sorted(p.name for p in disk.iterdir()) == ["hf"]
+
+
+def test_a_disk_without_room_for_the_tokenizer_is_one_line_naming_its_free_space(one_rank, tmp_path):
+    """`zb export` itself, out of room after the weights (tokenizer.json, which the tokenizers library
+    wrote: its error was a bare Exception and a traceback): exit 1, one line naming OUT and the free
+    space, and nothing left on the disk."""
+    from ckpt_states import tmpfs
+
+    probe = tmp_path / "probe"
+    export_checkpoint(one_rank, probe, dtype="bf16")
+    page = 4096
+    weights = -(-(probe / "model.safetensors").stat().st_size // page) * page
+    assert (probe / "tokenizer.json").stat().st_size > page, "the tokenizer must not fit in the page left"
+    with tmpfs(tmp_path / "small", weights + page) as disk:
+        proc = zb_process("export", str(one_rank), str(disk / "hf"), "--dtype", "bf16")
+        left = sorted(p.name for p in disk.iterdir())
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(rf"error: writing the export {re.escape(str(disk / 'hf'))} failed \(No space left on device"
+                        r"(: \S+)?; [\d.,]+ \w+ free there\); free space or choose another disk \(nothing was left "
+                        r"behind\)", last), last
+    assert left == []

@@ -54,7 +54,8 @@ def write_byte_tokenizer(out: Path, max_length: int) -> TokenizerExport:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(BYTE_SPECIALS))
-    tok.save(str(out / "tokenizer.json"))
+    # Written by Python, not tok.save(): the Rust library's error for a full disk is a bare Exception.
+    (out / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
     bos, eos, pad = BYTE_SPECIALS
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos, "eos_token": eos, "pad_token": pad,

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from zb.ckpt.format.tensorfile import write_tensor_file
-from zb.errors import EnvironmentFailure, InvalidInput
+from zb.errors import EnvironmentFailure, InvalidInput, free_space
 
 PROVENANCE = "zb_export.json"
 INDEX = "model.safetensors.index.json"
@@ -135,6 +135,6 @@ class Staging:
 def _os_failure(out: Path, e: OSError) -> Exception:
     why = f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return EnvironmentFailure(f"writing the export {out} failed ({why}); free space or choose another disk "
-                                  "(nothing was left behind)")
+        return EnvironmentFailure(f"writing the export {out} failed ({why}; {free_space(out.parent)} there); free "
+                                  "space or choose another disk (nothing was left behind)")
     return InvalidInput(f"cannot write the export {out} ({why}); choose a writable directory (nothing was left behind)")
