@@ -285,3 +285,22 @@ def test_eval_only_refuses_another_runs_checkpoint_in_one_line(unchanged, tmp_pa
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert "was written by a different run: model.n_layers (checkpoint: unset, this node: 3)" in line, line
+
+
+def test_eval_only_takes_the_remote_copy_of_a_step_whose_local_copy_is_damaged(unchanged, tmp_path):
+    """As a resume does: `latest` reads the remote copy when the local one does not verify (downloaded aside)."""
+    import shutil
+
+    run = unchanged
+    ckpt = tmp_path / "ck"
+    shutil.copytree(run.ckpt_dir("n1"), ckpt)
+    model = ckpt / "step-000000006" / "rank-0" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-1] ^= 0xFF
+    model.write_bytes(bytes(data))
+    proc = _eval_only(run, tmp_path / "log", "--ckpt.resume", "latest", "--ckpt.path", str(ckpt),
+                      "--ckpt.remote.path", str(run.tmp / "remote"))
+    _ok(proc)
+    assert "skipping the local copy of checkpoint step 6" in proc.stderr, proc.stderr
+    assert f"eval.only: checkpoint {run.tmp / 'remote' / 'n1' / 'step-000000006'} (step 6)" in proc.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-000000003", "step-000000006"]

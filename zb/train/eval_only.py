@@ -90,35 +90,43 @@ def _named(path: Path) -> Callable[[int], Path]:
 
 
 def _latest(cfg: Config, reader: "_Reader", scratch: Callable[[], Path], group: Any) -> Checkpoint | None:
-    """The newest step of the current branch that reads, local copy first, else the remote one (every local
-    rank takes the same step); each one skipped is named in a warning, as a resume names it."""
+    """The newest step of the current branch that reads (every local rank takes the same step); each one
+    skipped is named in a warning, as a resume names it."""
     uid = cfg.elastic.unique_id
     root = Path(cfg.ckpt.path) if cfg.ckpt.path else Path(cfg.ckpt.ram_dir) / str(uid)
     remote = f"{cfg.ckpt.remote.path.rstrip('/')}/{uid}" if cfg.ckpt.remote.path else None
-    local = entries(root)
-    found = merge(local.values(), remote_entries(remote)[0].values() if remote else ())
+    local, remote_steps = entries(root), (remote_entries(remote)[0] if remote else {})
+    found = merge(local.values(), remote_steps.values())
     bound = None
     while True:
         line = [s for s in current_lineage(found) if bound is None or s < bound]
         step = _all_min(line[-1] if line else -1, group)
         if step < 0:
             return None
-        loaded = None
-        try:
-            if step in local:
-                loaded = reader.read(lambda rank: root / snapshot_name(step) / part_name(rank))
-            else:
-                assert remote is not None   # a step neither local nor remote is not in `found`
-                downloads = scratch()
-                loaded = reader.read(lambda rank: download_part(remote, step, rank, downloads),
-                                     where=f"{remote}/{snapshot_name(step)}")
-        except _Mismatch:
-            raise
-        except (InvalidInput, EnvironmentFailure, OSError) as e:
-            log.warning("skipping checkpoint step %d: %s", step, e)
+        copies: list[tuple[Callable[[int], Path], str | None]] = []
+        if step in local:
+            copies.append((lambda rank: root / snapshot_name(step) / part_name(rank), None))
+        if remote is not None and step in remote_steps:     # also where the local copy does not read
+            copies.append((lambda rank: download_part(remote, step, rank, scratch()),
+                           f"{remote}/{snapshot_name(step)}"))
+        loaded = _first_that_reads(reader, step, copies)
         if _all_min(int(loaded is not None), group) == 1:
             return loaded
         bound = step
+
+
+def _first_that_reads(reader: "_Reader", step: int,
+                      copies: list[tuple[Callable[[int], Path], str | None]]) -> Checkpoint | None:
+    """The step read from its first copy that reads (local, then remote); another run's is never skipped."""
+    for fetch, where in copies:
+        try:
+            return reader.read(fetch, where)
+        except _Mismatch:
+            raise
+        except (InvalidInput, EnvironmentFailure, OSError) as e:
+            log.warning("skipping %s copy of checkpoint step %d: %s", "the remote" if where else "the local",
+                        step, e)
+    return None
 
 
 def _all_min(value: int, group: Any) -> int:
