@@ -144,14 +144,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
 
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     store_proc = subprocess.Popen([sys.executable, "-m", "zb", "store", "--port", str(port)], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = connect("127.0.0.1", port, 60.0, 60.0)
+        client = run_client("127.0.0.1", port, 60.0, 60.0, counters=is_counter)
         results = [measure(client, int(n), args.repeats) for n in args.nodes.split(",")]
     finally:
         store_proc.terminate()

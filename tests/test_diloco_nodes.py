@@ -107,9 +107,11 @@ def test_joiner_with_another_model_is_refused(make_run):
     log = (run.tmp / "odd.log").read_text()
     assert "model.n_layers" in log and "Traceback" not in log
     # zb status shows it refused, with the reason, not "left" (issue 30, defect 4)
-    from zb.status.reader import RunReader, open_store
+    from zb.elastic.keys import is_counter
+    from zb.status.reader import RunReader
+    from zb.store_clients import reading_client
 
-    doc = RunReader(open_store("127.0.0.1", run.port, 10.0), "test").read()
+    doc = RunReader(reading_client("127.0.0.1", run.port, 10.0, counters=is_counter), "test").read()
     odd = next(n for n in doc["nodes"] if n["uid"] == "odd")
     assert odd["state"] == "refused", odd
     assert run.finish("n0") == 0, run.log("n0")

@@ -10,9 +10,11 @@ import socket
 import pytest
 
 from zb.elastic import keys
+from zb.elastic.keys import is_counter
 from zb.elastic.linkprobe import LinkProber
 from zb.elastic.ring import read_links
-from zb.elastic.tcpstore import connect, host, read_many
+from zb.elastic.tcpstore import host, read_many
+from zb.store_clients import run_client
 from zb.testing.procs import wait_until
 
 
@@ -26,7 +28,7 @@ def free_port() -> int:
 def store():
     port = free_port()
     hosted = host("127.0.0.1", port)
-    yield lambda: connect("127.0.0.1", port, 30.0, 30.0)
+    yield lambda: run_client("127.0.0.1", port, 30.0, 30.0, counters=is_counter)
     del hosted
 
 
@@ -100,7 +102,7 @@ def test_an_unreachable_member_is_given_up_on_with_one_warning(store, caplog, mo
 def test_a_mesh_measures_its_links_while_it_runs(cluster):
     nodes = cluster.start_world(3, ZB_ELASTIC_MEASURE_LINKS="true", ZB_ELASTIC_LINK_PROBE_SECONDS="0.3")
     cluster.agreement(nodes, 3)
-    client = connect("127.0.0.1", cluster.port, 30.0, 30.0)
+    client = run_client("127.0.0.1", cluster.port, 30.0, 30.0, counters=is_counter)
     uids = ["a", "b", "c"]
     wait_until(lambda: all(len(rows(client, u)) == 2 for u in uids), 90, "the mesh's links measured",
                alive=[n.proc for n in nodes])

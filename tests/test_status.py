@@ -158,9 +158,10 @@ class _Inner:
 
 
 def _connect_to(store_obj):
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
-    return lambda: connect("127.0.0.1", store_obj.port, 30.0, 30.0)
+    return lambda: run_client("127.0.0.1", store_obj.port, 30.0, 30.0, counters=is_counter)
 
 
 def test_publisher_writes_the_record_and_says_goodbye(store):
@@ -210,10 +211,12 @@ def test_a_store_that_never_answers_never_blocks_the_loop():
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
     inner = _Inner()
-    publisher = StatusPublisher(_status("n2"), lambda: connect("127.0.0.1", silent.getsockname()[1], 0.5, 0.5),
+    publisher = StatusPublisher(_status("n2"),
+                                lambda: run_client("127.0.0.1", silent.getsockname()[1], 0.5, 0.5, counters=is_counter),
                                 interval=0.05)
     publisher.start()
     sink = StatusSink(inner, publisher)
@@ -231,11 +234,13 @@ def test_an_address_that_does_not_resolve_ends_no_thread_with_a_traceback(monkey
     notes it (before the fix it died with a traceback printed ahead of that line, issue 30 defect 5)."""
     import threading
 
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
     escaped = []
     monkeypatch.setattr(threading, "excepthook", lambda args: escaped.append(args.exc_value))
-    publisher = StatusPublisher(_status("n4"), lambda: connect("no-such-host.invalid", 29600, 0.5, 0.5),
+    publisher = StatusPublisher(_status("n4"),
+                                lambda: run_client("no-such-host.invalid", 29600, 0.5, 0.5, counters=is_counter),
                                 interval=0.05)
     publisher.start()
     wait_until(lambda: publisher._outage_since is not None, 30, "the failed publication")
@@ -244,10 +249,12 @@ def test_an_address_that_does_not_resolve_ends_no_thread_with_a_traceback(monkey
 
 
 def test_an_unreachable_store_is_logged_once_and_retried(caplog, store):
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
     port = [store.port]
-    publisher = StatusPublisher(_status("n3"), lambda: connect("127.0.0.1", port[0], 0.1, 1.0), interval=0.05)
+    publisher = StatusPublisher(_status("n3"), lambda: run_client("127.0.0.1", port[0], 0.1, 1.0, counters=is_counter),
+                                interval=0.05)
     caplog.set_level(logging.INFO, logger="zb.status")
     publisher.start()
     wait_until(lambda: store.check([keys.status("n3")]), 30, "the first record")

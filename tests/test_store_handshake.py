@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from zb import stop_signals
-from zb.dial import store_client
 from zb.errors import EnvironmentFailure, LeavingRun
+from zb.store_clients import handshake
 from zb.testing.procs import PYTHON, REPO, TINY, free_port, subprocess_env, wait_until
 
 
@@ -50,13 +50,13 @@ def silent():
 
 def test_a_peer_that_never_answers_is_one_error_within_the_bound(silent):
     with pytest.raises(EnvironmentFailure, match="accepts connections but does not answer as a TCPStore"):
-        store_client("127.0.0.1", silent.port, 30.0, 1.0, "check the address", use_libuv=True)
+        handshake("127.0.0.1", silent.port, 30.0, 1.0, "check the address", use_libuv=True)
 
 
 def test_a_stop_signal_ends_the_wait_on_the_main_thread(silent, monkeypatch):
     threading.Timer(0.5, stop_signals.note, args=("SIGINT",)).start()
     with pytest.raises(LeavingRun, match="SIGINT received while connecting"):
-        store_client("127.0.0.1", silent.port, 30.0, 60.0, "check the address", use_libuv=True)
+        handshake("127.0.0.1", silent.port, 30.0, 60.0, "check the address", use_libuv=True)
 
 
 def test_a_real_store_still_answers():
@@ -64,7 +64,7 @@ def test_a_real_store_still_answers():
 
     port = free_port()
     server = host("127.0.0.1", port)
-    client = store_client("127.0.0.1", port, 10.0, 10.0, "", use_libuv=True)
+    client = handshake("127.0.0.1", port, 10.0, 10.0, "", use_libuv=True)
     client.set("k", "v")
     assert server.get("k") == b"v"
 
@@ -108,5 +108,5 @@ def test_retries_against_a_hung_peer_leave_one_waiting_thread_not_one_per_try(si
     before = waiting()
     for _ in range(4):
         with pytest.raises(EnvironmentFailure, match="does not answer as a TCPStore"):
-            store_client("127.0.0.1", silent.port, 30.0, 0.3, "check the address", use_libuv=True)
+            handshake("127.0.0.1", silent.port, 30.0, 0.3, "check the address", use_libuv=True)
     assert waiting() - before == 1

@@ -276,10 +276,11 @@ def test_stage_namespace_keeps_the_users_own():
 
 
 def test_namespaced_clients_do_not_see_each_other(store):
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
-    a = connect("127.0.0.1", store.port, 30, 30, "swarm/s0")
-    b = connect("127.0.0.1", store.port, 30, 30, "swarm/s1")
+    a = run_client("127.0.0.1", store.port, 30, 30, counters=is_counter, namespace="swarm/s0")
+    b = run_client("127.0.0.1", store.port, 30, 30, counters=is_counter, namespace="swarm/s1")
     a.set("zb/world", "A")
     assert not b.check(["zb/world"]) and store.check(["swarm/s0/zb/world"])
 
@@ -290,10 +291,12 @@ def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespac
     import time
 
     from zb.elastic import keys
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
 
-    mesh_side = connect("127.0.0.1", store.port, 30, 30, registry.stage_namespace("runA", 0))
-    link = registry.StoreLink(lambda: connect("127.0.0.1", store.port, 30, 30, "runA"))
+    mesh_side = run_client("127.0.0.1", store.port, 30, 30, counters=is_counter,
+                           namespace=registry.stage_namespace("runA", 0))
+    link = registry.StoreLink(lambda: run_client("127.0.0.1", store.port, 30, 30, counters=is_counter, namespace="runA"))
     live = registry.Liveness(link, timeout=0.3)
     mesh_side.add(keys.heartbeat("u"), 1)
     assert live.alive(0, ["u"]) == {"u"}
@@ -306,12 +309,13 @@ def test_liveness_reads_the_heartbeats_a_stage_mesh_writes_under_a_user_namespac
 def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
     import torch.distributed as dist
 
-    from zb.elastic.tcpstore import connect
+    from zb.elastic.keys import is_counter
+    from zb.store_clients import run_client
     from zb.testing.procs import free_port
 
     port = free_port()
     host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)
-    link = registry.StoreLink(lambda: connect("127.0.0.1", port, 3, 5))
+    link = registry.StoreLink(lambda: run_client("127.0.0.1", port, 3, 5, counters=is_counter))
     assert link.run(lambda s: s.add("n", 1)) == 1
     del host                                                   # the store goes away
     assert link.run(lambda s: s.add("n", 1), fallback="known") == "known"

@@ -79,8 +79,8 @@ def _kernels(threads: int, numel: int) -> dict:
 
 def _run(world_size: int, store: str | None, rank: int | None, cfg, secret: bytes | None) -> dict | None:
     from zb.collectives.bench import run_rank, spawn_local
-    from zb.dial import connect_store
     from zb.errors import InvalidInput
+    from zb.store_clients import rank_client
 
     if store is None:
         if rank is not None:
@@ -96,9 +96,9 @@ def _run(world_size: int, store: str | None, rank: int | None, cfg, secret: byte
         host, port = parse_host_port(store, "--store")
     except ValueError as e:
         raise InvalidInput(str(e)) from None
-    store_client = connect_store(host, port, rank, world_size, cfg.rendezvous_timeout_s,
-                                 raise_hint=", or raise --timeout", secret=secret)
-    return run_rank(store_client, rank, world_size, cfg)
+    client = rank_client(host, port, rank, world_size, cfg.rendezvous_timeout_s, raise_hint=", or raise --timeout",
+                         secret=secret)
+    return run_rank(client, rank, world_size, cfg)
 
 
 def results_table(report: dict):

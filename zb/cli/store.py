@@ -83,10 +83,12 @@ def store(host: str, port: int, http_port: int | None, secret_file: str | None, 
 def _dashboard(sock, info: dict, secret: bytes | None):
     """The dashboard, reading this process's own store through a client of it (with the run's secret, if any:
     the records it reads are sealed)."""
-    from zb.status.reader import RunReader, open_store
+    from zb.elastic import keys
+    from zb.status.reader import RunReader
     from zb.status.server import Dashboard
+    from zb.store_clients import reading_client
 
     dial = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else "::1" if info["host"] == "::" else info["host"]
     where = f"{info['addr']}:{info['port']}"
-    return Dashboard(sock, lambda: RunReader(open_store(dial, info["port"], 10.0, secret), where, secret=secret), 2.0,
-                     where).start()
+    return Dashboard(sock, lambda: RunReader(reading_client(dial, info["port"], 10.0, counters=keys.is_counter,
+                                                            secret=secret), where, secret=secret), 2.0, where).start()

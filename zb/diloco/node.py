@@ -139,7 +139,8 @@ class DilocoNode:
         return slot
 
     def connect(self, wait_s: float | None = None) -> Any:
-        """A new client of the run's store, waiting for it up to `wait_s` (default elastic.connect_timeout)."""
+        """A new client of the run's store, waiting for it up to `wait_s` (default elastic.connect_timeout): the
+        `connect` given, else zb.store_clients.run_client through the process's StoreList (the current store)."""
         if self._connect_store is not None:
             return self._connect_store()
         e = self.cfg.elastic

@@ -40,9 +40,10 @@ from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_
 from zb.elastic.ring import RingPlanner, apply_ring_order
 from zb.elastic.store_state import Snapshot, encode_line, evicted_ids, read_snapshot
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
-from zb.elastic.tcpstore import StoreUnreachable, read_many, store_errors
+from zb.elastic.tcpstore import read_many, store_errors
 from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
+from zb.store_clients import StoreUnreachable
 
 log = logging.getLogger("zb.elastic")
 

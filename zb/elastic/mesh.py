@@ -26,10 +26,11 @@ from zb.elastic.probe import ProbeListener, check_peers, gloo_address, reachable
 from zb.elastic.ring import check_link_matrix, publish_link_matrix
 from zb.elastic.store_state import Snapshot
 from zb.elastic.stores import shared_stores
-from zb.elastic.tcpstore import StoreUnreachable, read_many, store_errors
+from zb.elastic.tcpstore import read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
 from zb.signed_store import prefixed
+from zb.store_clients import StoreUnreachable
 
 if TYPE_CHECKING:
     from zb.elastic.linkprobe import LinkProber

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zb.addresses import StoreAddress, parse_stores
+from zb.elastic import keys
 from zb.errors import InvalidInput, ZbError
 from zb.secret import read_secret
+from zb.store_clients import StoreUnreachable, run_client
 
 log = logging.getLogger("zb.elastic")
 
@@ -160,12 +162,11 @@ class StoreList:
         A move while it connected makes it a client of the old store: StoreUnreachable then, and the caller's
         next attempt reaches the new one. A client kept across calls checks `index` against the one it was made
         at (a store revived at an old address would otherwise keep it)."""
-        from zb.elastic.tcpstore import StoreUnreachable, connect
-
         if not self._started:
             self._start(connect_timeout, namespace)
         index, address = self.index, self.current
-        client = connect(address.host, address.port, connect_timeout, op_timeout, namespace, self.secret)
+        client = run_client(address.host, address.port, connect_timeout, op_timeout, counters=keys.is_counter,
+                            namespace=namespace, secret=self.secret)
         if self.index != index:
             raise StoreUnreachable(f"the run moved from {address} to {self.current} while connecting")
         self.answered()
@@ -179,15 +180,15 @@ class StoreList:
         index = self.index
 
         def tell() -> None:
-            from zb.elastic import keys
-            from zb.elastic.tcpstore import connect, store_errors
+            from zb.elastic.tcpstore import store_errors
 
             deadline = time.monotonic() + give_up_s
             pending = list(self.addresses[:index])
             while pending and time.monotonic() < deadline:
                 address = pending[0]
                 try:
-                    connect(address.host, address.port, 1.0, 5.0, namespace, self.secret).set(keys.MOVED, str(index))
+                    run_client(address.host, address.port, 1.0, 5.0, counters=keys.is_counter, namespace=namespace,
+                               secret=self.secret).set(keys.MOVED, str(index))
                     pending.pop(0)
                 except store_errors() + (ZbError,):
                     pending.append(pending.pop(0))   # not (yet) back: the others first, then again
@@ -227,11 +228,12 @@ def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) ->
     (None: it does not answer)."""
     import socket
 
-    from zb.elastic.tcpstore import connect, store_errors
+    from zb.elastic.tcpstore import store_errors
 
     try:
         socket.create_connection((address.host, address.port), timeout=2.0).close()
-        client = connect(address.host, address.port, 2.0, 5.0, namespace, secret)
+        client = run_client(address.host, address.port, 2.0, 5.0, counters=keys.is_counter, namespace=namespace,
+                            secret=secret)
         return holds_run(client)
     except InvalidInput:
         raise           # it answers, with a run this node may not join (another secret, or none): say so
@@ -241,7 +243,6 @@ def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) ->
 
 def holds_run(client) -> bool:
     """Whether the store behind `client` holds a world the run has not moved on from (keys.MOVED)."""
-    from zb.elastic import keys
     from zb.elastic.tcpstore import read_many
 
     world, moved = read_many(client, [keys.WORLD, keys.MOVED])

@@ -1,4 +1,4 @@
-"""The global TCPStore: hosting it, connecting to it, and reading it without blocking.
+"""The global TCPStore: hosting it and reading it without blocking (its clients: zb.store_clients).
 
 torch's TCPStore blocks on `get` of a missing key until its timeout; zb never does that: readers
 `check` first and treat a missing key as empty. A store host that went away makes every client
@@ -11,20 +11,14 @@ import errno
 import ipaddress
 import logging
 import socket
-import time
 from datetime import timedelta
 from typing import Sequence
 
-from zb.dial import store_client, unresolvable
-from zb.elastic import keys
-from zb.errors import EnvironmentFailure, InvalidInput
-from zb.signed_store import authenticated, prefixed
+from zb.dial import unresolvable
+from zb.errors import EnvironmentFailure
+from zb.store_clients import StoreUnreachable
 
 log = logging.getLogger("zb.elastic")
-
-
-class StoreUnreachable(EnvironmentFailure):
-    """No store answers at the address (yet): at start a clear error, later a retry."""
 
 
 class NotHostable(EnvironmentFailure):
@@ -37,42 +31,6 @@ def store_errors() -> tuple[type[BaseException], ...]:
     import torch.distributed as dist
 
     return (dist.DistError, OSError, TimeoutError, StoreUnreachable)
-
-
-def _wait_reachable(addr: str, port: int, timeout: float) -> None:
-    """Poll a plain TCP connect until it works, so a dead store gives one clean error (no C++ noise)."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((addr, port), timeout=min(2.0, timeout)):
-                return
-        except socket.gaierror as e:
-            raise InvalidInput(f"store address {addr!r} does not resolve ({e.strerror}); check elastic.addr "
-                               "(GLOBAL_ADDR)") from None
-        except OSError as e:
-            last = e
-            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
-    reason = getattr(last, "strerror", None) or str(last) or "timed out"
-    raise StoreUnreachable(f"store {addr}:{port} unreachable after {timeout:g} s ({reason}); start it with "
-                             "`zb store`, check elastic.addr/elastic.port (GLOBAL_ADDR/GLOBAL_PORT) or raise "
-                             "elastic.connect_timeout")
-
-
-def connect(addr: str, port: int, connect_timeout: float, op_timeout: float, namespace: str = "",
-            secret: bytes | None = None):
-    """A client of the store at addr:port; EnvironmentFailure after `connect_timeout` s if unreachable.
-
-    With a `namespace` (elastic.namespace) every key goes under that prefix: the membership, meshes and
-    answers of runs in different namespaces never meet, so one store can hold several runs (each stage
-    of a DiLoCo-SWARM run is one), with no key name changed anywhere else. With a `secret` (elastic.secret_file)
-    every record is sealed and opened (zb.signed_store); InvalidInput when the run's secret is another, or
-    the run has one and `secret` is None."""
-    _wait_reachable(addr, port, connect_timeout)
-    client = store_client(addr, port, max(connect_timeout, op_timeout), connect_timeout,
-                          "check elastic.addr/elastic.port (GLOBAL_ADDR/GLOBAL_PORT)", StoreUnreachable, use_libuv=True)
-    store = authenticated(client, secret, f"{addr}:{port}", keys.is_counter)
-    return prefixed(store, namespace) if namespace else store
 
 
 def host(addr: str, port: int):

@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from zb.dial import connect_store
 from zb.errors import EnvironmentFailure
 from zb.net.link import LinkError, LinkServer, receive, send
 from zb.net.schedule import Phase, mesh_phases
+from zb.store_clients import rank_client
 
 PREFIX = "iperf/"
 POLL_S = 0.05
@@ -147,7 +147,7 @@ def run_rank(store_addr: str, rank: int, world: int, cfg: MeshConfig,
     server = LinkServer(cfg.bind, cfg.port)  # first: a busy --port fails before any waiting
     mesh = None
     try:
-        mesh = Mesh(connect_store(store_host, store_port, rank, world, cfg.timeout_s, secret=cfg.secret), rank, world,
+        mesh = Mesh(rank_client(store_host, store_port, rank, world, cfg.timeout_s, secret=cfg.secret), rank, world,
                     cfg.timeout_s, store_addr)
         addr, port = advertised_address(cfg, store_host, server.port)
         mesh.set(f"host/{rank}", {"addr": addr, "port": port, "node": cfg.uid})

@@ -15,11 +15,9 @@ start by (zb.elastic.stores.start_index); a store that does not answer is listed
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any
 
 from zb.addresses import StoreAddress
 from zb.elastic import keys
@@ -29,6 +27,7 @@ from zb.elastic.tcpstore import read_lines, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError
 from zb.signed_store import for_reading, holds_secret, read_marker
 from zb.status.record import decode_history, decode_record
+from zb.store_clients import asking_client, quiet_stderr, reading_client
 
 DEFAULT_HB_INTERVAL, DEFAULT_HB_TIMEOUT = 2.0, 10.0
 
@@ -37,52 +36,19 @@ class NoRun(EnvironmentFailure):
     """The store answers but holds no zb run (yet), or another program's keys."""
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """torch's store client prints C++ stack frames to fd 2 while it retries: hide them (one line follows)."""
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def open_store(host: str, port: int, timeout: float, secret: bytes | None = None):
-    """A read-only client of the store at host:port; one EnvironmentFailure line when nothing (or not a
-    store) answers within `timeout` s; an address that does not resolve is invalid input (exit 2). A run
-    with a secret is read with it (zb.signed_store.for_reading, which never writes the run marker):
-    InvalidInput without it, or with another."""
-    from zb.dial import store_client, wait_listening
-
-    failed = wait_listening(host, port, timeout, "--store")
-    if failed is not None:
-        raise EnvironmentFailure(f"store {host}:{port} unreachable after {timeout:g} s "
-                                 f"({failed.strerror or failed}); is `zb store` running there? check --store")
-    with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
-        client = store_client(host, port, timeout, 2 * timeout + 2.0,  # its own retries can overrun `timeout`
-                              "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)",
-                              use_libuv=True, wait_for_workers=False)
-    return for_reading(client, secret, f"{host}:{port}", keys.is_counter)
-
-
-_HINT = "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)"
-
-
 def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None) -> "RunReader":
     """A reader of the run on `addresses` (elastic.addr's list, in failover order). One address: its store,
-    as open_store opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the
+    as zb.store_clients.reading_client opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the
     run is read from the one zb.elastic.stores.start_index picks (the latest holding a world, else the first
     that answers), as a starting node picks it. As the nodes do, a store whose port refuses is one that
     does not answer; the stores are asked again until one answers or `timeout` s pass (then one
     EnvironmentFailure line)."""
     if len(addresses) == 1:
         only = addresses[0]
-        return RunReader(open_store(only.host, only.port, timeout, secret), str(only), secret=secret)
+        return RunReader(reading_client(only.host, only.port, timeout, counters=keys.is_counter, secret=secret),
+                         str(only), secret=secret)
     deadline = time.monotonic() + timeout
-    with _quiet_stderr():   # torch's client logs C++ frames on its way to an error
+    with quiet_stderr():   # torch's client logs C++ frames on its way to an error
         while True:
             found = _ask_stores(addresses, timeout, deadline, secret)
             held = [None if f is None else f[1] for f in found]
@@ -108,16 +74,10 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
     refused: list[InvalidInput] = []       # a store of a run with another secret (or one while we have none)
 
     def ask(i: int, address: StoreAddress) -> None:
-        import socket
-
-        from zb.dial import store_client
-
         answer_s = max(0.1, deadline - time.monotonic())
         try:
-            socket.create_connection((address.host, address.port), timeout=min(2.0, answer_s)).close()
-            client = store_client(address.host, address.port, timeout, answer_s, _HINT, use_libuv=True,
-                                  wait_for_workers=False)
-            client = for_reading(client, secret, str(address), keys.is_counter)
+            client = asking_client(address.host, address.port, timeout, answer_s, counters=keys.is_counter,
+                                   secret=secret)
             found[i] = (client, holds_run(client))
         except InvalidInput as e:
             refused.append(e)

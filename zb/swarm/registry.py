@@ -1,7 +1,7 @@
 """The swarm's keys in the global store: who serves which stage, where, from which step; who left.
 
 Each stage's DiLoCo run lives in its own namespace (`<elastic.namespace>swarm/s<j>/`, see
-zb.elastic.tcpstore.connect), so the elastic machinery needs no change; these keys sit beside them:
+zb.store_clients.run_client), so the elastic machinery needs no change; these keys sit beside them:
 
     swarm/workers/<j>   append-only, one line per registration: "<uid> <host:port> <first step> <token>"
     swarm/left          append-only, "<uid> <token> <steps done>" per line: left on purpose (routing drops it

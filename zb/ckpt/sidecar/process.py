@@ -12,9 +12,8 @@ from zb.ckpt.sidecar.live_layout import rank_of, sidecar_id
 from zb.ckpt.sidecar.publish import advertised_address, peer_addresses, publish_address, unpublish_address
 from zb.ckpt.sidecar.server import MAX_CONNECTIONS, SnapshotServer, make_server
 from zb.ckpt.sidecar.token import read_token
-from zb.dial import wait_listening
-from zb.errors import EnvironmentFailure, InvalidInput
-from zb.signed_store import authenticated
+from zb.errors import InvalidInput
+from zb.store_clients import publishing_client
 
 log = logging.getLogger("zb.ckpt.serve")
 
@@ -70,22 +69,9 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _probe(host: str, port: int, deadline_s: float) -> None:
-    """Plain TCP connect first: torch's TCPStore would print C++ stack traces for an unreachable host."""
-    failed = wait_listening(host, port, deadline_s, "--publish")
-    if failed is not None:
-        raise EnvironmentFailure(f"cannot reach the global store at {host}:{port}: {failed.strerror or failed} "
-                                 "(is `zb store` running there?)")
-
-
 def _connect_store(store_addr: str, connect_timeout: float, secret: bytes | None) -> Any:
     host, port = parse_peer(store_addr)
-    _probe(host, port, connect_timeout)
-    from zb.dial import store_client
-
-    bound = max(connect_timeout, 1.0)
-    client = store_client(host, port, bound, bound, "check --store (the address of `zb store`)", wait_for_workers=False)
-    return authenticated(client, secret, store_addr, counters=lambda key: False)   # it writes one record, no counter
+    return publishing_client(host, port, connect_timeout, secret, store_addr)
 
 
 class _Stop(Exception):
