@@ -64,7 +64,12 @@ EXIT_CODES: tuple[tuple[str, str], ...] = (
     (str(InvalidInput.exit_code), "The invocation is invalid: usage, config, values, missing or incompatible "
                                   "input files; also a node the run refused (settings that differ from the "
                                   "run's) or evicted."),
-    ("130", "Interrupted by SIGINT (Ctrl-C). zb train stops cleanly after the current step, with a final "
-            "checkpoint (within ckpt.grace_period) when it writes checkpoints."),
-    ("143", "zb train stopped by SIGTERM, as on SIGINT: a stop on a signal exits 128 + its number."),
+    ("130", "Interrupted by SIGINT (Ctrl-C), at any moment of any command: one line says so and what the stop "
+            "left (`error: interrupted by SIGINT before training started: no step was taken and no checkpoint "
+            "written`); temporary files are removed on the way out and no thread holds the exit. zb train in its loop "
+            "stops cleanly after the current step instead, with a final checkpoint (within ckpt.grace_period) when "
+            "it writes checkpoints. A second signal during a stop's cleanup leaves at once. zb store, zb status "
+            "--watch or --serve and zb ckpt-serve run until a signal: for them it is the normal end, exit 0 "
+            "with its line."),
+    ("143", "Stopped by SIGTERM, as by SIGINT: a stop on a signal exits 128 + its number."),
 )

@@ -14,7 +14,8 @@ import click
 
 from zb import __version__
 from zb.cli.verbosity import QUIET_HELP, VERBOSE_HELP
-from zb.process_exit import leave_if_gloo_used
+from zb.process_exit import leave, leave_if_gloo_used
+from zb.stop_signals import exiting, interrupted, raise_on_stop
 
 # name -> "module:attribute"; order is the order shown in `zb --help`.
 COMMANDS: dict[str, str] = {
@@ -67,12 +68,20 @@ def cli(ctx: click.Context, verbose: int, quiet: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: expected failures become one line and an exit code."""
+    raise_on_stop()   # SIGINT and SIGTERM alike: one line and 128 + the signal (zb.stop_signals)
     try:
         _dispatch(argv)
     except SystemExit as e:
-        leave_if_gloo_used(e.code)   # training and benchmark ranks exit without finalization (zb.process_exit)
+        _leave(e.code)
         raise
-    leave_if_gloo_used(0)
+    _leave(0)
+
+
+def _leave(code) -> None:
+    exiting()   # a signal from now on: one line and out (zb.stop_signals)
+    if interrupted() is not None:
+        leave(code)   # stopped by a signal: a thread still at work (a pool's) must not hold the exit
+    leave_if_gloo_used(code)   # training and benchmark ranks exit without finalization (zb.process_exit)
 
 
 def _dispatch(argv: list[str] | None) -> None:
@@ -81,8 +90,8 @@ def _dispatch(argv: list[str] | None) -> None:
 
     try:
         cli.main(args=argv, prog_name="zb", standalone_mode=False)
-    except click.exceptions.Abort:
-        abort("interrupted", 130)
+    except click.exceptions.Abort as e:
+        _interrupted(e.__cause__)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
@@ -90,5 +99,15 @@ def _dispatch(argv: list[str] | None) -> None:
         abort(str(e), e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        abort("interrupted", 130)
+    except KeyboardInterrupt as e:
+        _interrupted(e)
+
+
+def _interrupted(cause: BaseException | None) -> None:
+    """The one line of a stop signal (click turns Ctrl-C into Abort, the signal's exception its cause)."""
+    from zb.cli.terminal import abort
+    from zb.stop_signals import Interrupted
+
+    if isinstance(cause, Interrupted):
+        abort(cause.message(), cause.exit_code)
+    abort("interrupted", 130)

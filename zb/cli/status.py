@@ -242,11 +242,12 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
                 stderr.print(f"{stores} {where}: {str(e).splitlines()[0][:200]}; retrying in {interval:g} s",
                              markup=False)
             time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt as e:   # Ctrl-C or SIGTERM (zb.stop_signals.Interrupted) is how a watch ends: exit 0
+        stopped_by = getattr(e, "name", "SIGINT")
     finally:
         if live:
             live.stop()
+    stderr.print(f"zb status: stopped ({stopped_by})", markup=False)
 
 
 def _serve(addresses: list, where: str, bind: str, http_port: int, interval: float, timeout: float,
@@ -268,9 +269,10 @@ def _serve(addresses: list, where: str, bind: str, http_port: int, interval: flo
             if first.get("error"):
                 stderr.print(f"warning: {first['error']}", markup=False)
             _warn(first)
-            stop.wait()
+            stopped_by = stop.wait()
     finally:
         board.close()
+    stderr.print(f"zb status: dashboard stopped ({stopped_by})", markup=False)
 
 
 def _report(paths: tuple[str, ...], out: str, force: bool, as_json: bool) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from zb.data.hub import RemoteFile, name_and_config, open_dataset, rank_files, select_files
+from zb.stop_signals import worker_pool
 
 
 @dataclass
@@ -76,7 +76,8 @@ def subset_dataset(name: str, *, data_rank: int, data_world_size: int, out: Path
             report.bytes += size
             progress.file_done(remote, fetched, time.perf_counter() - t0)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="zb-subset") as pool:
+    # On Ctrl-C or SIGTERM the files in flight are left (huggingface_hub resumes them on the next run).
+    with worker_pool(workers, "zb-subset") as pool:
         for done in [pool.submit(fetch, remote) for remote in mine]:
             done.result()  # the first failure stops the command (the files already fetched stay)
     report.downloaded.sort()

@@ -14,12 +14,16 @@ import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from zb import __version__
 from zb.errors import InvalidInput
 from zb.models.args import ModelArgs
+
+if TYPE_CHECKING:
+    from zb.export.writer import Staging
 
 log = logging.getLogger("zb.export")
 
@@ -112,13 +116,25 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
                       tokenizer: str | None = None, max_shard_size: str = DEFAULT_SHARD_SIZE,
                       force: bool = False) -> ExportReport:
     """Export a checkpoint as a Hugging Face LlamaForCausalLM directory; InvalidInput (exit 2) or
-    EnvironmentFailure (exit 1) name what is wrong, and OUT is then untouched."""
+    EnvironmentFailure (exit 1) name what is wrong, and OUT is then untouched. So does a stop signal
+    (its Interrupted says whether it came before or after OUT was complete)."""
+    from zb.export.writer import Staging
+    from zb.stop_signals import when
+
+    staging = Staging(Path(out).absolute(), force)
+    with when(staging.stopped):
+        return _export(checkpoint, staging, dtype=dtype, inner=inner, tokenizer=tokenizer,
+                       max_shard_size=max_shard_size)
+
+
+def _export(checkpoint: str | Path, staging: Staging, *, dtype: str, inner: bool, tokenizer: str | None,
+            max_shard_size: str) -> ExportReport:
     from zb.export.hf_llama import hf_config, hf_state_dict
     from zb.export.source import open_checkpoint
     from zb.export.tokenizer_files import export_tokenizer
-    from zb.export.writer import INDEX, PROVENANCE, Staging, check_out, parse_size, write_json, write_weights
+    from zb.export.writer import INDEX, PROVENANCE, check_out, parse_size, write_json, write_weights
 
-    out = Path(out).absolute()
+    out, force = staging.out, staging.force
     if dtype not in DTYPES:
         raise InvalidInput(f"--dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
     try:
@@ -136,7 +152,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     tensors = hf_state_dict(params, args, DTYPES[dtype])
     del params
     t2 = time.perf_counter()
-    staging = Staging(out, force)
     with staging as tmp:
         digests = write_weights(tmp, tensors, max_bytes)
         files = list(digests) + ([INDEX] if len(digests) > 1 else [])

@@ -23,6 +23,7 @@ import torch
 
 from zb.ckpt.format.tensorfile import write_tensor_file
 from zb.errors import EnvironmentFailure, InvalidInput, free_space
+from zb.stop_signals import Interrupted, held
 
 PROVENANCE = "zb_export.json"
 INDEX = "model.safetensors.index.json"
@@ -99,11 +100,19 @@ def write_json(path: Path, document: dict) -> None:
 
 class Staging:
     """A temporary sibling of OUT; `commit` renames it into place (replacing an earlier export when
-    forced), and leaving the `with` block without a commit removes it."""
+    forced), and leaving the `with` block without a commit removes it. A stop signal never cuts the
+    renames in two, nor a removal (zb.stop_signals)."""
 
     def __init__(self, out: Path, force: bool):
         self.out, self.force = out, force
         self.tmp = out.parent / f".tmp-{out.name}-{uuid.uuid4().hex[:8]}"
+        self.committed = False
+
+    def stopped(self) -> str:
+        """What a stop signal left, for the CLI's line (asked after the cleanup)."""
+        if self.committed:
+            return f"after the export was written to {self.out}"
+        return f"before the export was complete: {self.out} is as it was and nothing was left behind"
 
     def __enter__(self) -> Path:
         try:
@@ -115,21 +124,33 @@ class Staging:
 
     def commit(self) -> None:
         old = None
-        if self.out.exists() and any(self.out.iterdir()):
-            old = self.out.parent / f".old-{self.out.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(self.out, old)
-        elif self.out.exists():
-            self.out.rmdir()  # an empty directory: nothing to keep
-        os.rename(self.tmp, self.out)
+        with held():   # OUT is never seen half replaced, and `committed` says which side a signal fell on
+            if self.out.exists() and any(self.out.iterdir()):
+                old = self.out.parent / f".old-{self.out.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(self.out, old)
+            elif self.out.exists():
+                self.out.rmdir()  # an empty directory: nothing to keep
+            os.rename(self.tmp, self.out)
+            self.committed = True
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
 
     def __exit__(self, kind, error, tb) -> Literal[False]:
         if self.tmp.exists():
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            _remove(self.tmp)
         if isinstance(error, OSError):
             raise _os_failure(self.out, error) from None
         return False
+
+
+def _remove(path: Path) -> None:
+    """rmtree that a first stop signal does not cut short: the removal is that signal's own cleanup (a
+    second signal still leaves at once)."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    except Interrupted:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
 
 
 def _os_failure(out: Path, e: OSError) -> Exception:

@@ -6,7 +6,8 @@ thread of its own, with its own store client, writes the record every `elastic.s
 seconds, and at once after an outer step or a change of membership. A slow or unreachable store
 delays only that thread; failures are logged once per outage and retried, never raised. (A store
 that accepts connections and never answers holds torch's client, and so this thread, without end:
-the node's exit waits for it at most CLOSE_TIMEOUT_S.)
+the node's exit waits for it at most CLOSE_TIMEOUT_S (SIGNALLED_CLOSE_S after a stop signal), and not
+at all when the last try failed: a signalled node whose store is gone leaves at once.)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from zb import stop_signals
 from zb.elastic import keys
 from zb.elastic.stores import StoreList, shared_stores
 from zb.elastic.tcpstore import store_errors
@@ -27,6 +29,7 @@ from zb.status.record import NodeStatus, encode
 log = logging.getLogger("zb.status")
 
 CLOSE_TIMEOUT_S = 3.0   # the most a node's exit waits for its last record to reach the store
+SIGNALLED_CLOSE_S = 1.0  # ... when a signal stops it (a store that answers takes milliseconds)
 OP_TIMEOUT_S = 5.0      # one store operation of the publisher
 
 
@@ -100,14 +103,15 @@ class StatusPublisher(threading.Thread):
                 return
 
     def close(self) -> None:
-        """Publish the record once more as "left" and stop (bounded: a dead store cannot hold the exit)."""
+        """Publish the record once more as "left" and stop (bounded: a dead store cannot hold the exit;
+        one that has not answered since the last try is not waited for at all)."""
         if self._closing.is_set():
             return
         self.status.end()
         self._closing.set()
         self._wake.set()
-        if self.is_alive():
-            self.join(CLOSE_TIMEOUT_S)
+        if self.is_alive() and self._outage_since is None:
+            self.join(CLOSE_TIMEOUT_S if stop_signals.requested() is None else SIGNALLED_CLOSE_S)
 
     def _publish(self) -> None:
         record, history, version = self.status.snapshot()

@@ -12,6 +12,7 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from zb import stop_signals
 from zb.config import non_default_settings, to_dict
 from zb.config_schema import Config
 from zb.errors import InvalidInput, LeavingRun
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("zb.train")
 
 SPIKE_FACTOR = 2.0  # a step loss this many times the running mean is logged as a spike
+# What a signal during setup (model, data, store) leaves: the CLI's line ends with it.
+BEFORE_TRAINING = "before training started: no step was taken and no checkpoint written"
 
 
 def run(cfg: Config) -> Ended:
@@ -54,10 +57,13 @@ def run(cfg: Config) -> Ended:
     if log.isEnabledFor(logging.DEBUG):
         for key, value, source in non_default_settings(cfg):
             log.debug("setting %s = %r (%s)", key, value, source)
-    placement = preflight(cfg, local)
-    init_local_group(local, placement)
+    with stop_signals.when(BEFORE_TRAINING):
+        placement = preflight(cfg, local)
+        init_local_group(local, placement)
     try:
-        return TrainingRun(cfg, local, placement).execute()
+        with stop_signals.when(BEFORE_TRAINING):   # the loop's own stop takes over in execute()
+            training = TrainingRun(cfg, local, placement)
+        return training.execute()
     finally:
         close_local_group()
 
@@ -79,7 +85,6 @@ class TrainingRun:
     step, eval and outer_step events."""
 
     def __init__(self, cfg: Config, local: LocalWorld, placement: Placement):
-        from zb.data import build_tokenizer
         from zb.log import set_uid
 
         self.cfg, self.local, self.placement = cfg, local, placement
@@ -89,6 +94,15 @@ class TrainingRun:
         self.sink = open_metrics(cfg, node=cfg.elastic.unique_id, is_head=local.is_head)
         # DiLoCo nodes also publish a status record for `zb status` (a thread; never blocks a step).
         self.sink = publish_status(self.sink, cfg, is_head=local.is_head)
+        try:
+            self._build(cfg, local, placement, cfg.elastic.unique_id)
+        except BaseException:
+            self.sink.close()   # a failure or a signal during setup: backends flushed, the status record "left"
+            raise
+
+    def _build(self, cfg: Config, local: LocalWorld, placement: Placement, uid: str) -> None:
+        from zb.data import build_tokenizer
+
         self.tokenizer = build_tokenizer(cfg.data.tokenizer, retries=cfg.data.retries)
         self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
         from zb.models import count_params
@@ -107,7 +121,7 @@ class TrainingRun:
         self.data_slot: tuple[int, int] | None = None   # (data rank, data world size), once known: checkpoints keep it
         self.fingerprint = fingerprint(cfg, local.world_size, self.model.tok_embeddings.num_embeddings)
         emit_run_start(self.sink, cfg, local_world_size=local.world_size, device=placement.device.type)
-        self.checkpoints = RunCheckpoints(cfg, uid=cfg.elastic.unique_id, local_rank=local.rank,
+        self.checkpoints = RunCheckpoints(cfg, uid=uid, local_rank=local.rank,
                                           local_world_size=local.world_size, is_head=local.is_head, sink=self.sink,
                                           local_group=control_group(), state_of=self.checkpoint_state)
         self.stop = StopRequest()

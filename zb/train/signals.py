@@ -54,4 +54,4 @@ class StopRequest:
             stop_signals.note(self.signal_name)
             log.warning("%s received: stopping after this step (send it again to abort)", self.signal_name)
         elif now - self._first_at > SAME_REQUEST_WINDOW_S:
-            raise KeyboardInterrupt
+            raise stop_signals.Interrupted(signum)   # the CLI's line names it and exits 128 + its number

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from zb.ckpt.format.manifest import MANIFEST, MARKER, TMP_PREFIX, Manifest, is_snapshot_name, sha256_bytes
 from zb.errors import InvalidInput
+from zb.stop_signals import interrupted
 
 log = logging.getLogger("zb.ckpt")
 
@@ -35,13 +36,19 @@ class CorruptSnapshot(InvalidInput):
 
 
 def sha256_file(path: Path) -> str:
-    """sha256 of a file, read in 8 MB chunks (hashlib releases the GIL, so files hash in parallel)."""
+    """sha256 of a file, read in 8 MB chunks (hashlib releases the GIL, so files hash in parallel).
+
+    Gives up (raising the Interrupted) once a stop signal interrupts the command: the command waits for
+    its hashing threads on the way out, and a large file on a slow disk would hold it for minutes."""
     digest = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_HASH_CHUNK)
         view = memoryview(buf)
         while n := f.readinto(buf):
             digest.update(view[:n])
+            stop = interrupted()
+            if stop is not None:
+                raise stop
     return digest.hexdigest()
 
 
