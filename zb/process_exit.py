@@ -5,6 +5,9 @@ then aborts the process (SIGABRT, "terminate called without an active exception"
 pytorch/pytorch#179291), even after destroy_process_group() and even when every rank finished
 its work. Such a process flushes its logs and stdio and leaves with os._exit. Whoever builds a
 gloo group calls uses_gloo(); everything zb owns must be closed before leave() is reached.
+
+A command stopped by a signal leaves the same way (zb.cli's main, once its cleanup has run): a thread
+still at work, a pool's hashing or a download, must not hold the exit.
 """
 
 from __future__ import annotations
