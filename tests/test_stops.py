@@ -64,6 +64,7 @@ def test_a_signal_ends_the_command_with_its_line(stage, name):
 
 
 @pytest.mark.perf
+@pytest.mark.timeout(900)
 def test_every_stop_ends_within_2_s_on_either_signal():
     from conftest import load_script
 
