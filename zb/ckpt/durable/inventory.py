@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from zb.ckpt.format.catalog import read_committed, verify_snapshot
 from zb.ckpt.format.manifest import TMP_PREFIX, Manifest
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError, missing_extra
 from zb.position import JSON_KEY, RunPosition
+from zb.stop_signals import worker_pool
 
 _PART = re.compile(r"rank-(\d+)")
 WHAT = "a ckpt.path (step-NNNNNNNNN directories), a ckpt.ram_dir or a directory of node directories holding them"
@@ -366,7 +366,8 @@ def verify_checkpoint(path: str | Path, step: int | None = None) -> VerifyReport
         except (InvalidInput, OSError):
             continue
     wanted = only if only is not None else list(range(ranks or max(found, default=0) + 1))
-    with ThreadPoolExecutor(max(1, min(len(wanted), os.cpu_count() or 1, 8))) as pool:
+    # An interrupted verify does not wait for the parts still hashing (zb.stop_signals).
+    with worker_pool(max(1, min(len(wanted), os.cpu_count() or 1, 8)), "zb-verify") as pool:
         checks = list(pool.map(lambda r: _check_part(step_dir / part_name(r), r, dir_step, ranks), wanted))
     ignored = [str(p) for r, p in found.items() if only is None and ranks is not None and r >= ranks]
     if dir_step is None:
