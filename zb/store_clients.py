@@ -40,6 +40,16 @@ from zb.signed_store import authenticated, declare, for_reading, prefixed
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore
 
+    class StoreClient(Store):
+        """What every function here returns, for the type checker only: a torch Store as it is at runtime (a
+        TCPStore, a PrefixStore, a SignedStore; the tests' HashStore). torch's stub lacks append and multi_set,
+        and types every value as str where bytes are taken too."""
+
+        def set(self, key: str, value: str | bytes) -> None: ...
+        def append(self, key: str, value: str | bytes) -> None: ...
+        def multi_set(self, keys: list[str], values: list[str | bytes]) -> None: ...
+        def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes: ...
+
 Counters = Callable[[str], bool]    # which full keys are counters, passed through unsealed (zb.signed_store)
 
 STATUS_HINT = "check --store: it is the address of `zb store` (GLOBAL_ADDR:GLOBAL_PORT)"
@@ -50,7 +60,7 @@ class StoreUnreachable(EnvironmentFailure):
 
 
 def run_client(host: str, port: int, connect_s: float, op_s: float, *, counters: Counters, namespace: str = "",
-               secret: bytes | None = None) -> Store:
+               secret: bytes | None = None) -> StoreClient:
     """A node's client of the run's store at host:port (zb.elastic.stores.StoreList.connect picks the address).
 
     Waits: the connect wait and the answer wait are `connect_s` each (StoreUnreachable after them); the
@@ -67,7 +77,7 @@ def run_client(host: str, port: int, connect_s: float, op_s: float, *, counters:
 
 
 def reading_client(host: str, port: int, timeout_s: float, *, counters: Counters,
-                   secret: bytes | None = None) -> Store:
+                   secret: bytes | None = None) -> StoreClient:
     """A read-only client of the store at host:port, for a command that only reads (`zb status`, the dashboard).
 
     Waits: the connect wait is `timeout_s` (then one EnvironmentFailure line); the answer wait 2 * timeout_s + 2
@@ -86,7 +96,7 @@ def reading_client(host: str, port: int, timeout_s: float, *, counters: Counters
 
 
 def asking_client(host: str, port: int, timeout_s: float, answer_s: float, *, counters: Counters,
-                  secret: bytes | None = None) -> Store:
+                  secret: bytes | None = None) -> StoreClient:
     """A read-only client of host:port, as `reading_client` wraps it, for asking several stores at once
     (zb.status.reader.open_reader): no connect wait, one plain connect of at most min(2, answer_s) s (an OSError
     when the port refuses); the answer wait `answer_s` (EnvironmentFailure); the operation timeout `timeout_s`."""
@@ -97,7 +107,7 @@ def asking_client(host: str, port: int, timeout_s: float, answer_s: float, *, co
 
 
 def rank_client(host: str, port: int, rank: int, world: int, timeout_s: float, option: str = "--store",
-                raise_hint: str = "", secret: bytes | None = None) -> Store:
+                raise_hint: str = "", secret: bytes | None = None) -> StoreClient:
     """A store for a multi-host command's ranks (iperf-mesh, bench-allreduce): rank 0 hosts it, the others connect.
 
     Waits: `timeout_s` bounds each (the connect wait, the answer wait, the operation timeout, and rank 0's
@@ -112,7 +122,7 @@ def rank_client(host: str, port: int, rank: int, world: int, timeout_s: float, o
     return authenticated(store, secret, where, counters=lambda key: False, host_decides=rank != 0)
 
 
-def publishing_client(host: str, port: int, wait_s: float, secret: bytes | None, where: str) -> Store:
+def publishing_client(host: str, port: int, wait_s: float, secret: bytes | None, where: str) -> StoreClient:
     """A client of the run's store for `zb ckpt-serve --publish`, which writes one record (its address).
 
     Waits: the connect wait is `wait_s` (one EnvironmentFailure line); the answer wait and the operation timeout

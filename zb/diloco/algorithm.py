@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from zb.elastic.view import WorldView
 from zb.events import OuterReport
 from zb.overlap_modes import Mode
 from zb.position import RunPosition
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -66,8 +69,8 @@ class NodeContext:
     optimizer: torch.optim.Optimizer
     mesh: Mesh
     streams: StreamGroups
-    connect: Callable[[], dist.Store]          # a new client of the run's store (for a background thread)
-    store: Callable[[], dist.Store | None]     # the node's store client, for the blocking path's extra groups
+    connect: Callable[[], StoreClient]        # a new client of the run's store (for a background thread)
+    store: Callable[[], StoreClient | None]   # the node's store client, for the blocking path's extra groups
     rounds: RoundClock | None                  # diloco.round_seconds' clock
     weighted: bool                             # the average weighs contributors by their round's work
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import AbstractContextManager
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from zb.elastic import localsync
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure
 from zb.events import OuterReport
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -141,10 +144,10 @@ class Transfers:
     (zb.diloco.stripes) starts none: its share of the average is empty, so that average has arrived already."""
 
     def __init__(self, cfg: DilocoConfig, local_rank: int, owner: bool, pg_timeout_s: float,
-                 connect: Callable[[], dist.Store]):
+                 connect: Callable[[], StoreClient]):
         self.cfg, self.owner, self._connect = cfg, owner, connect
         self.groups = StreamGroups(cfg.streams, local_rank, pg_timeout_s, tag="ov", first=0)
-        self._store: dist.Store | None = None  # used by the background thread only; made on the first transfer
+        self._store: StoreClient | None = None  # used by the background thread only; made on the first transfer
 
     def start(self, buffer: torch.Tensor, view: WorldView, global_pg: dist.ProcessGroup, scale: int,
               tokens: int | None = None, feedback: Callable[[], AbstractContextManager[torch.Tensor]] | None = None

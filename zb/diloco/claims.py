@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable, Protocol
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from zb.diloco import slots
 from zb.elastic.membership import exclude
@@ -23,6 +21,9 @@ from zb.elastic.tcpstore import store_errors
 from zb.errors import EnvironmentFailure
 from zb.fingerprint import check_against, encode
 
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
+
 log = logging.getLogger("zb.diloco")
 
 BEST_EFFORT_CONNECT_S = 2.0   # the most an after-step write waits for the store
@@ -30,7 +31,7 @@ FINGERPRINT_KEY = "zb/run/fingerprint"
 
 
 class Connect(Protocol):
-    def __call__(self, wait_s: float | None = None) -> dist.Store: ...
+    def __call__(self, wait_s: float | None = None) -> StoreClient: ...
 
 
 class RunClaims:
@@ -40,7 +41,7 @@ class RunClaims:
     def __init__(self, connect: Connect, fingerprint: dict[str, object], *, local_rank: int, local_world_size: int):
         self.connect, self.fingerprint = connect, fingerprint
         self.local_rank, self.local_world_size = local_rank, local_world_size
-        self.store: dist.Store | None = None
+        self.store: StoreClient | None = None
         self.slot = 0
         self._claimed_in: int | None = None   # the head's store client epoch whose store holds the claims
         self._client_epoch: int | None = None  # the head's store client epoch when `store` was last trusted
@@ -73,7 +74,7 @@ class RunClaims:
         self.slot = slots.claim_slot(self.store, uid, nodes, num, preferred)
         return self.slot
 
-    def data_position(self) -> dict | None:
+    def data_position(self) -> dict[str, Any] | None:
         """Where the previous holder of this node's slot stopped (None: start of the shard)."""
         self.store = self.store or self.connect()
         return slots.load_position(self.store, self.slot, self.local_rank, self.local_world_size)
@@ -84,7 +85,7 @@ class RunClaims:
         if store_epoch != self._client_epoch:
             self.store, self._client_epoch = None, store_epoch
 
-    def save_position(self, data_state: dict | None) -> None:
+    def save_position(self, data_state: dict[str, Any] | None) -> None:
         if data_state is not None:
             self.write("record the data position", lambda store: slots.save_position(
                 store, self.slot, self.local_rank, data_state, self.local_world_size))
@@ -96,7 +97,7 @@ class RunClaims:
         if store_epoch == self._claimed_in:
             return
 
-        def claim(store: dist.Store) -> None:
+        def claim(store: StoreClient) -> None:
             store.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint))
             store.compare_set(slots.slot_key(self.slot), "", uid)
             if evicted:   # diloco.evict_clipped: an id evicted stays out of the run
@@ -109,7 +110,7 @@ class RunClaims:
         """Add ids to the store's list of evicted ids, read by the leader's next resolution."""
         return self.write("list the evicted node(s) " + ", ".join(uids), lambda store: exclude(store, uids))
 
-    def write(self, what: str, write: Callable[[dist.Store], object]) -> bool:
+    def write(self, what: str, write: Callable[[StoreClient], object]) -> bool:
         """A best-effort write after an outer step. An earlier one may have dropped the client (the store
         restarted): reconnect; a failure drops it again, and the next outer step writes again. True when
         it was written."""

@@ -26,7 +26,7 @@ model into stripes and `push_start` writes it back, each a collective over the n
 from __future__ import annotations
 
 import logging
-from typing import Callable, ClassVar
+from typing import TYPE_CHECKING, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from zb.elastic import localsync
 from zb.elastic.view import WorldView
 from zb.overlap_modes import Eager, Mode
 from zb.position import RunPosition
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -107,7 +110,7 @@ class EagerOverlap:
     trains from the shared params alone."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], dist.Store], feedback: ErrorFeedback | None = None, *, own_term: bool = True):
+                 connect: Callable[[], StoreClient], feedback: ErrorFeedback | None = None, *, own_term: bool = True):
         self.outer, self.cfg, self.feedback = outer, cfg, feedback
         self.opt = OuterSGD.of(outer.optimizer)
         self.own: OwnTerm | None = OwnTerm.zeros_like(outer.flat.data, self.opt) if own_term else None

@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zb.ckpt.durable.ramdir import claim, release, sweep_stale
 from zb.ckpt.format.catalog import prune
@@ -37,9 +37,15 @@ from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import read_many
 from zb.elastic.world import World
 from zb.errors import EnvironmentFailure
-from zb.events import emit
+from zb.events import Sink, emit
 from zb.local_world import LocalWorld
 from zb.position import JSON_KEY, RunPosition
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -70,7 +76,7 @@ class LiveSnapshots:
                                              shared_stores(cfg.elastic).current.host if cfg.elastic.addr else None)
         self._writer: threading.Thread | None = None
 
-    def publish_address(self, store) -> None:
+    def publish_address(self, store: StoreClient) -> None:
         publish_address(store, sidecar_id(self.uid, self.local_rank), self.advertised)
 
     def publish(self, outer: OuterState, position: RunPosition) -> None:
@@ -81,7 +87,7 @@ class LiveSnapshots:
                                         daemon=True)
         self._writer.start()
 
-    def _write(self, tensors, position: RunPosition) -> None:
+    def _write(self, tensors: dict[str, torch.Tensor], position: RunPosition) -> None:
         try:
             write_snapshot(self.root, {FILE: tensors}, {JSON_KEY: position.to_json()}, position.step,
                            outer_step=position.outer_step, fingerprint=self.fingerprint,
@@ -95,7 +101,7 @@ class LiveSnapshots:
             self._writer.join()
             self._writer = None
 
-    def close(self, store=None) -> None:
+    def close(self, store: StoreClient | None = None) -> None:
         self.wait()
         if store is not None:
             unpublish_address(store, sidecar_id(self.uid, self.local_rank))
@@ -103,8 +109,8 @@ class LiveSnapshots:
         release(self.root.parent, [self.root.name])  # nothing serves these snapshots any more
 
 
-def recover_node(store: Any, cfg: Config, local: LocalWorld, local_group: Any, outer: OuterState, fingerprint: str,
-                 sink: Any) -> RunPosition | None:
+def recover_node(store: StoreClient, cfg: Config, local: LocalWorld, local_group: ProcessGroup | None,
+                 outer: OuterState, fingerprint: str, sink: Sink) -> RunPosition | None:
     """Every local rank of a joining node: the run's outer state from the live nodes' snapshots, loaded into
     `outer` and the model; the run's position, or None when any local rank found none (a blocking join then)."""
     started = time.perf_counter()
@@ -125,16 +131,16 @@ def recover_node(store: Any, cfg: Config, local: LocalWorld, local_group: Any, o
     return position
 
 
-def publish_progress(store, outer_step: int, step: int) -> None:
+def publish_progress(store: StoreClient, outer_step: int, step: int) -> None:
     store.set(PROGRESS_KEY, json.dumps({"outer_step": outer_step, "step": step}))
 
 
-def read_progress(store) -> dict | None:
+def read_progress(store: StoreClient) -> dict[str, Any] | None:
     raw = read_many(store, [PROGRESS_KEY])[0]
     return json.loads(raw) if raw else None
 
 
-def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fingerprint: str
+def recover(store: StoreClient, cfg: Config, uid: str, local_rank: int, outer: OuterState, fingerprint: str
             ) -> tuple[RunPosition, FetchResult] | None:
     """Fetch and load the run's current outer state (into `outer`, not yet the model). None when there is nothing to recover from, or
     when the run moves on faster than a snapshot downloads: the node then joins with the blocking
@@ -165,8 +171,8 @@ def recover(store, cfg: Config, uid: str, local_rank: int, outer: OuterState, fi
     return RunPosition.from_json(meta.get(JSON_KEY)), result
 
 
-def _fetch_current(store, peers: list[str], token: str, dest: Path, progress: dict, fingerprint: str
-                   ) -> FetchResult | None:
+def _fetch_current(store: StoreClient, peers: list[str], token: str, dest: Path, progress: dict[str, Any],
+                   fingerprint: str) -> FetchResult | None:
     """The snapshot of the run's current outer step, or None after FETCH_ROUNDS tries to catch up.
     A step the peers no longer serve (the run moved on and pruned it) counts as a try, not a failure."""
     for _ in range(FETCH_ROUNDS):

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
+import torch.distributed as dist
 
 from zb.config_schema import Config, DilocoConfig
 from zb.diloco import rounds
@@ -21,23 +22,38 @@ from zb.diloco.algorithm import NodeContext, OuterAlgorithm
 from zb.diloco.algorithms import ALGORITHMS
 from zb.diloco.claims import RunClaims
 from zb.diloco.outer import OuterState
-from zb.diloco.outer_step import OuterSteps
+from zb.diloco.outer_step import Mesh, OuterSteps
 from zb.diloco.roles import RoleKeeper
 from zb.diloco.streams import StreamGroups
 from zb.diloco.stripes import StripeLayout
 from zb.diloco.trust import ClipTrust
 from zb.elastic import ElasticDeviceMesh, localsync
 from zb.elastic.stores import shared_stores
+from zb.elastic.view import WorldView
 from zb.errors import InvalidInput
-from zb.events import OuterReport
+from zb.events import OuterReport, Sink
 from zb.fingerprint import encode
+from zb.local_world import LocalWorld
 from zb.overlap_modes import mode_of
 from zb.position import RunPosition
 
 if TYPE_CHECKING:
     from zb.diloco.live import LiveSnapshots
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
+
+
+class NodeMesh(Mesh, Protocol):
+    """The elastic world as the node uses it: zb.elastic.ElasticDeviceMesh, or the fake world's (tests)."""
+
+    def host_store_if_asked(self) -> None: ...
+
+    def start(self) -> WorldView: ...
+
+    def use_stripes(self, stripes: int) -> None: ...
+
+    def shutdown(self, graceful: bool = True) -> None: ...
 
 
 class DilocoNode:
@@ -53,8 +69,9 @@ class DilocoNode:
     processed since the last outer step), makes the average weigh contributors by it, as
     diloco.round_seconds weighs them by tokens."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local, sink,
-                 fingerprint: dict, local_group=None, *, mesh=None, connect: Callable[[], Any] | None = None,
+    def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, local: LocalWorld,
+                 sink: Sink, fingerprint: dict[str, Any], local_group: dist.ProcessGroup | None = None, *,
+                 mesh: NodeMesh | None = None, connect: Callable[[], StoreClient] | None = None,
                  work_source: Callable[[], rounds.RoundWork] | None = None):
         assert cfg.diloco is not None, "a DiLoCo node needs the [diloco] section"
         self.dcfg: DilocoConfig = cfg.diloco
@@ -62,7 +79,7 @@ class DilocoNode:
         # The run's fingerprint; its "stripes" becomes the run's at start (the same dict is in checkpoints).
         self.fingerprint = fingerprint
         self.local_group = local_group
-        self.mesh = mesh or ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
+        self.mesh: NodeMesh = mesh or ElasticDeviceMesh(cfg.elastic, self.local_group, local_rank=local.rank,
                                               stripes=fingerprint["stripes"], sink=sink if local.is_head else None,
                                               ring_backward=cfg.diloco.compression == "none")  # gloo's ring: r -> r - 1
         self._connect_store = connect
@@ -95,12 +112,12 @@ class DilocoNode:
             read_token(secret=shared_stores(cfg.elastic).secret)  # fail before joining the run: the sidecar needs a token
 
     @property
-    def store(self) -> Any:
+    def store(self) -> StoreClient | None:
         """This node's client of the run's store (None until start(), and after a failed write)."""
         return self.claims.store
 
     @store.setter
-    def store(self, client: Any) -> None:
+    def store(self, client: StoreClient | None) -> None:
         self.claims.store = client
 
     @property
@@ -111,7 +128,7 @@ class DilocoNode:
     # -- start -------------------------------------------------------------------------------
     def start(self) -> int:
         """Join the run; returns this node's data slot. Refuses (exit 2) a node whose settings differ."""
-        def fingerprint() -> dict:
+        def fingerprint() -> dict[str, Any]:
             self.mesh.host_store_if_asked()  # a node hosting the store (Prime style) checks against itself
             return {"stripes": self.claims.check_fingerprint(follow_stripes=self.dcfg.stripes is None)}
 
@@ -138,7 +155,7 @@ class DilocoNode:
                  view.global_world_size, view.mesh_version, slot, self.roles.joining_note())
         return slot
 
-    def connect(self, wait_s: float | None = None) -> Any:
+    def connect(self, wait_s: float | None = None) -> StoreClient:
         """A new client of the run's store, waiting for it up to `wait_s` (default elastic.connect_timeout): the
         `connect` given, else zb.store_clients.run_client through the process's StoreList (the current store)."""
         if self._connect_store is not None:
@@ -181,8 +198,8 @@ class DilocoNode:
                                 live=lambda: self.live)
         return self.steps
 
-    def _claim_slot(self, view) -> int:
-        def claim() -> dict:
+    def _claim_slot(self, view: WorldView) -> int:
+        def claim() -> dict[str, Any]:
             num = self.cfg.data.data_world_size or max(self.cfg.elastic.world_size, view.global_world_size)
             pref = self.cfg.data.data_rank if self.cfg.data.data_rank is not None else self.cfg.elastic.rank
             return {"slot": self.claims.claim_slot(view.uid, view.nodes, num, pref), "num": num}
@@ -202,12 +219,13 @@ class DilocoNode:
         """This node joined a running run: it takes part in the current outer step right away."""
         return self.roles.joining
 
-    def data_position(self) -> dict | None:
+    def data_position(self) -> dict[str, Any] | None:
         """Where the previous holder of this node's slot stopped (None: start of the shard)."""
         return self.claims.data_position()
 
     # -- outer steps ----------------------------------------------------------------------------
-    def outer_step(self, position: RunPosition, data_state: dict | None) -> tuple[OuterReport, RunPosition | None]:
+    def outer_step(self, position: RunPosition,
+                   data_state: dict[str, Any] | None) -> tuple[OuterReport, RunPosition | None]:
         """Run one outer step from `position` (this node's, before it). Returns its report and, for a
         node that took over the run's state, the run's position before the step."""
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import hashlib
 import logging
 import math
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -85,7 +85,7 @@ class OuterSteps:
         self.fresh_view = False    # the world start() took is this outer step's: no resolution before it
         self._digest: drift.BackgroundDigest | None = None  # of the outer params since the last outer step
 
-    def run(self, position: RunPosition, data_state: dict | None, *,
+    def run(self, position: RunPosition, data_state: dict[str, Any] | None, *,
             closing: bool = False) -> tuple[OuterReport, RunPosition | None]:
         """One outer step from `position` (this node's, before it). Returns its report and, for a node that
         took over the run's state, the run's position before the step."""
@@ -267,7 +267,7 @@ class OuterSteps:
 
     # -- 6: books ---------------------------------------------------------------------------------
     def _keep_books(self, report: OuterReport, view: WorldView, position: RunPosition,
-                    data_state: dict | None) -> None:
+                    data_state: dict[str, Any] | None) -> None:
         """What follows every outer step, whatever the algorithm; `position` is where this node stood before it."""
         # The outer params stay as they are now until the next outer step: hash them while the inner
         # steps run, for that step's check-in (and, after the hand-over, a receiver's params_hash).
@@ -302,7 +302,7 @@ class OuterSteps:
         if self.local.is_head and self.trust.unlisted and self.claims.list_evicted(sorted(self.trust.unlisted)):
             self.trust.listed()
 
-        def refuse() -> dict:
+        def refuse() -> dict[str, Any]:
             self.trust.refuse_if_evicted(me)
             return {}
 

@@ -33,10 +33,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from zb.elastic import localsync
 from zb.errors import InvalidInput
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("zb.diloco")
 
@@ -55,7 +59,8 @@ class RoundWork:
 class RoundClock:
     """Decides, after every inner step, whether this node's round is over (see the module doc)."""
 
-    def __init__(self, budget_s: float, total_steps: int, tokens_per_step: int, local_group=None,
+    def __init__(self, budget_s: float, total_steps: int, tokens_per_step: int,
+                 local_group: ProcessGroup | None = None,
                  clock: Callable[[], float] = time.perf_counter, parts: int = 1):
         self.budget_s, self.total_steps, self.tokens_per_step = budget_s, total_steps, tokens_per_step
         self.local_group, self.clock = local_group, clock
@@ -153,7 +158,7 @@ def token_weight(tokens: list[int], contributors: list[int], rank: int) -> float
     return tokens[rank] / total
 
 
-def weighted_average(deltas: list, tokens: list[int]):
+def weighted_average(deltas: list[torch.Tensor], tokens: list[int]) -> torch.Tensor | None:
     """The reference rule, in one process: sum_i tokens_i * delta_i / sum_i tokens_i (tests hold the
     all-reduce path against it). None when no node trained."""
     total = sum(tokens)

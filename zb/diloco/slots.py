@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zb.elastic.tcpstore import read_many
 from zb.errors import EnvironmentFailure
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -29,7 +32,8 @@ def position_key(slot: int, local_rank: int) -> str:
     return f"{ROOT}/pos/{slot}/{local_rank}"
 
 
-def claim_slot(store, uid: str, live_nodes: list[str], num_slots: int, preferred: int | None = None) -> int:
+def claim_slot(store: StoreClient, uid: str, live_nodes: list[str], num_slots: int,
+               preferred: int | None = None) -> int:
     """The slot this node reads from now on (local rank 0 calls this; it broadcasts the answer)."""
     holders = [h.decode() for h in read_many(store, [slot_key(i) for i in range(num_slots)])]
     if uid in holders:
@@ -50,12 +54,13 @@ def claim_slot(store, uid: str, live_nodes: list[str], num_slots: int, preferred
                              "start the run with a larger data.data_world_size to admit more nodes")
 
 
-def save_position(store, slot: int, local_rank: int, state: dict[str, Any], local_world_size: int = 1) -> None:
+def save_position(store: StoreClient, slot: int, local_rank: int, state: dict[str, Any],
+                  local_world_size: int = 1) -> None:
     store.set(position_key(slot, local_rank), json.dumps({"local_world_size": local_world_size, "state": state},
                                                          sort_keys=True))
 
 
-def load_position(store, slot: int, local_rank: int, local_world_size: int = 1) -> dict[str, Any] | None:
+def load_position(store: StoreClient, slot: int, local_rank: int, local_world_size: int = 1) -> dict[str, Any] | None:
     """The loader state the slot's previous holder left for this local rank; None when there is none, or
     when that node split the slot over another local rank count (its positions do not map onto this
     node's: the slot's shard starts over, with a warning)."""

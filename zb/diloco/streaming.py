@@ -30,7 +30,7 @@ import logging
 import math
 import re
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,9 @@ from zb.elastic.view import WorldView
 from zb.events import OuterReport
 from zb.overlap_modes import Streaming
 from zb.position import RunPosition
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -158,7 +161,7 @@ class StreamingOverlap:
     flight and its background all-reduce."""
 
     def __init__(self, outer: OuterState, cfg: DilocoConfig, local_rank: int, pg_timeout_s: float,
-                 connect: Callable[[], dist.Store], feedback: ErrorFeedback | None = None):
+                 connect: Callable[[], StoreClient], feedback: ErrorFeedback | None = None):
         self.outer, self.cfg, self.feedback = outer, cfg, feedback
         self.opt = OuterSGD.of(outer.optimizer)
         self.momentum = self._momentum_buffer()

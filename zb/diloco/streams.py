@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.elastic import keys
 from zb.signed_store import prefixed
+
+if TYPE_CHECKING:
+    from zb.elastic.view import WorldView
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.diloco")
 
@@ -35,7 +39,7 @@ class StreamGroups:
         # ProcessGroupGloo objects: torch types them as a Backend, they serve as groups here
         self.groups: list[Any] = []
 
-    def for_view(self, view, store) -> list[Any]:
+    def for_view(self, view: WorldView, store: StoreClient | None) -> list[Any]:
         """The groups for this world (built once per mesh version; every node builds them together)."""
         if self.extra == 0 or (view.global_world_size == 1 and self.first > 0):
             return []

@@ -19,7 +19,7 @@ count); every node needs at least S local ranks.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,10 +45,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return data.to_local() if hasattr(data, "to_local") else data
 
 
+# Called with (first row, end row, the buffer of those rows). `...`: the callers' lambdas bind their tensor as a
+# default argument, and mypy cannot infer such a lambda against a fixed parameter list.
+Rows = Callable[..., None]
+
+
 class StripeLayout:
     """Where this local rank's stripe lies, and the moves between it and the node's FSDP shards."""
 
-    def __init__(self, stripes: int, local_rank: int, local_world_size: int, group=None) -> None:
+    def __init__(self, stripes: int, local_rank: int, local_world_size: int,
+                 group: dist.ProcessGroup | None = None) -> None:
         if local_world_size < stripes:
             raise ValueError(f"{local_world_size} local ranks cannot hold {stripes} stripes")
         self.stripes, self.rank, self.size, self.group = stripes, local_rank, local_world_size, group
@@ -78,13 +84,13 @@ class StripeLayout:
             self._move(shape, lambda a, b, buf, s=src: _put(buf, s, a, b, self._stripe_rows(shape)),
                        lambda a, b, buf, d=shard: _take(buf, d, a, b, self._fsdp_rows(shape)))
 
-    def _fsdp_rows(self, shape) -> tuple[int, int]:
+    def _fsdp_rows(self, shape: Sequence[int]) -> tuple[int, int]:
         return rows(_rows_of(shape)[0], self.size, self.rank)
 
-    def _stripe_rows(self, shape) -> tuple[int, int]:
+    def _stripe_rows(self, shape: Sequence[int]) -> tuple[int, int]:
         return rows(_rows_of(shape)[0], self.stripes, self.rank) if self.owner else (0, 0)
 
-    def _move(self, shape, put, take) -> None:
+    def _move(self, shape: Sequence[int], put: Rows, take: Rows) -> None:
         d0, per_row = _rows_of(shape)
         step = max(1, WINDOW // max(1, per_row))
         for a in range(0, d0, step):

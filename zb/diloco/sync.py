@@ -53,7 +53,7 @@ class _Reducer(threading.Thread):
         self.outer, self.group, self.streams, self.cfg = outer, group, streams, cfg
         self.residual = residual
         self.scale = 1
-        self.todo: queue.Queue = queue.Queue()
+        self.todo: queue.Queue[tuple[int, int] | None] = queue.Queue()   # bucket ranges; None: the last
         self.error: BaseException | None = None
         self.wire_bytes = 0
         self.busy_s = 0.0

@@ -63,7 +63,7 @@ def _deadline(nbytes: int, min_bandwidth_mbps: float) -> timedelta:
     return timedelta(seconds=DEADLINE_FLOOR_S + nbytes * 8 / (min_bandwidth_mbps * 1e6))
 
 
-def _wait(work, nbytes: int, bw: float, peer: int, what: str) -> None:
+def _wait(work: dist.Work, nbytes: int, bw: float, peer: int, what: str) -> None:
     try:
         work.wait(_deadline(nbytes, bw))
     except Exception as e:  # noqa: BLE001 - gloo's errors name an address; we know the peer
@@ -138,7 +138,7 @@ class StateTransfer:
         for i, t in enumerate((header, tensor)):
             _wait(self.pg.send([t], dst, TAG + 3 + i), t.numel() * t.element_size(), self.bw, dst, "send")
 
-    def receive_tensor(self, src: int, numel_of) -> tuple[torch.Tensor, int]:
+    def receive_tensor(self, src: int, numel_of: Callable[[int], int]) -> tuple[torch.Tensor, int]:
         """(the buffer, its part); `numel_of(part)` is how many values this node expects for it."""
         header = torch.empty(3, dtype=torch.int64)
         _wait(self.pg.recv([header], src, TAG + 3), 24, self.bw, src, "header")

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from zb.elastic import keys
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.probe import refuses
 from zb.elastic.tcpstore import read_many
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -26,7 +30,7 @@ class ClosedPortDetector:
         self.liveness, self.interval = liveness, interval
         self._last_probe: dict[str, float] = {}
 
-    def check(self, store, candidates: list[str]) -> None:
+    def check(self, store: StoreClient, candidates: list[str]) -> None:
         """Probe the silent ones among `candidates` (at most once per interval each)."""
         now = time.monotonic()
         silent = [u for u in candidates if self.liveness.silent_for(u, now) > 2 * self.interval

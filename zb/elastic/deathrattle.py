@@ -14,13 +14,15 @@ import logging
 import os
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from types import FrameType
+from typing import TYPE_CHECKING, Callable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import store_errors
 
 if TYPE_CHECKING:
     from zb.stop_signals import SignalHandler
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -30,7 +32,7 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class Deathrattle:
     """Writes "<uid> <token>" to keys.GONE once; `connect` gives it a client of its own."""
 
-    def __init__(self, uid: str, token: str, connect: Callable[[], Any]) -> None:
+    def __init__(self, uid: str, token: str, connect: Callable[[], StoreClient]) -> None:
         self.uid, self.token = uid, token
         self._connect = connect
         self._sent = False
@@ -68,7 +70,7 @@ class Deathrattle:
         except Exception:  # noqa: BLE001 - exiting anyway; a bug here must not mask the real exit
             log.exception("deathrattle failed")
 
-    def _on_signal(self, signum: int, frame) -> None:
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.rattle(signal.Signals(signum).name)
         previous = self._previous.get(signum, signal.SIG_DFL)
         if callable(previous):

@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many, store_errors
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -60,7 +63,7 @@ class Liveness:
             self._seen.clear()
 
 
-def observe_counters(store, liveness: Liveness, uids: Iterable[str]) -> None:
+def observe_counters(store: StoreClient, liveness: Liveness, uids: Iterable[str]) -> None:
     """One round trip: read the counters of `uids` into the liveness table (missing reads as b"").
 
     A change counts from when it was seen, so the clock is read after the counters: read before,
@@ -74,7 +77,7 @@ def observe_counters(store, liveness: Liveness, uids: Iterable[str]) -> None:
 class Heartbeat(threading.Thread):
     """Bumps this node's counter and observes the watched nodes, every interval, until stopped."""
 
-    def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], Any],
+    def __init__(self, uid: str, interval: float, liveness: Liveness, connect: Callable[[], StoreClient],
                  watch: Callable[[], list[str]], answered: Callable[[], None] = lambda: None,
                  store_index: Callable[[], int] = lambda: 0) -> None:
         # answered: called after each beat the store took (zb.elastic.stores times its silence by them);
@@ -84,7 +87,7 @@ class Heartbeat(threading.Thread):
         self._connect, self._watch, self._answered, self._store_index = connect, watch, answered, store_index
         self._index = 0
         self._stop_event = threading.Event()
-        self._store: Any = None        # a torch Store client of its own; None until connected, and after a failure
+        self._store: StoreClient | None = None   # a client of its own; None until connected, and after a failure
         self.beats = 0
         self.outage_since: float | None = None
         self._last_beat: float | None = None

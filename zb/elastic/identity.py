@@ -12,10 +12,14 @@ import logging
 import secrets
 import socket
 import time
+from typing import TYPE_CHECKING
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_lines, read_many
 from zb.errors import EnvironmentFailure
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -30,7 +34,7 @@ def new_token() -> str:
     return secrets.token_hex(6)
 
 
-def ensure_unique(store, uid: str, heartbeat_interval: float, heartbeat_timeout: float,
+def ensure_unique(store: StoreClient, uid: str, heartbeat_interval: float, heartbeat_timeout: float,
                   poll: float) -> None:
     """Raise EnvironmentFailure if a live node already uses `uid`; bounded by heartbeat_timeout."""
     key = keys.heartbeat(uid)
@@ -50,6 +54,6 @@ def ensure_unique(store, uid: str, heartbeat_interval: float, heartbeat_timeout:
     log.info("unique id %s: the old node is silent, joining as a new member", uid)
 
 
-def _said_goodbye(store, uid: str) -> bool:
+def _said_goodbye(store: StoreClient, uid: str) -> bool:
     """True when some incarnation of `uid` sent a deathrattle (tokens are unknown here)."""
     return any(line.split(" ")[0] == uid for line in read_lines(store, keys.GONE))

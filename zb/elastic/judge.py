@@ -28,10 +28,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from zb.elastic.heartbeat import Liveness
-from zb.elastic.store_state import Snapshot
+from zb.elastic.store_state import Answer, Snapshot
 from zb.elastic.world import JoinRequest, Observation, World
+
+if TYPE_CHECKING:
+    from zb.config_schema import ElasticConfig
 
 
 @dataclass
@@ -41,7 +45,7 @@ class RoundDeadlines:
     stuck_after: float
 
     @staticmethod
-    def from_config(cfg) -> "RoundDeadlines":
+    def from_config(cfg: ElasticConfig) -> "RoundDeadlines":
         return RoundDeadlines(suspect_grace=cfg.heartbeat_interval, sync_deadline=cfg.sync_deadline,
                          stuck_after=2 * cfg.sync_deadline + cfg.heartbeat_timeout)
 
@@ -88,7 +92,7 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     return Verdict(acting_leader=acting, settled=settled, observation=obs)
 
 
-def split_unreachable(world: World, lines) -> set[str]:
+def split_unreachable(world: World, lines: list[Answer]) -> set[str]:
     """Members to drop so that no two left in the world reported each other unreachable: repeatedly
     the member in the most remaining pairs, ties to the higher rank (the same choice on every node)."""
     rank = {m: i for i, m in enumerate(world.nodes)}

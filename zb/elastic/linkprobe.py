@@ -28,12 +28,15 @@ import logging
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many, store_errors
 from zb.errors import EnvironmentFailure
 from zb.net.link import LinkError, LinkServer, receive, send
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -46,7 +49,7 @@ IDLE_S = 1.0                  # how often the sender looks for members not measu
 class LinkProber:
     """The two background threads of one node (see the module docstring)."""
 
-    def __init__(self, uid: str, address: str, connect: Callable[[], Any], members: Callable[[], list[str]],
+    def __init__(self, uid: str, address: str, connect: Callable[[], StoreClient], members: Callable[[], list[str]],
                  seconds: float, store_index: Callable[[], int] = lambda: 0) -> None:
         # store_index: the current store's place in elastic.addr; the threads' clients are made anew when it changes
         self.uid, self.seconds = uid, seconds
@@ -61,17 +64,17 @@ class LinkProber:
         self._threads = [threading.Thread(target=self._receive_loop, name="zb-link-receiver", daemon=True),
                          threading.Thread(target=self._send_loop, name="zb-link-sender", daemon=True)]
 
-    def start(self, store) -> None:
+    def start(self, store: StoreClient) -> None:
         store.set(keys.link_server(self.uid), self.endpoint)
         for t in self._threads:
             t.start()
 
-    def publish_to(self, store) -> None:
+    def publish_to(self, store: StoreClient) -> None:
         """This node's endpoint and rows into a store that lacks them (restarted empty, or the next one)."""
         store.set(keys.link_server(self.uid), self.endpoint)
         store.set(keys.links_into(self.uid), json.dumps(self.rows, sort_keys=True))
 
-    def _client(self, store, index: list[int]):
+    def _client(self, store: StoreClient | None, index: list[int]) -> StoreClient:
         """`store`, or a new client when there is none or the run moved to another store since (`index` holds
         the store index the client was made at)."""
         if store is None or index[0] != self._store_index():
@@ -87,7 +90,8 @@ class LinkProber:
 
     # -- receiver ----------------------------------------------------------------------------------
     def _receive_loop(self) -> None:
-        store, index = None, [0]
+        store: StoreClient | None = None
+        index = [0]
         while not self._stop.is_set():
             taken = self._server.take_any(wait_s=0.5)
             if taken is None:
@@ -104,7 +108,7 @@ class LinkProber:
                      m.mbps, m.rtt_ms or 0.0)
             store = self._publish(store, index)
 
-    def _publish(self, store, index: list[int]):
+    def _publish(self, store: StoreClient | None, index: list[int]) -> StoreClient | None:
         """All of this node's rows into its own key (so a restarted store gets every row back)."""
         try:
             store = self._client(store, index)
@@ -116,7 +120,8 @@ class LinkProber:
 
     # -- sender ------------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        store, index = None, [0]
+        store: StoreClient | None = None
+        index = [0]
         while not self._stop.wait(IDLE_S):
             members = [u for u in self._members() if u != self.uid and time.monotonic() >= self._not_before.get(u, 0.0)]
             try:

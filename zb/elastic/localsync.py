@@ -9,12 +9,16 @@ longest wait of local rank 0 (zb.train.device.control_timeout_s).
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from zb.errors import EnvironmentFailure, InvalidInput
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
 
-def _device(group):
+
+def _device(group: ProcessGroup | None) -> torch.device:
     import torch
     import torch.distributed as dist
 
@@ -23,7 +27,7 @@ def _device(group):
     return torch.device("cpu")
 
 
-def broadcast_json(group, local_rank: int, payload: dict[str, Any] | None) -> dict[str, Any]:
+def broadcast_json(group: ProcessGroup | None, local_rank: int, payload: dict[str, Any] | None) -> dict[str, Any]:
     """Local rank 0's `payload`, on every local rank (payload ignored elsewhere)."""
     if group is None:
         assert payload is not None  # alone, this rank is local rank 0: it always shares a payload
@@ -44,7 +48,7 @@ def broadcast_json(group, local_rank: int, payload: dict[str, Any] | None) -> di
     return payload
 
 
-def run_on_head(group, local_rank: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def run_on_head(group: ProcessGroup | None, local_rank: int, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Local rank 0 runs `fn` and every local rank gets its JSON result; an error there is raised on every
     local rank, with its exit code (2: InvalidInput, else EnvironmentFailure)."""
     payload = None
@@ -60,7 +64,8 @@ def run_on_head(group, local_rank: int, fn: Callable[[], dict[str, Any]]) -> dic
     return payload
 
 
-def merge_failures(group, world_size: int, failed: bool, suspects: set[int]) -> tuple[bool, set[int]]:
+def merge_failures(group: ProcessGroup | None, world_size: int, failed: bool,
+                   suspects: set[int]) -> tuple[bool, set[int]]:
     """Union of every local rank's (failed, suspect group ranks) for the current global world."""
     if group is None:
         return failed, suspects
@@ -77,7 +82,7 @@ def merge_failures(group, world_size: int, failed: bool, suspects: set[int]) -> 
     return bool(merged[0]), {i for i in range(world_size) if merged[i + 1]}
 
 
-def all_ok(group, ok: bool) -> bool:
+def all_ok(group: ProcessGroup | None, ok: bool) -> bool:
     """True only if every local rank says ok (e.g. built its global group)."""
     if group is None:
         return ok
@@ -89,7 +94,7 @@ def all_ok(group, ok: bool) -> bool:
     return bool(flag.item())
 
 
-def sum_float(group, value: float) -> float:
+def sum_float(group: ProcessGroup | None, value: float) -> float:
     """The sum of every local rank's `value`."""
     if group is None:
         return value
@@ -101,7 +106,7 @@ def sum_float(group, value: float) -> float:
     return float(total.item())
 
 
-def all_gather_bytes(group, data: bytes) -> list[bytes]:
+def all_gather_bytes(group: ProcessGroup | None, data: bytes) -> list[bytes]:
     """Every local rank's `data` (of equal length on every rank), in local rank order."""
     if group is None:
         return [data]

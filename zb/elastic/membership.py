@@ -28,7 +28,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from torch.distributed import DistStoreError
 
@@ -45,10 +45,14 @@ from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
 from zb.store_clients import StoreUnreachable
 
+if TYPE_CHECKING:
+    from zb.config_schema import ElasticConfig
+    from zb.store_clients import StoreClient
+
 log = logging.getLogger("zb.elastic")
 
 
-def exclude(store, uids: list[str]) -> None:
+def exclude(store: StoreClient, uids: list[str]) -> None:
     """Exclude `uids` from the run for good (keys.EVICTED): the next resolution leaves them out of the world and
     no later one admits them. Appends only the ids not listed yet (a duplicate line would be harmless)."""
     listed = evicted_ids(read_many(store, [keys.EVICTED])[0])
@@ -87,8 +91,8 @@ class Quorum:
 
 
 class Membership:
-    def __init__(self, cfg, uid: str, token: str, stripes: int, liveness: Liveness,
-                 connect: Callable[[], Any], before_join: Callable[[Snapshot], None] | None = None,
+    def __init__(self, cfg: ElasticConfig, uid: str, token: str, stripes: int, liveness: Liveness,
+                 connect: Callable[[], StoreClient], before_join: Callable[[Snapshot], None] | None = None,
                  ring_backward: bool = False, stores: StoreList | None = None) -> None:
         self.cfg, self.uid, self.token, self.stripes = cfg, uid, token, stripes
         self.stores = stores     # the run's stores (None: one, with no failover)
@@ -96,7 +100,7 @@ class Membership:
         self.liveness, self._connect, self._before_join = liveness, connect, before_join
         self.deadlines = RoundDeadlines.from_config(cfg)
         self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
-        self.store: Any = None         # the torch Store client; None until ensure_store, and after a failure
+        self.store: StoreClient | None = None   # None until ensure_store, and after a failure
         self.store_epoch = 0           # bumps with every new client: other local ranks re-create theirs
         self.world: World | None = None
         self.failed = False
@@ -106,11 +110,17 @@ class Membership:
         self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
 
     # -- store -----------------------------------------------------------------------------
-    def ensure_store(self):
+    def ensure_store(self) -> StoreClient:
         if self.store is None:
             self.store = self._connect()
             self.store_epoch += 1
             self.liveness.forget_all()
+        return self.store
+
+    @property
+    def client(self) -> StoreClient:
+        """The client of a join or a resolution under way (they call ensure_store first)."""
+        assert self.store is not None, "ensure_store() comes first"
         return self.store
 
     def _drop_store(self, e: BaseException) -> StoreUnreachable:
@@ -213,7 +223,7 @@ class Membership:
         except store_errors() as e:
             raise self._drop_store(e) from None
 
-    def check_same_stores(self, store) -> None:
+    def check_same_stores(self, store: StoreClient) -> None:
         """Every node of a run names the same stores in the same order: else they would fail over apart. Checked
         at every join (a store moved to holds no list yet) and at start, before any thread of the node runs."""
         if self.stores is None or not self.stores.has_other:
@@ -224,7 +234,7 @@ class Membership:
             raise InvalidInput(f"elastic.addr (GLOBAL_ADDR) names the stores {mine} but the run's nodes name {held}: "
                                "every node must list the same stores in the same order")
 
-    def _reachable_before_join(self, store, snap: Snapshot) -> None:
+    def _reachable_before_join(self, store: StoreClient, snap: Snapshot) -> None:
         """A first join fails at once on an unreachable member (a misconfigured network). A rejoin (this
         node was a member: a partition or a link down evicted it) waits for the path to come back,
         up to elastic.store_timeout: admitted now, it would break the next outer step again."""
@@ -256,7 +266,7 @@ class Membership:
         # a first node whose peers start slowly seeds with those present then, as start_timeout promises.
         give_up = max(time.monotonic() + self.cfg.store_timeout, quorum.grace_at + self.cfg.heartbeat_timeout)
         while time.monotonic() < give_up:
-            snap = read_snapshot(self.store, None)
+            snap = read_snapshot(self.client, None)
             self._answered()
             self._check_snapshot(snap)
             world = snap.world
@@ -275,7 +285,7 @@ class Membership:
     def _observe(self, snap: Snapshot, world: World | None) -> None:
         cursor = world.join_cursor if world else 0
         uids = {r.uid for r in snap.joins[cursor:] if r.uid} | set(world.nodes if world else [])
-        observe_counters(self.store, self.liveness, sorted(uids))
+        observe_counters(self.client, self.liveness, sorted(uids))
 
     def _may_seed(self, world: World | None, snap: Snapshot, quorum: Quorum) -> bool:
         """With no world, or one whose members are all out (a whole run restarted against a store that
@@ -297,21 +307,21 @@ class Membership:
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
             # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
             # each read of the snapshot down the slow path of read_many, a round trip per key.
-            self.store.append(keys.GONE, "")
-            self.store.append(keys.MOVED, "")
-            self.store.append(keys.EVICTED, "")
+            self.client.append(keys.GONE, "")
+            self.client.append(keys.MOVED, "")
+            self.client.append(keys.EVICTED, "")
 
     def _forget(self, resolution: int) -> None:
         """Delete a finished roll call's keys (every member has moved past it)."""
         events = keys.roll_call_events(resolution)
-        count = self.store.add(events, 0)
+        count = self.client.add(events, 0)
         for key in [keys.roll_call(resolution), events, *(f"{events}/{n}" for n in range(1, count + 1))]:
-            self.store.delete_key(key)
+            self.client.delete_key(key)
 
     def _write(self, expected: bytes, new: World) -> bool:
         """compare_set against the exact text read: only one writer per resolution can win."""
         text = new.encode()
-        return self.store.compare_set(keys.WORLD, expected.decode(), text).decode() == text
+        return self.client.compare_set(keys.WORLD, expected.decode(), text).decode() == text
 
     # -- resolving -----------------------------------------------------------------------------
     def resolve(self) -> World:
@@ -352,20 +362,20 @@ class Membership:
         return self._join(Quorum(full=quorum, least=least, grace_at=time.monotonic() + self.cfg.sync_deadline))
 
     def _roll_call(self, world: World) -> World:
-        self.store.append(keys.roll_call(world.resolution), encode_line({
+        self.client.append(keys.roll_call(world.resolution), encode_line({
             "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
             "unreachable": sorted(self.unreachable)}))
         self._announce(world.resolution)
         self.failed, self.suspects, self.unreachable = False, set(), set()
         t0 = time.monotonic()
         while True:
-            snap = read_snapshot(self.store, world.resolution)
+            snap = read_snapshot(self.client, world.resolution)
             self._check_snapshot(snap)
             if snap.raw_world.decode() != world.encode():
                 return self._accept(snap.world)
             self._observe(snap, world)
             # Members that answered too: a leader can crash between its answer and its write.
-            self.closed_ports.check(self.store, [m for m in world.nodes if m != self.uid])
+            self.closed_ports.check(self.client, [m for m in world.nodes if m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
             if verdict.acting_leader == self.uid and verdict.settled:
                 self._lead(world, snap, verdict.observation)
@@ -374,15 +384,15 @@ class Membership:
 
     def _announce(self, resolution: int) -> None:
         """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
-        n = self.store.add(keys.roll_call_events(resolution), 1)
-        self.store.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
+        n = self.client.add(keys.roll_call_events(resolution), 1)
+        self.client.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
 
     def _wait_event(self, resolution: int, seen: int) -> None:
         """Until the roll call's next event, or elastic.polling_interval: the judge also decides on time
         alone (a silent member's deadline), so the loop looks again either way. Waiting on the store instead
         of sleeping ends the roll call as soon as its last answer or its next world lands."""
         try:
-            self.store.wait([f"{keys.roll_call_events(resolution)}/{seen + 1}"],
+            self.client.wait([f"{keys.roll_call_events(resolution)}/{seen + 1}"],
                             timedelta(seconds=self.cfg.polling_interval))
         except DistStoreError as e:
             if "timeout" not in str(e):
@@ -410,7 +420,7 @@ class Membership:
         return new
 
     def _in_ring_order(self, old: World, new: World) -> World:
-        return apply_ring_order(old, new, self.ring.plan(self.store, new.nodes))
+        return apply_ring_order(old, new, self.ring.plan(self.client, new.nodes))
 
     def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
         new = self._in_ring_order(world, next_world(world, obs))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from zb import events
 from zb.elastic import keys, localsync
@@ -33,7 +33,12 @@ from zb.signed_store import prefixed
 from zb.store_clients import StoreUnreachable
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, TCPStore
+
+    from zb.config_schema import ElasticConfig
     from zb.elastic.linkprobe import LinkProber
+    from zb.elastic.world import World
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -45,8 +50,8 @@ class EventSink(Protocol):
 
 
 class ElasticDeviceMesh:
-    def __init__(self, cfg, local_group=None, *, local_rank: int = 0, stripes: int = 1,
-                 sink: EventSink | None = None, ring_backward: bool = False) -> None:
+    def __init__(self, cfg: ElasticConfig, local_group: ProcessGroup | None = None, *, local_rank: int = 0,
+                 stripes: int = 1, sink: EventSink | None = None, ring_backward: bool = False) -> None:
         # stripes: the replica groups of the run (diloco.stripes); local rank r < stripes builds group
         # r, and a node's ranks beyond them (it has more local ranks than the run has stripes) none.
         # ring_backward: the all-reduce sends from rank r to r - 1 (gloo's fp32 ring, measured in
@@ -59,10 +64,12 @@ class ElasticDeviceMesh:
         self.replica = local_rank if local_rank < stripes else None
         self._built = False            # this rank's part of the current groups is up (a passenger's: nothing)
         self.view: WorldView | None = None
-        self.global_pg: Any = None     # this replica's ProcessGroupGloo once built; None before, and after a failure
+        # This replica's ProcessGroupGloo once built; None before, and after a failure. Any: torch types a
+        # ProcessGroupGloo as a Backend, and it serves as a ProcessGroup (every collective's group=).
+        self.global_pg: Any = None
         self._failed = False
         self._suspects: set[int] = set()
-        self._store: Any = None        # a follower's torch Store client (local rank 0's is its membership's)
+        self._store: StoreClient | None = None   # a follower's client (local rank 0's is its membership's)
         self._store_epoch = 0
         self._deathrattle: Deathrattle | None = None
         self._heartbeat: Heartbeat | None = None
@@ -70,7 +77,7 @@ class ElasticDeviceMesh:
         self._links: LinkProber | None = None  # with elastic.measure_links
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
-        self._hosted: Any = None         # the store object when this node hosts it (elastic.host_store)
+        self._hosted: TCPStore | None = None   # the store when this node hosts it (elastic.host_store)
         self.stores = shared_stores(cfg)  # elastic.addr: the run's store, or the list it fails over along
         self._failovers_told = 0       # store_failover events emitted
         self._endpoints_epoch = 1      # the head's store client epoch that holds its probe endpoint and link rows
@@ -141,7 +148,7 @@ class ElasticDeviceMesh:
 
             self._hosted = host_in_worker(self.stores.addresses)
 
-    def _connect(self):
+    def _connect(self) -> StoreClient:
         return self.stores.connect(self._connect_timeout, self.cfg.store_timeout, self.cfg.namespace)
 
     def _start_head(self) -> dict[str, Any]:
@@ -153,7 +160,7 @@ class ElasticDeviceMesh:
         matrix = check_link_matrix(cfg.link_matrix, uid, gloo_address()) if cfg.link_matrix else None
         self.host_store_if_asked()
         store = self._connect()
-        if matrix is not None:
+        if matrix is not None and cfg.link_matrix:   # the second is the first's condition, for the type checker
             publish_link_matrix(store, matrix, cfg.link_matrix)
         ensure_unique(store, uid, cfg.heartbeat_interval, cfg.heartbeat_timeout, cfg.polling_interval)
         self._connect_timeout = min(cfg.connect_timeout, max(1.0, cfg.heartbeat_interval))
@@ -170,7 +177,7 @@ class ElasticDeviceMesh:
             raise EnvironmentFailure(f"the store went away while this node was joining: {e}") from None
         return self._payload(world, store_ok=True)
 
-    def _start_threads(self, uid: str, token: str, liveness: Liveness, store) -> None:
+    def _start_threads(self, uid: str, token: str, liveness: Liveness, store: StoreClient) -> None:
         self._deathrattle = Deathrattle(uid, token, self._connect)
         self._deathrattle.install()
         self._probe = ProbeListener()
@@ -220,14 +227,14 @@ class ElasticDeviceMesh:
         except store_errors() as e:
             log.debug("could not publish this node's endpoints (next outer step retries): %s", e)
 
-    def _payload(self, world, store_ok: bool) -> dict[str, Any]:
+    def _payload(self, world: World, store_ok: bool) -> dict[str, Any]:
         m = self._head
         changed = self.view is None or world.version != self.view.mesh_version or not self._built
         view = WorldView.of(world, m.uid, m.token, changed=changed, store_ok=store_ok, store_epoch=m.store_epoch,
                             store_index=self.stores.index)
         return view.to_dict()
 
-    def _unreachable_members(self, world) -> set[str]:
+    def _unreachable_members(self, world: World | WorldView | None) -> set[str]:
         """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
         down): probed after a failed collective, for the answer to the next roll call (the judge keeps no
         two such nodes in one world), and before building the groups."""
@@ -249,7 +256,8 @@ class ElasticDeviceMesh:
         assert snap.world is not None  # Membership checks reachability only against an existing world
         renewed = renewed_members(snap.world, snap)
         peers = [u for u in snap.world.nodes if u != self._head.uid and u not in renewed]
-        endpoints = {u: e.decode() for u, e in zip(peers, read_many(self._head.store, [keys.probe(u) for u in peers])) if e}
+        endpoints = {u: e.decode() for u, e in zip(peers, read_many(self._head.client, [keys.probe(u) for u in peers]))
+                     if e}
         timeout = min(5.0, self.cfg.connect_timeout)
 
         def live_and_unreachable(uid: str) -> bool:
@@ -257,18 +265,18 @@ class ElasticDeviceMesh:
             that answers) took over from the one whose closed endpoint was read."""
             if not self._still_beating(uid):
                 return False
-            now = read_many(self._head.store, [keys.probe(uid)])[0].decode()
+            now = read_many(self._head.client, [keys.probe(uid)])[0].decode()
             return now == endpoints[uid] or not reachable(now, timeout)
 
         check_peers(endpoints, timeout=timeout, still_alive=live_and_unreachable)
 
     def _still_beating(self, uid: str) -> bool:
-        store = self._head.store
+        store = self._head.client
         first = read_many(store, [keys.heartbeat(uid)])[0]
         time.sleep(2 * self.cfg.heartbeat_interval)
         return read_many(store, [keys.heartbeat(uid)])[0] != first
 
-    def _guarded(self, fn) -> dict[str, Any]:
+    def _guarded(self, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run local rank 0's part; on failure tell the other local ranks before raising."""
         try:
             return fn()
@@ -301,8 +309,12 @@ class ElasticDeviceMesh:
             self._store = self.stores.connect(self.cfg.connect_timeout, self.cfg.store_timeout, self.cfg.namespace)
             self._store_epoch = view.store_epoch
         if self._deathrattle is None:
-            self._deathrattle = Deathrattle(view.uid, view.token, lambda: self._store)
+            self._deathrattle = Deathrattle(view.uid, view.token, self._follower_store)
             self._deathrattle.install()
+
+    def _follower_store(self) -> StoreClient:
+        assert self._store is not None, "_follower_setup connects first"
+        return self._store
 
     def _rebuild(self, view: WorldView) -> None:
         import torch.distributed as dist

@@ -26,14 +26,17 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many
 from zb.elastic.world import World
 from zb.errors import InvalidInput
-from zb.net.bottleneck import bottleneck, rotate_to, solve
+from zb.net.bottleneck import RingOrder, bottleneck, rotate_to, solve
 from zb.net.link_matrix import LinkMatrix, load_link_matrix, parse_link_matrix
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -48,7 +51,10 @@ class RingPlan:
     exact: bool                     # the solver proved no order has a faster slowest hop
 
 
-def read_links(store, nodes: list[str]) -> tuple[dict[tuple[str, str], float | None], LinkMatrix | None, dict[str, str]]:
+Links = dict[tuple[str, str], float | None]   # measured Mbit/s per (src, dst); None: measured, no answer
+
+
+def read_links(store: StoreClient, nodes: list[str]) -> tuple[Links, LinkMatrix | None, dict[str, str]]:
     """(measured links {(src, dst): Mbit/s}, the published file, {uid: gloo address}) for `nodes`."""
     raw = read_many(store, [keys.LINK_FILE] + [keys.links_into(u) for u in nodes] + [keys.probe(u) for u in nodes])
     matrix = None
@@ -57,7 +63,7 @@ def read_links(store, nodes: list[str]) -> tuple[dict[tuple[str, str], float | N
             matrix = parse_link_matrix(raw[0].decode(errors="replace"), "(published in the store)")
         except InvalidInput as e:
             log.warning("ignoring the link matrix in the store: %s", e)
-    measured: dict[tuple[str, str], float | None] = {}
+    measured: Links = {}
     for dst, value in zip(nodes, raw[1:1 + len(nodes)]):
         for src, mbps in _json_object(value).items():
             if src in nodes and src != dst and (mbps is None or isinstance(mbps, (int, float))):
@@ -66,7 +72,7 @@ def read_links(store, nodes: list[str]) -> tuple[dict[tuple[str, str], float | N
     return measured, matrix, addrs
 
 
-def _json_object(raw: bytes) -> dict:
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         value = json.loads(raw or b"{}")
     except ValueError:
@@ -74,7 +80,7 @@ def _json_object(raw: bytes) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def link_table(nodes: list[str], measured: dict, matrix: LinkMatrix | None,
+def link_table(nodes: list[str], measured: Links, matrix: LinkMatrix | None,
                addrs: dict[str, str]) -> tuple[list[list[float | None]], list[tuple[str, str]]]:
     """The Mbit/s matrix over `nodes` (measured first, then the file) and the pairs nobody knows."""
     rows = {u: matrix.index_of(u, addrs.get(u)) for u in nodes} if matrix else {}
@@ -98,10 +104,10 @@ class RingPlanner:
 
     def __init__(self, backward: bool = False) -> None:
         self.backward = backward       # data flows rank r -> r - 1 (gloo's fp32 all-reduce), not r -> r + 1
-        self._cache: tuple | None = None
-        self._warned: tuple | None = None
+        self._cache: tuple[tuple[tuple[str, ...], str], RingOrder] | None = None   # (members, table), its solution
+        self._warned: tuple[str, ...] | None = None
 
-    def plan(self, store, nodes: list[str]) -> RingPlan | None:
+    def plan(self, store: StoreClient, nodes: list[str]) -> RingPlan | None:
         """Ring order for `nodes` (in their rank order), or None: keep rank order."""
         if len(nodes) < 3:
             return None                # 1 or 2 nodes: every ring is the same ring
@@ -162,7 +168,7 @@ def check_link_matrix(path: str, uid: str, addr: str) -> str:
     return text
 
 
-def publish_link_matrix(store, text: str, path: str) -> None:
+def publish_link_matrix(store: StoreClient, text: str, path: str) -> None:
     current = read_many(store, [keys.LINK_FILE])[0]
     if current and current.decode(errors="replace") != text:
         log.warning("elastic.link_matrix %s differs from the matrix another node published; this one replaces it "

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many
 from zb.elastic.world import JoinRequest, World
+
+if TYPE_CHECKING:
+    from zb.store_clients import StoreClient
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Snapshot:
     evicted: set[str] = field(default_factory=set)   # unique ids excluded for the rest of the run (keys.EVICTED)
 
 
-def read_snapshot(store, resolution: int | None) -> Snapshot:
+def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
     """World, goodbyes, evicted ids and joins, plus the answers to the roll call of `resolution` (none when None)."""
     names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED]
     if resolution is not None:
@@ -49,7 +53,7 @@ def read_snapshot(store, resolution: int | None) -> Snapshot:
                     moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]))
 
 
-def ended_world(store) -> World | None:
+def ended_world(store: StoreClient) -> World | None:
     """The last world of the run in this store (and namespace) when every node of it said goodbye: that run
     has ended. None while a node of it may be live (one killed without a goodbye counts as live: only
     waiting out its heartbeat would tell), or before any world."""
@@ -81,9 +85,9 @@ def evicted_ids(raw: bytes) -> set[str]:
     return {line for line in _lines(raw) if " " not in line}
 
 
-def _json_lines(raw: bytes) -> list[dict | None]:
+def _json_lines(raw: bytes) -> list[dict[str, Any] | None]:
     """One entry per line (None for a malformed one), so positions stay meaningful."""
-    out: list[dict | None] = []
+    out: list[dict[str, Any] | None] = []
     for line in _lines(raw):
         try:
             value = json.loads(line)
@@ -124,5 +128,5 @@ def _answers(raw: bytes) -> list[Answer]:
     return out
 
 
-def encode_line(data: dict) -> str:
+def encode_line(data: dict[str, Any]) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"

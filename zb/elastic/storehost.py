@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from zb.addresses import StoreAddress
 from zb.elastic.tcpstore import NotHostable, host, is_loopback, is_public
 from zb.errors import EnvironmentFailure
 from zb.signed_store import declare
 from zb.stop_signals import StopSignals
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("zb.elastic")
 
@@ -20,7 +23,7 @@ def worker_address(bind: str) -> str:
     return socket.gethostname() if bind in ("0.0.0.0", "::", "") else bind
 
 
-def serve(bind: str, port: int, ready: Callable[[dict], None], secret: bytes | None = None) -> None:
+def serve(bind: str, port: int, ready: Callable[[dict[str, Any]], None], secret: bytes | None = None) -> None:
     """Host the store until SIGINT/SIGTERM; `ready` gets the address info once it listens. With the run's
     `secret`, the store holds the run marker from the start (zb.signed_store): only nodes with the secret join."""
     store = host(bind, port)
@@ -39,7 +42,7 @@ def serve(bind: str, port: int, ready: Callable[[dict], None], secret: bytes | N
         del store
 
 
-def host_in_worker(addresses: list[StoreAddress]):
+def host_in_worker(addresses: list[StoreAddress]) -> TCPStore:
     """A worker hosting a store of the run itself (elastic.host_store): the first entry of elastic.addr this
     machine can bind (an entry another store holds, or that names another machine, is skipped), so with a
     list a node can host a standby for the run to fail over to. Returns the store; keep it alive."""

@@ -25,13 +25,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from zb.addresses import StoreAddress, parse_stores
 from zb.elastic import keys
 from zb.errors import InvalidInput, ZbError
 from zb.secret import read_secret
 from zb.store_clients import StoreUnreachable, run_client
+
+if TYPE_CHECKING:
+    from zb.config_schema import ElasticConfig
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -157,7 +161,7 @@ class StoreList:
             self.index = max(self.index, min(index, len(self.addresses) - 1))
             self._started = True
 
-    def connect(self, connect_timeout: float, op_timeout: float, namespace: str = "") -> Any:
+    def connect(self, connect_timeout: float, op_timeout: float, namespace: str = "") -> StoreClient:
         """A client of the current store (the first call of a process with several stores picks where to start).
         A move while it connected makes it a client of the old store: StoreUnreachable then, and the caller's
         next attempt reaches the new one. A client kept across calls checks `index` against the one it was made
@@ -241,7 +245,7 @@ def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) ->
         return None
 
 
-def holds_run(client) -> bool:
+def holds_run(client: StoreClient) -> bool:
     """Whether the store behind `client` holds a world the run has not moved on from (keys.MOVED)."""
     from zb.elastic.tcpstore import read_many
 
@@ -249,11 +253,11 @@ def holds_run(client) -> bool:
     return bool(world) and not moved
 
 
-_shared: dict[tuple, StoreList] = {}
+_shared: dict[tuple[tuple[StoreAddress, ...], str, str | None], StoreList] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_stores(cfg) -> StoreList:
+def shared_stores(cfg: ElasticConfig) -> StoreList:
     """The process's StoreList for elastic config `cfg` (made on first use): one per process, since a node is
     one process (its other local ranks are processes of their own and follow their head's view)."""
     addresses = parse_stores(cfg.addr or "127.0.0.1", cfg.port)

@@ -12,11 +12,16 @@ import ipaddress
 import logging
 import socket
 from datetime import timedelta
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from zb.dial import unresolvable
 from zb.errors import EnvironmentFailure
 from zb.store_clients import StoreUnreachable
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
 
@@ -33,7 +38,7 @@ def store_errors() -> tuple[type[BaseException], ...]:
     return (dist.DistError, OSError, TimeoutError, StoreUnreachable)
 
 
-def host(addr: str, port: int):
+def host(addr: str, port: int) -> TCPStore:
     """Host a store at addr:port in this process (libuv backend); one clear error when it cannot bind.
 
     torch's TCPStore listens on every interface whatever host it is given (the host is only what
@@ -102,7 +107,7 @@ def is_loopback(addr: str) -> bool:
     return all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips)
 
 
-def read_many(store, keys: Sequence[str]) -> list[bytes]:
+def read_many(store: StoreClient, keys: Sequence[str]) -> list[bytes]:
     """Values of `keys` in one round trip when all exist; missing keys read as b"" (never blocks)."""
     if not keys:
         return []
@@ -111,7 +116,7 @@ def read_many(store, keys: Sequence[str]) -> list[bytes]:
     return [store.get(k) if store.check([k]) else b"" for k in keys]
 
 
-def read_lines(store, key: str) -> list[str]:
+def read_lines(store: StoreClient, key: str) -> list[str]:
     """The entries of an append-only list key (see zb.elastic.keys)."""
     raw = read_many(store, [key])[0]
     return [line for line in raw.decode().split("\n") if line]

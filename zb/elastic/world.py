@@ -61,7 +61,7 @@ class JoinRequest:
     stripes: int = 1
     run: str = ""              # id of the run of the last world this node was in ("" for a new node)
 
-    def sort_key(self) -> tuple:
+    def sort_key(self) -> tuple[int, int, int, int]:
         # Nodes of the newest world first, in their old order (a store restart keeps ranks),
         # then newcomers by preferred rank and arrival.
         return (-self.last_version, self.last_rank, self.pref_rank, self.index)

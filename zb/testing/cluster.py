@@ -18,10 +18,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from zb.elastic.profiles import SHORT_TIMEOUTS
 from zb.metrics import read_metrics
 from zb.testing.procs import REPO, TINY, checkout_file, free_port, subprocess_env, wait_listening, wait_until
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 # The short-timeout test profile (docs/elastic.md): safe on 2 busy cores.
 PROFILE = SHORT_TIMEOUTS
@@ -60,7 +64,7 @@ class Cluster:
         self.store: subprocess.Popen | None = None      # the `zb store` at self.port
         self.standby_ports: list[int] = []               # later addresses of elastic.addr (add_standby)
         self.standbys: dict[int, subprocess.Popen] = {}  # `zb store` processes at those
-        self.hosted = None
+        self.hosted: TCPStore | None = None             # the store host_store hosts in this process
 
     # -- processes --------------------------------------------------------------------------
     def host_store(self) -> None:
