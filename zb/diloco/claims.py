@@ -15,6 +15,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from zb.diloco import slots
+from zb.elastic import runs
 from zb.elastic.membership import exclude
 from zb.elastic.store_state import ended_world
 from zb.elastic.tcpstore import store_errors
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zb.diloco")
 
 BEST_EFFORT_CONNECT_S = 2.0   # the most an after-step write waits for the store
+FINISHED_WAIT_S = 2.0         # the most the run's end waits to say so on the store's list of runs
 FINGERPRINT_KEY = "zb/run/fingerprint"
 
 
@@ -38,8 +40,9 @@ class RunClaims:
     """This node's claims in the run's store, and the store client its writes go through (`store`: None until
     the first write, and after a failed one)."""
 
-    def __init__(self, connect: Connect, fingerprint: dict[str, object], *, local_rank: int, local_world_size: int):
-        self.connect, self.fingerprint = connect, fingerprint
+    def __init__(self, connect: Connect, fingerprint: dict[str, object], *, local_rank: int, local_world_size: int,
+                 namespace: str = ""):
+        self.connect, self.fingerprint, self.namespace = connect, fingerprint, namespace
         self.local_rank, self.local_world_size = local_rank, local_world_size
         self.store: StoreClient | None = None
         self.slot = 0
@@ -50,7 +53,8 @@ class RunClaims:
         """The first node publishes the run's fingerprint; every later node must match it (InvalidInput naming
         every differing key, or that the store's run has ended). `follow_stripes`: this node left
         diloco.stripes unset and takes the run's. Returns the run's stripes."""
-        published = self.connect().compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
+        client = self.connect()
+        published = client.compare_set(FINGERPRINT_KEY, "", encode(self.fingerprint)).decode()
         mine = dict(self.fingerprint)
         if follow_stripes:
             try:
@@ -58,6 +62,7 @@ class RunClaims:
             except (ValueError, AttributeError):
                 pass  # check_against names the unreadable fingerprint
         check_against(mine, published, self._run_ended)
+        runs.announce(client, self.namespace)   # for `zb status`'s list of the store's runs only
         stripes = mine["stripes"]
         assert isinstance(stripes, int)  # check_against accepted it as the run's
         return stripes
@@ -102,6 +107,8 @@ class RunClaims:
             store.compare_set(slots.slot_key(self.slot), "", uid)
             if evicted:   # diloco.evict_clipped: an id evicted stays out of the run
                 exclude(store, sorted(evicted))
+            if self._claimed_in is not None:   # a restarted store, or the next of the list: list the run there
+                runs.announce(store, self.namespace)
 
         if self.write("put the run's fingerprint and this node's data slot back", claim):
             self._claimed_in = store_epoch
@@ -124,3 +131,9 @@ class RunClaims:
             log.warning("could not %s in the store (retried next outer step): %s", what, str(e).splitlines()[0])
             self.store = None
             return False
+
+    def finish(self) -> bool:
+        """The run reached its end: said on the store's list of runs (zb.elastic.runs), waiting at most
+        FINISHED_WAIT_S for the store."""
+        return runs.finish(lambda: self.store or self.connect(wait_s=BEST_EFFORT_CONNECT_S), self.namespace,
+                           FINISHED_WAIT_S)

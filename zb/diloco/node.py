@@ -91,7 +91,8 @@ class DilocoNode:
             self.rounds = rounds.RoundClock(cfg.diloco.round_seconds, cfg.train.max_steps or cfg.optim.total_steps,
                                             cfg.optim.batch_size * cfg.data.seq_length, local_group,
                                             parts=mode_of(cfg.diloco.overlap).round_parts(cfg.diloco))
-        self.claims = RunClaims(self.connect, fingerprint, local_rank=local.rank, local_world_size=local.world_size)
+        self.claims = RunClaims(self.connect, fingerprint, local_rank=local.rank, local_world_size=local.world_size,
+                                namespace=cfg.elastic.namespace)
         self.num_slots = 0
         self.roles = RoleKeeper()
         self.trust = ClipTrust(cfg.diloco.clip, cfg.diloco.evict_clipped, speaks=local.is_head)

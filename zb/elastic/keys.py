@@ -18,6 +18,9 @@ MOVED = f"{ROOT}/moved"          # the index in elastic.addr the run moved on to
 STORES = f"{ROOT}/stores"        # elastic.addr's list as the run's first node named it (compare_set): all must match
 EVICTED = f"{ROOT}/evicted"      # append-only: one unique id per line, excluded for the rest of the run (the layer
                                  # above decides whom: zb.elastic.membership.exclude); the leader drops it, never admits it
+RUNS = f"{ROOT}/runs"            # append-only, at the store's root whatever the namespace, never sealed: one JSON line
+                                 # per node that starts or finishes a run (zb.elastic.runs); for listing runs only,
+                                 # never read by a node
 
 
 def heartbeat(uid: str) -> str:

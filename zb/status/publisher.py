@@ -47,7 +47,9 @@ def publish_status(sink, cfg, *, is_head: bool):
     status = NodeStatus(e.unique_id, state=first, total_steps=cfg.train.max_steps or cfg.optim.total_steps,
                         heartbeat_interval=e.heartbeat_interval, heartbeat_timeout=e.heartbeat_timeout)
     stores = shared_stores(e)
-    publisher = StatusPublisher(status, lambda: stores.connect(min(2.0, e.status_interval), OP_TIMEOUT_S),
+    # Under the run's namespace, beside its world and heartbeats: `zb status --namespace` reads them together.
+    publisher = StatusPublisher(status, lambda: stores.connect(min(2.0, e.status_interval), OP_TIMEOUT_S,
+                                                               e.namespace),
                                 e.status_interval, stores=stores)
     publisher.start()
     # A node that fails before its training run owns the sink (building the model, say) still says "left".

@@ -71,6 +71,7 @@ class FirstStage(StageWorker):
             self.checkpoints.final(self.ledger.position.step)
             if stop.requested:
                 return Ended(stop.signum, self.ledger.position.step)
+            self.diloco.claims.finish()   # `zb status` lists the stage's run as finished (a bounded wait)
             if self.cfg.eval.interval >= 0 and self.ledger.position.step > 0:
                 self._evaluate()
             return Ended(None, self.ledger.position.step)

@@ -179,6 +179,9 @@ class TrainingRun:
                     self._loop(display)
             self._final_eval()
             self.checkpoints.final(self.ledger.position.step)
+            if self.diloco is not None and self.local.is_head and self.stop_signal is None and \
+                    self.ledger.position.step >= self.total:
+                self.diloco.claims.finish()   # `zb status` lists the run as finished (a bounded wait)
         finally:
             if hasattr(getattr(self, "train_loader", None), "close"):
                 self.train_loader.close()  # the prefetch thread
