@@ -1,6 +1,7 @@
 """The dashboard in a real browser (headless Chromium) on a live DiLoCo run: two nodes train, a third
 joins, one leaves. The page loads with no network but loopback, shows the nodes and their states in
-its table, draws their curves and lists the membership changes; a screenshot is kept.
+its table, draws their curves and lists the membership changes; a screenshot is kept. And on a store
+with two runs: the page opens on the list of runs, and each run's page shows its own nodes.
 
 Marked `browser` (about a minute, and it needs Debian's chromium: apt-get install -y chromium):
     python -m pytest -m browser tests/test_status_browser.py
@@ -9,15 +10,18 @@ UPDATE_DOCS_SCREENSHOT=1 also writes the screenshot to docs/dashboard.png (docs/
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import urllib.request
 
 import pytest
 from status_run import api, start_dashboard, start_run, wait_for_curves
 
+from zb.testing.cluster import TrainCluster
 from zb.testing.procs import REPO, wait_until
 
 pytestmark = pytest.mark.browser
@@ -81,6 +85,50 @@ def test_dashboard_in_headless_chromium(tmp_path):
         assert done.returncode == 0 and shot.read_bytes()[:8] == PNG and shot.stat().st_size > 20_000, done.stderr
         if os.environ.get("UPDATE_DOCS_SCREENSHOT"):
             shutil.copyfile(shot, REPO / "docs" / "dashboard.png")
+    finally:
+        if dashboard is not None and dashboard.poll() is None:
+            dashboard.send_signal(signal.SIGINT)
+            dashboard.wait(30)
+        cluster.close()
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no headless browser: install Debian's chromium (apt-get install -y "
+                                             "chromium) to run the dashboard's browser test")
+def test_dashboard_opens_on_the_list_of_runs_in_headless_chromium(tmp_path):
+    """Two runs in their own namespaces on one store (issue 44): alpha trains on, beta reaches its end. The dashboard
+    opens on the list of runs, each a link to its page, beta marked finished; alpha's page shows alpha's node only."""
+    cluster = TrainCluster(tmp_path, 1)
+    dashboard = None
+    try:
+        cluster.start_train("a", "--elastic.namespace", "alpha", "--optim.total_steps", "100000",
+                            "--elastic.status_interval", "0.5")
+        cluster.start_train("b", "--elastic.namespace", "beta", "--optim.total_steps", "10",
+                            "--elastic.status_interval", "0.5")
+        assert cluster.finish("b") == 0, cluster.log("b")
+        dashboard, url = start_dashboard(cluster)
+
+        def listed():
+            runs = {r["namespace"]: r for r in api(url).get("runs", [])}
+            return runs if set(runs) == {"alpha", "beta"} and runs["alpha"]["state"] == "running" and \
+                runs["beta"]["state"] == "finished" else None
+
+        wait_until(listed, 60, "the dashboard listing alpha running and beta finished")
+        def curves() -> bool:
+            with urllib.request.urlopen(url + "api/status?namespace=alpha", timeout=10) as r:
+                return len(json.loads(r.read())["history"].get("a", {}).get("steps", [])) >= 3
+
+        wait_until(curves, 60, "alpha's curves on its page")
+        dom = _chromium("--dump-dom", url, tmp=tmp_path)
+        html = dom.stdout.decode(errors="replace")
+        assert dom.returncode == 0 and 'id="runs-table"' in html, dom.stderr.decode(errors="replace")[-2000:]
+        for run, state in (("alpha", "running"), ("beta", "finished")):
+            assert re.search(rf'<tr data-run="{run}"><td class="text"><a href="\?namespace={run}">{run}</a></td>'
+                             rf'.*?<span class="state {state}">{state}</span>', html), run
+        page = _chromium("--dump-dom", url + "?namespace=alpha", tmp=tmp_path)
+        html = page.stdout.decode(errors="replace")
+        assert page.returncode == 0 and 'id="nodes-table"' in html, page.stderr.decode(errors="replace")[-2000:]
+        assert '<tr data-node="a">' in html and 'data-node="b"' not in html, "a run's page shows its nodes only"
+        assert "zb run alpha" in html and re.search(r'data-node="a" data-points="\d+"', html), "alpha's curves"
     finally:
         if dashboard is not None and dashboard.poll() is None:
             dashboard.send_signal(signal.SIGINT)

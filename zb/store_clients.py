@@ -14,6 +14,7 @@ names its own:
 | `run_client`        | a node (through zb.elastic.stores.StoreList.connect)   | the secret (writes the run marker), the namespace |
 | `reading_client`    | `zb status`, the dashboard: one store                  | the secret, read only (never the marker)  |
 | `asking_client`     | `zb status` asking several stores at once              | the secret, read only (never the marker)  |
+| `listing_client`    | `zb status`, the dashboard: the store's list of runs   | nothing (the list is never sealed), read only |
 | `rank_client`       | a multi-host command's ranks (iperf-mesh, bench-allreduce): rank 0 hosts | the secret (the host declares it) |
 | `publishing_client` | `zb ckpt-serve --publish`: one record                  | the secret                               |
 | `handshake`         | the plain client under all of them                     | nothing                                  |
@@ -104,6 +105,23 @@ def asking_client(host: str, port: int, timeout_s: float, answer_s: float, *, co
     client = handshake(host, port, timeout_s, answer_s, STATUS_HINT, use_libuv=True, wait_for_workers=False)
     where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"   # as elastic.addr's list writes it
     return for_reading(client, secret, where, counters)
+
+
+def listing_client(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A plain read-only client of the store at host:port, for reading the list of its runs (zb.elastic.runs:
+    `zb status` with no namespace, the dashboard's list). The list is the one record at the store's root that
+    no run seals, readable without any run's secret, so this client wraps nothing; its caller reads nothing
+    else through it (each run is read through `reading_client` or `asking_client`, which check the secret).
+
+    Waits: as `reading_client`'s (the connect wait `timeout_s`, then one EnvironmentFailure line; the answer wait
+    2 * timeout_s + 2; the operation timeout `timeout_s`). It never writes."""
+    failed = wait_listening(host, port, timeout_s, "--store")
+    if failed is not None:
+        raise EnvironmentFailure(f"store {host}:{port} unreachable after {timeout_s:g} s "
+                                 f"({failed.strerror or failed}); is `zb store` running there? check --store")
+    with quiet_stderr():   # torch's client logs C++ frames on its way to an error
+        return handshake(host, port, timeout_s, 2 * timeout_s + 2.0, STATUS_HINT, use_libuv=True,
+                         wait_for_workers=False)
 
 
 def rank_client(host: str, port: int, rank: int, world: int, timeout_s: float, option: str = "--store",

@@ -20,7 +20,12 @@ goodbye), left, refused (the run turned it away: its settings differ from the ru
 heartbeat for two intervals), dead (none for the heartbeat timeout, or dropped by the run, or out of
 the run and not beating). Heartbeat ages are measured on this machine's clock: a one-shot status watches
 the counters for up to two heartbeat intervals first. Exit codes: 0 shown; 1 the store is unreachable,
-holds no run or is not a zb store, or the port is in use; 2 invalid options or unreadable --from files."""
+holds no run or is not a zb store, or the port is in use; 2 invalid options or unreadable --from files.
+
+Several runs on one store (each node started with its own --elastic.namespace): without --namespace, zb status
+lists them, a line each (namespace, nodes alive, step, outer step, loss, tok/s, finished or not), and the
+dashboard opens on that list, each run a link to its own page; --namespace NAME shows one run as above. A
+run sealed with a secret this command does not hold is listed by name only, marked sealed."""
 
 DEFAULT_HTTP_PORT = 8600
 
@@ -43,6 +48,9 @@ DEFAULT_HTTP_PORT = 8600
               help="Seconds to wait for the store (with several, for any of them) to answer.")
 @click.option("--secret-file", type=TEXT, default=None, envvar="ZB_ELASTIC_SECRET_FILE", show_envvar=True,
               help="The run secret (elastic.secret_file), for a run whose store was started with one.")
+@click.option("--namespace", type=TEXT, default=None, envvar="ZB_ELASTIC_NAMESPACE", show_envvar=True,
+              help="Show the run in this namespace (its nodes' elastic.namespace; '' for none) [default: every run "
+                   "on the store: the list, or the run itself when there is one].")
 @click.option("--from", "from_paths", type=TEXT, multiple=True, metavar="PATH",
               help="A finished run's metrics: metrics.jsonl files or directories holding them (repeatable). "
                    "Writes an HTML report instead of reading a store.")
@@ -50,10 +58,10 @@ DEFAULT_HTTP_PORT = 8600
               help="With --from: the report's file [default: report.html].")
 @click.option("--force", is_flag=True, help="With --from: overwrite --out if it exists.")
 def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port: int | None, bind: str,
-           interval: float, timeout: float, secret_file: str | None, from_paths: tuple[str, ...], out: str | None,
-           force: bool) -> None:
-    """Show a run: every node's id, host, rank, device, state, heartbeat age, step, loss, tokens/s and
-    last all-reduce, and the run's mesh version, leader, tokens/s and ETA, read from the run's store."""
+           interval: float, timeout: float, secret_file: str | None, namespace: str | None, from_paths: tuple[str, ...],
+           out: str | None, force: bool) -> None:
+    """Show a run (of several on a store: the list): every node's id, host, rank, device, state, heartbeat
+    age, step, loss, tokens/s and last all-reduce, and the run's mesh version, leader, tokens/s and ETA."""
     _check_combination(store, watch, serve, http_port, from_paths, out, force)
     _check_given(watch, serve, from_paths, as_json, out, force)
     # torch's store client logs C++ stack frames while it retries an address that is not a store (also from
@@ -68,17 +76,15 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
     secret = read_secret(secret_file) if secret_file else None
     if serve:
         return _serve(addresses, where, bind, DEFAULT_HTTP_PORT if http_port is None else http_port, interval,
-                      timeout, as_json, secret)
-    from zb.status.reader import open_reader, sample_window
+                      timeout, as_json, secret, namespace)
+    from zb.status.listing import open_view
 
-    reader = open_reader(addresses, timeout, secret)
+    view = open_view(addresses, timeout, secret, namespace)
     if watch:
-        return _watch(reader, addresses, where, interval, timeout, as_json, secret)
-    doc = reader.read()
-    live = [n["uid"] for n in doc["nodes"] if n["state"] not in ("left", "dead", "refused")]
-    if live:
-        reader.sample(live, sample_window(doc))
-        doc = reader.read()
+        return _watch(view, addresses, where, interval, timeout, as_json, secret, namespace)
+    doc = view.read()
+    if view.sample(doc):     # heartbeat ages need the counters seen changing
+        doc = view.read()
     _show(doc, as_json)
     _warn(doc)
 
@@ -108,14 +114,15 @@ def _check_given(watch: bool, serve: bool, from_paths, as_json: bool, out, force
     ctx = click.get_current_context()
     given = {name for name in ("bind", "interval", "timeout")
              if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)}
-    if ctx.get_parameter_source("secret_file") is ParameterSource.COMMANDLINE:   # not ZB_ELASTIC_SECRET_FILE
-        given.add("secret_file")
+    for name in ("secret_file", "namespace"):   # not ZB_ELASTIC_SECRET_FILE or ZB_ELASTIC_NAMESPACE: a node's settings
+        if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE:
+            given.add(name)
     useless = []
     if "bind" in given and not serve:
         useless.append("--bind goes with --serve")
     if "interval" in given and not (watch or serve):
         useless.append("--interval goes with --watch or --serve")
-    for name in ("timeout", "secret_file"):
+    for name in ("timeout", "secret_file", "namespace"):
         if name in given and from_paths:
             useless.append(f"--{name.replace('_', '-')} has no effect with --from (no store is read)")
     if from_paths and as_json and (out is not None or force):
@@ -161,6 +168,11 @@ def _show(doc: dict, as_json: bool) -> None:
         _print_table(doc)
 
 
+def _view(doc: dict):
+    """What a document shows: the list of the store's runs, or one run."""
+    return runs_table(doc) if "runs" in doc else status_view(doc)
+
+
 def _print_table(doc: dict) -> None:
     """On a terminal at its width; into a pipe or file wide enough that no column is cut."""
     from rich.console import Console
@@ -168,7 +180,7 @@ def _print_table(doc: dict) -> None:
     from zb.cli.terminal import stdout
 
     console = stdout if stdout.is_terminal else Console(width=200, highlight=False, soft_wrap=True)
-    console.print(status_view(doc))
+    console.print(_view(doc))
 
 
 def stores_line(doc: dict) -> str | None:
@@ -205,7 +217,7 @@ def status_view(doc: dict):
 
 
 def _watch(reader, addresses: list, where: str, interval: float, timeout: float, as_json: bool,
-           secret: bytes | None) -> None:
+           secret: bytes | None, namespace: str | None) -> None:
     """Refresh until Ctrl-C (exit 0); a store that goes away (or, of several, holds no run) is shown and
     reconnected to: with several stores the next refresh picks again, by the rule the first pick used."""
     import time
@@ -215,7 +227,7 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
     from zb.cli.terminal import interactive, print_json, stderr, stdout
     from zb.elastic.tcpstore import store_errors
     from zb.errors import EnvironmentFailure
-    from zb.status.reader import open_reader
+    from zb.status.listing import open_view
 
     live = Live(console=stdout, auto_refresh=False) if interactive() and not as_json else None
     warned = None
@@ -225,12 +237,12 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
         while True:
             try:
                 if reader is None:
-                    reader = open_reader(addresses, timeout, secret)
+                    reader = open_view(addresses, timeout, secret, namespace)
                 doc = reader.read()
                 if as_json:
                     print_json(doc)
                 elif live:
-                    live.update(status_view(doc), refresh=True)
+                    live.update(_view(doc), refresh=True)
                 else:
                     _print_table(doc)
                 if doc.get("warning") != warned:   # once, not at every refresh
@@ -251,19 +263,19 @@ def _watch(reader, addresses: list, where: str, interval: float, timeout: float,
 
 
 def _serve(addresses: list, where: str, bind: str, http_port: int, interval: float, timeout: float,
-           as_json: bool, secret: bytes | None) -> None:
+           as_json: bool, secret: bytes | None, namespace: str | None) -> None:
     from zb.cli.terminal import print_json, stderr
-    from zb.status.reader import open_reader
+    from zb.status.listing import open_view
     from zb.status.server import Dashboard, listen
     from zb.stop_signals import StopSignals
 
     sock = listen(bind, http_port)     # before the store: a taken port fails at once
-    board = Dashboard(sock, lambda: open_reader(addresses, timeout, secret), interval, where).start()
+    board = Dashboard(sock, lambda: open_view(addresses, timeout, secret, namespace), interval, where).start()
     try:
         with StopSignals() as stop:
             if as_json:
                 print_json({"url": board.url, "store": where, "bind": bind, "port": sock.getsockname()[1]})
-            stderr.print(f"zb status: dashboard of the run on {where} at {board.url} (read-only; Ctrl-C to stop)",
+            stderr.print(f"zb status: dashboard of the run(s) on {where} at {board.url} (read-only; Ctrl-C to stop)",
                          markup=False)
             first = board.document()
             if first.get("error"):
@@ -362,7 +374,8 @@ def status_table(doc: dict):
     if run.get("total_steps"):
         step += f"/{_cell(run['total_steps'])}"
     mesh = f"v{run['mesh_version']}" if run.get("mesh_version") is not None else "—"
-    title = (f"run on {doc.get('source')}: mesh {mesh}, {run.get('world_size') or 0} node(s), leader "
+    named = f" {doc['namespace']}" if doc.get("namespace") else ""     # one run of several on the store
+    title = (f"run{named} on {doc.get('source')}: mesh {mesh}, {run.get('world_size') or 0} node(s), leader "
              f"{run.get('leader') or '—'}, step {step}, outer step {_cell(run.get('outer_step'))}, "
              f"{_cell(run.get('tokens_per_s'))} tok/s, ETA {_duration(run.get('eta_s'))}")
     table = Table(title=escape(title), title_justify="left")
@@ -376,4 +389,41 @@ def status_table(doc: dict):
                       f"[{style}]{n['state']}[/]" if style else n["state"], _heartbeat(n), _cell(n.get("step")),
                       _cell(n.get("outer_step")), _cell(n.get("loss"), 4), _cell(n.get("tokens_per_s")),
                       _cell(n.get("allreduce_s"), 2), _cell(n.get("wire_mbps")), escape(_sync(n)))
+    return table
+
+
+RUN_STATE_STYLE = {"running": "green", "starting": "cyan", "finished": "dim", "stopped": "yellow", "sealed": "magenta"}
+MAX_NODES_SHOWN = 6   # node ids named in a run's row; more are counted
+
+
+def namespace_name(namespace: str) -> str:
+    """A namespace as the list shows it: the store's root (no elastic.namespace) is "(default)"."""
+    return namespace or "(default)"
+
+
+def _node_ids(row: dict) -> str:
+    uids = [n["uid"] for n in row.get("nodes") or []]
+    shown = ", ".join(uids[:MAX_NODES_SHOWN])
+    return f"{shown} and {len(uids) - MAX_NODES_SHOWN} more" if len(uids) > MAX_NODES_SHOWN else shown or "—"
+
+
+def runs_table(doc: dict):
+    """The rich table of the list of a store's runs: a row per run."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    runs = doc.get("runs") or []
+    omitted = f" (and {doc['omitted']} more not listed)" if doc.get("omitted") else ""
+    table = Table(title=escape(f"{len(runs)} runs on {doc.get('source')}{omitted}: zb status --namespace NAME shows "
+                               "one"), title_justify="left")
+    for name in ("run", "nodes alive", "nodes", "step", "outer step", "loss", "tok/s", "state"):
+        table.add_column(name, justify="left" if name in ("run", "nodes", "state") else "right")
+    for r in runs:
+        step = _cell(r.get("step"))
+        if r.get("total_steps"):
+            step += f"/{_cell(r['total_steps'])}"
+        style = RUN_STATE_STYLE.get(r["state"], "")
+        table.add_row(escape(namespace_name(r["namespace"])), "—" if r["sealed"] else _cell(r.get("nodes_alive")),
+                      escape(_node_ids(r)), step, _cell(r.get("outer_step")), _cell(r.get("loss"), 4),
+                      _cell(r.get("tokens_per_s")), f"[{style}]{r['state']}[/]" if style else escape(r["state"]))
     return table

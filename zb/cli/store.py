@@ -70,6 +70,8 @@ def store(host: str, port: int, http_port: int | None, secret_file: str | None, 
         stderr.print("  " + "  ".join(f"{k}={v}" for k, v in info["env"].items()))
         stderr.print(f"  or: zb train --elastic.addr {info['addr']} --elastic.port {info['port']}"
                      + (f" --secret-file {secret_path}" if secret_path else ""))
+        stderr.print("  a second run on this store (another model, say): the same, with --elastic.namespace NAME, one "
+                     f"name per run; zb status --store {info['addr']}:{info['port']} lists them all", markup=False)
         if boards:
             stderr.print(f"  dashboard (read-only): {boards[0].url}", markup=False)
 
@@ -81,14 +83,20 @@ def store(host: str, port: int, http_port: int | None, secret_file: str | None, 
 
 
 def _dashboard(sock, info: dict, secret: bytes | None):
-    """The dashboard, reading this process's own store through a client of it (with the run's secret, if any:
-    the records it reads are sealed)."""
+    """The dashboard, reading this process's own store through clients of it (with the run's secret, if any:
+    the records it reads are sealed): the list of its runs, or its one run (zb.status.listing)."""
     from zb.elastic import keys
+    from zb.status.listing import StoreView
     from zb.status.reader import RunReader
     from zb.status.server import Dashboard
-    from zb.store_clients import reading_client
+    from zb.store_clients import listing_client, reading_client
 
     dial = "127.0.0.1" if info["host"] in ("0.0.0.0", "") else "::1" if info["host"] == "::" else info["host"]
     where = f"{info['addr']}:{info['port']}"
-    return Dashboard(sock, lambda: RunReader(reading_client(dial, info["port"], 10.0, counters=keys.is_counter,
-                                                            secret=secret), where, secret=secret), 2.0, where).start()
+
+    def open_run(namespace: str) -> RunReader:
+        return RunReader(reading_client(dial, info["port"], 10.0, counters=keys.is_counter, secret=secret), where,
+                         secret=secret, namespace=namespace)
+
+    return Dashboard(sock, lambda: StoreView([listing_client(dial, info["port"], 10.0)], open_run, where), 2.0,
+                     where).start()

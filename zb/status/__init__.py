@@ -7,6 +7,7 @@
     server     the dashboard: a sampler thread and a read-only HTTP server
     page       the one self-contained HTML page (live, or a static report)
     report     the same document from metrics.jsonl files of a finished run
+    listing    what `zb status` shows of a store: one run, or the list of every run on it (zb.elastic.runs)
 
 Imports: status -> elastic (keys, store helpers), errors, dial; nothing here imports train or cli.
 """

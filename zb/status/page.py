@@ -22,5 +22,5 @@ def render(doc: dict[str, Any] | None = None) -> str:
     # "<" escaped, so no value can close the script element (node ids and paths come from files).
     data = json.dumps(doc, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")
     html = html.replace("<title>zb run</title>", "<title>zb run report</title>")
-    html = html.replace("<h1>zb run</h1>", "<h1>zb run report</h1>")
+    html = html.replace('<h1 id="title">zb run</h1>', '<h1 id="title">zb run report</h1>')
     return html.replace(_SLOT, f'<script id="zb-data" type="application/json">{data}</script>')

@@ -8,6 +8,9 @@ Liveness is judged as the mesh judges it (zb.elastic.heartbeat): on this process
 when a node's heartbeat counter was last seen changing; so a reader that has watched for less than
 a heartbeat interval cannot know an age yet (`sample` watches for one).
 
+A run in a namespace (elastic.namespace: several runs on one store) is read under that prefix, where its
+nodes keep their world, heartbeats and status records; zb.status.listing lists the runs of a store.
+
 A run with several stores (elastic.addr `host:port,host:port`, in failover order) is read from the
 one it is on: `open_reader` asks each store whether it holds a world and picks by the rule the nodes
 start by (zb.elastic.stores.start_index); a store that does not answer is listed, not fatal.
@@ -25,7 +28,7 @@ from zb.elastic.store_state import read_snapshot
 from zb.elastic.stores import holds_run, start_index
 from zb.elastic.tcpstore import read_lines, store_errors
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError
-from zb.signed_store import for_reading, holds_secret, read_marker
+from zb.signed_store import for_reading, holds_secret, prefixed, read_marker
 from zb.status.record import decode_history, decode_record
 from zb.store_clients import asking_client, quiet_stderr, reading_client
 
@@ -36,8 +39,10 @@ class NoRun(EnvironmentFailure):
     """The store answers but holds no zb run (yet), or another program's keys."""
 
 
-def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None) -> "RunReader":
-    """A reader of the run on `addresses` (elastic.addr's list, in failover order). One address: its store,
+def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None,
+                namespace: str = "") -> "RunReader":
+    """A reader of the run on `addresses` (elastic.addr's list, in failover order), in `namespace` (elastic.namespace;
+    "" the store's root). One address: its store,
     as zb.store_clients.reading_client opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the
     run is read from the one zb.elastic.stores.start_index picks (the latest holding a world, else the first
     that answers), as a starting node picks it. As the nodes do, a store whose port refuses is one that
@@ -46,11 +51,11 @@ def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | N
     if len(addresses) == 1:
         only = addresses[0]
         return RunReader(reading_client(only.host, only.port, timeout, counters=keys.is_counter, secret=secret),
-                         str(only), secret=secret)
+                         str(only), secret=secret, namespace=namespace)
     deadline = time.monotonic() + timeout
     with quiet_stderr():   # torch's client logs C++ frames on its way to an error
         while True:
-            found = _ask_stores(addresses, timeout, deadline, secret)
+            found = _ask_stores(addresses, timeout, deadline, secret, namespace)
             held = [None if f is None else f[1] for f in found]
             index = start_index(held)
             if index is not None or time.monotonic() >= deadline:
@@ -61,13 +66,13 @@ def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | N
                                  "(none of them answers); is `zb store` running there? check --store")
     client = found[index]
     assert client is not None   # start_index picks a store that answered
-    reader = RunReader(client[0], str(addresses[index]), secret=secret)
+    reader = RunReader(client[0], str(addresses[index]), secret=secret, namespace=namespace)
     reader.stores = [{"address": str(a), "answers": h is not None, "holds_run": h} for a, h in zip(addresses, held)]
     return reader
 
 
 def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
-                secret: bytes | None) -> list[tuple[Any, bool] | None]:
+                secret: bytes | None, namespace: str = "") -> list[tuple[Any, bool] | None]:
     """(client, holds a world) of each address, asked in parallel; None where it did not answer by `deadline`
     (a refused or unresolvable address is None at once; one that never replies is left to its daemon thread)."""
     found: list[tuple[Any, bool] | None] = [None] * len(addresses)
@@ -78,7 +83,7 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
         try:
             client = asking_client(address.host, address.port, timeout, answer_s, counters=keys.is_counter,
                                    secret=secret)
-            found[i] = (client, holds_run(client))
+            found[i] = (client, holds_run(prefixed(client, namespace) if namespace else client))
         except InvalidInput as e:
             refused.append(e)
         except (OSError, ZbError) + store_errors():
@@ -97,11 +102,14 @@ def _ask_stores(addresses: list[StoreAddress], timeout: float, deadline: float,
 
 class RunReader:
     """Reads the run; remembers heartbeat counters across refreshes to judge liveness on its own clock.
-    `secret`: the one `store` was opened with (zb.signed_store.for_reading), if any."""
+    `store`: a client of the store's root; `secret`: the one it was opened with (zb.signed_store.for_reading), if
+    any; `namespace`: the run's elastic.namespace ("" the root), under which every key of the run is read."""
 
-    def __init__(self, store, where: str, history_budget: int = 64, secret: bytes | None = None) -> None:
-        self.store, self.where, self.history_budget, self.secret = store, where, history_budget, secret
+    def __init__(self, store, where: str, history_budget: int = 64, secret: bytes | None = None,
+                 namespace: str = "") -> None:
+        self.where, self.history_budget, self.secret, self.namespace = where, history_budget, secret, namespace
         self._plain = store.inner if holds_secret(store) else store    # the client under the sealing, if any
+        self.store = self._under_namespace(store)
         # The run's stores as open_reader found them when it picked this one (one store: only this one).
         self.stores: list[dict[str, Any]] = [{"address": where, "answers": True, "holds_run": None}]
         self._hist_seen: dict[str, int | None] = {}    # uid -> history_version last read
@@ -122,11 +130,15 @@ class RunReader:
         """Watch the counters of `uids` for up to `window` s, until each was seen changing."""
         deadline = time.monotonic() + window
         while True:
-            self._observe(uids, self._read([keys.heartbeat(u) for u in uids]))
-            waiting = [u for u in uids if self._beats[u][1] is None]
+            waiting = self.watch_beats(uids)
             if not waiting or time.monotonic() >= deadline:
                 return
             time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+
+    def watch_beats(self, uids: list[str]) -> list[str]:
+        """Read the counters of `uids` once; the ids not yet seen changing (one store operation or two)."""
+        self._observe(uids, self._read([keys.heartbeat(u) for u in uids]))
+        return [u for u in uids if self._beats[u][1] is None]
 
     def heartbeat(self, uid: str) -> tuple[float | None, float]:
         """(seconds since the counter was seen changing or None, seconds this reader has watched it)."""
@@ -157,7 +169,8 @@ class RunReader:
         self._observe(uids, raw[n:])
         nodes = [self._node(u, records[u], world, snap.gone, pending) for u in uids]
         nodes.sort(key=_order)
-        doc = {"source": self.where, "time": round(time.time(), 3), "nodes": nodes, "run": _run(world, nodes, records),
+        doc = {"source": self.where, "namespace": self.namespace, "time": round(time.time(), 3), "nodes": nodes,
+               "run": _run(world, nodes, records),
                "stores": self._stores(world is not None, nodes), "warning": self._warning()}
         if with_history:
             doc["history"] = self._histories(records)
@@ -167,7 +180,10 @@ class RunReader:
         """Given a secret, a run that held none when this reader opened may have one now: its nodes that hold the
         secret write the marker as they start (a dashboard started before them). Looked at again, never written."""
         if self.secret is not None and not holds_secret(self.store):
-            self.store = for_reading(self._plain, self.secret, self.where, keys.is_counter)
+            self.store = self._under_namespace(for_reading(self._plain, self.secret, self.where, keys.is_counter))
+
+    def _under_namespace(self, store):
+        return prefixed(store, self.namespace) if self.namespace else store
 
     def _warning(self) -> str | None:
         """The line to show beside the run when the secret given has no effect (it is read as it is)."""
@@ -210,6 +226,9 @@ class RunReader:
         return out
 
     def _no_run(self, raw_world: bytes, indexed: list[str]) -> None:
+        if self.namespace and not raw_world and not indexed:
+            raise NoRun(f"no run in namespace '{self.namespace}' on the store at {self.where} (yet): no node of it has "
+                        "joined; `zb status` without --namespace lists the store's runs")
         if raw_world:
             raise NoRun(f"the store at {self.where} holds a '{keys.WORLD}' key that is not a zb world record: "
                         "another program's store, or a zb of another version; check --store")

@@ -1,7 +1,9 @@
 """The live dashboard: one thread samples the run from the store, an HTTP server hands out the result.
 
 Read-only: GET / is the page (zb.status.page), GET /api/status the newest document; nothing else is
-served and nothing is written to the store. Browsers never reach the store: however many tabs poll,
+served and nothing is written to the store. On a store with several runs (zb.status.listing) the document
+is the list of runs, and `?namespace=NAME` on either path is that run's page and document (the page asks
+for its document with its own query). Browsers never reach the store: however many tabs poll,
 the store sees one sampler. The server binds exactly the address it is given, as `zb store` does.
 With several stores (elastic.addr's failover list) the sampler reads the one zb.status.reader.open_reader
 picks, and picks again at the refresh after that store stops answering or holds no run.
@@ -16,11 +18,13 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
+from urllib.parse import parse_qs
 
 from zb.dial import unresolvable
 from zb.elastic.tcpstore import store_errors
 from zb.errors import EnvironmentFailure
 from zb.status.history import RunHistory
+from zb.status.listing import StoreView
 from zb.status.page import render
 from zb.status.reader import NoRun, RunReader
 
@@ -54,13 +58,17 @@ def listen(bind: str, port: int, option: str = "--http-port") -> socket.socket:
 
 
 class Dashboard:
-    """Samples every `interval` s (the first sample before start returns) and serves until close()."""
+    """Samples every `interval` s (the first sample before start returns) and serves until close().
+    `open_reader`: what reads the store, one run (a RunReader) or what the store holds (a StoreView)."""
 
-    def __init__(self, sock: socket.socket, open_reader: Callable[[], RunReader], interval: float, where: str) -> None:
+    def __init__(self, sock: socket.socket, open_reader: Callable[[], RunReader | StoreView], interval: float,
+                 where: str) -> None:
         self.sock, self.interval, self.where = sock, interval, where
         self._open_reader = open_reader
-        self._reader: RunReader | None = None
+        self._reader: RunReader | StoreView | None = None
         self.history = RunHistory()
+        self.histories: dict[str, RunHistory] = {}        # each run's of a list, by namespace
+        self.runs: dict[str, dict[str, Any]] = {}          # each run's newest document of a list, by namespace
         self.latest: dict[str, Any] = {"source": where, "nodes": [], "run": {}, "history": {}, "membership": [],
                                        "error": "no sample yet"}
         self._stop = threading.Event()
@@ -91,9 +99,16 @@ class Dashboard:
         for thread in self._threads:
             thread.join(5)
 
-    def document(self) -> dict[str, Any]:
+    def document(self, namespace: str | None = None) -> dict[str, Any]:
+        """The newest document: the list's or the one run's; with `namespace`, that run's (of a list)."""
         with self._lock:
-            return self.latest
+            if namespace is None or (self.latest.get("namespace") == namespace and "runs" not in self.latest):
+                return self.latest
+            if namespace in self.runs:
+                return self.runs[namespace]
+            shown = f"'{namespace[:200]}'" if namespace else "in the store's root namespace"
+            return {"source": self.where, "namespace": namespace, "nodes": [], "run": {}, "history": {},
+                    "membership": [], "error": f"no run {shown} on {self.where} (yet)", "time": self.latest.get("time")}
 
     def _sample_loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -105,7 +120,7 @@ class Dashboard:
         try:
             if self._reader is None:
                 self._reader = self._open_reader()
-            doc = self.history.merge(self._reader.read(with_history=True))
+            doc = self._merged(self._reader)
         except NoRun as e:
             if self._reader is not None and self._reader.several:
                 self._reader = None  # of several stores, the run may be on another by the next refresh: pick again
@@ -119,6 +134,17 @@ class Dashboard:
         self.samples += 1
         with self._lock:
             self.latest = doc
+
+    def _merged(self, reader: RunReader | StoreView) -> dict[str, Any]:
+        """One read, each run's curves merged with what this dashboard kept of them."""
+        doc = reader.read(with_history=True)
+        if "runs" not in doc:
+            return self.history.merge(doc)
+        assert isinstance(reader, StoreView)   # only the view of a store reads lists
+        runs = {name: self.histories.setdefault(name, RunHistory()).merge(run) for name, run in reader.run_docs.items()}
+        with self._lock:
+            self.runs = runs
+        return doc
 
 
 def _server(sock: socket.socket, dashboard: Dashboard) -> ThreadingHTTPServer:
@@ -143,11 +169,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._respond(send_body=False)
 
     def _respond(self, send_body: bool) -> None:
-        path = self.path.split("?", 1)[0]
+        path, _, query = self.path.partition("?")
         if path in ("/", "/index.html"):
             body, kind = render().encode(), "text/html; charset=utf-8"
         elif path == "/api/status":
-            body, kind = json.dumps(self.board.document(), separators=(",", ":")).encode(), "application/json"
+            namespace = parse_qs(query, keep_blank_values=True).get("namespace", [None])[0]
+            body = json.dumps(self.board.document(namespace), separators=(",", ":")).encode()
+            kind = "application/json"
         else:
             body, kind = b"not found: the dashboard serves / and /api/status\n", "text/plain; charset=utf-8"
             self.send_response(404)
