@@ -9,11 +9,17 @@ at its bounds). Then, against that store, in one run:
 - dash_new: RunReader.read(with_history=True) when every node's history changed since the last sample
   (a fresh reader: it reads at most 64 histories per sample, the longest unread first);
 - dash_same: the same when no history changed (records and heartbeats only).
+And for R runs on one store (--runs, each of --run-nodes nodes in its own namespace, listed on the store's
+list of runs, zb.elastic.runs):
+- list: StoreView.read(), what `zb status` without --namespace and each --watch refresh do (one run: the run
+  itself, as ever; two or more: the list, a row per run);
+- list_dash: the same with the histories (the dashboard's sample), when no history changed.
 Store operations are counted by a proxy around the client; times are the median of --repeats.
 The writers' side: each node sets its record every elastic.status_interval s and its history when
 it changed, so N nodes add 2N/interval sets per second of a few hundred bytes + a few KB.
 
-Run: PYTHONPATH=. python scripts/bench_status.py [--nodes 1,8,64,256] [--repeats 20] [--json]
+Run: PYTHONPATH=. python scripts/bench_status.py [--nodes 1,8,64,256] [--runs 1,2,4] [--run-nodes 8] [--repeats 20]
+[--json]
 """
 
 from __future__ import annotations
@@ -32,21 +38,23 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Counting:
-    """A store client that counts the operations and the bytes they return."""
+    """A store client that counts the operations and the bytes they return (into `tally`, another Counting, when
+    several clients count together)."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, tally: "Counting | None" = None) -> None:
         self.store, self.ops, self.bytes = store, 0, 0
+        self.tally = tally or self
 
     def __getattr__(self, name: str):
         method = getattr(self.store, name)
 
         def call(*args, **kwargs):
-            self.ops += 1
+            self.tally.ops += 1
             result = method(*args, **kwargs)
             if isinstance(result, bytes):
-                self.bytes += len(result)
+                self.tally.bytes += len(result)
             elif isinstance(result, list):
-                self.bytes += sum(len(r) for r in result if isinstance(r, bytes))
+                self.tally.bytes += sum(len(r) for r in result if isinstance(r, bytes))
             return result
 
         return call
@@ -66,7 +74,7 @@ def fill(store, n: int, prefix: str) -> list[str]:
     from zb.status.record import HISTORY_POINTS, MEMBERSHIP_POINTS, OUTER_POINTS, NodeStatus, encode
 
     uids = [f"{prefix}-node-{i:04d}" for i in range(n)]
-    store.set(keys.WORLD, World(version=7, round=9, nodes=uids, tokens={u: "t" * 12 for u in uids},
+    store.set(keys.WORLD, World(version=7, resolution=9, nodes=uids, tokens={u: "t" * 12 for u in uids},
                                 join_cursor=n).encode())
     now = time.time()
     for i, uid in enumerate(uids):
@@ -137,9 +145,41 @@ def measure(client, n: int, repeats: int) -> dict:
     return {"nodes": n, **rows}
 
 
+def measure_runs(client, runs: int, nodes: int, repeats: int) -> dict:
+    """`runs` runs of `nodes` nodes each, in namespaces of their own under one prefix of the store (its root for
+    them: the list of runs is there), listed as StoreView lists them."""
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.elastic.runs import start_line
+    from zb.status.listing import StoreView
+    from zb.status.reader import RunReader
+
+    root = dist.PrefixStore(f"bench-runs-{runs}/", client)
+    names = [f"model-{i}" for i in range(runs)]
+    for name in names:
+        fill(dist.PrefixStore(name, root), nodes, f"r{runs}-{name}")
+        root.append(keys.RUNS, start_line(name, secret=False))
+    tally = Counting(root)
+    # Each run's reader reads under its namespace (what RunReader does with namespace=NAME, on a counted client).
+    view = StoreView([tally], lambda name: RunReader(Counting(dist.PrefixStore(name, root), tally), "bench"), "bench")
+    rows = {}
+    for label, history in (("list", False), ("list_dash", True)):
+        for _ in range(-(-nodes // 64) + 1):     # every history read once: a refresh reads only the changed ones
+            view.read(with_history=history)
+        tally.ops = tally.bytes = 0
+        view.read(with_history=history)
+        ops, size = tally.ops, tally.bytes
+        seconds, _ = _timed(lambda: view.read(with_history=history), repeats)
+        rows[label] = {"ops": ops, "bytes": size, "ms": round(seconds * 1e3, 3)}
+    return {"runs": runs, "nodes_per_run": nodes, **rows}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="1,8,64,256", help="comma-separated node counts")
+    parser.add_argument("--runs", default="1,2,4", help="comma-separated counts of runs on one store")
+    parser.add_argument("--run-nodes", type=int, default=8, help="nodes of each of those runs")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
@@ -154,10 +194,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         client = run_client("127.0.0.1", port, 60.0, 60.0, counters=is_counter)
         results = [measure(client, int(n), args.repeats) for n in args.nodes.split(",")]
+        listed = [measure_runs(client, int(r), args.run_nodes, args.repeats) for r in args.runs.split(",")]
     finally:
         store_proc.terminate()
         store_proc.wait(30)
-    doc = {"bench": "status", "repeats": args.repeats, "results": results}
+    doc = {"bench": "status", "repeats": args.repeats, "results": results, "runs": listed}
     if not args.json:
         print(f"{'nodes':>6} | {'what':<9} {'store ops':>9} {'KB read':>9} {'ms':>9} {'x round trip':>12}",
               file=sys.stderr)
@@ -166,6 +207,13 @@ def main(argv: list[str] | None = None) -> dict:
                 row = r[name]
                 print(f"{r['nodes']:>6} | {name:<9} {row['ops']:>9} {row['bytes'] / 1024:>9.1f} {row['ms']:>9.3f} "
                       f"{row['x_round_trip']:>12.1f}", file=sys.stderr)
+        print(f"{'runs':>6} | {'what':<9} {'store ops':>9} {'KB read':>9} {'ms':>9}   ({args.run_nodes} nodes per run)",
+              file=sys.stderr)
+        for r in listed:
+            for name in ("list", "list_dash"):
+                row = r[name]
+                print(f"{r['runs']:>6} | {name:<9} {row['ops']:>9} {row['bytes'] / 1024:>9.1f} {row['ms']:>9.3f}",
+                      file=sys.stderr)
     print(json.dumps(doc))
     return doc
 
