@@ -226,7 +226,8 @@ def test_zb_store_says_how_to_start_a_second_run_and_serves_the_list_of_its_runs
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "--elastic.namespace NAME" in err and "lists them all" in err, err
+    assert proc.returncode == 0 and "the same plus --elastic.namespace NAME" in err, err
+    assert f"every run on it: zb status --store 127.0.0.1:{info['port']}" in err, err
 
 
 def test_namespace_goes_with_a_store_not_with_from(tmp_path):

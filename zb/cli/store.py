@@ -70,8 +70,9 @@ def store(host: str, port: int, http_port: int | None, secret_file: str | None, 
         stderr.print("  " + "  ".join(f"{k}={v}" for k, v in info["env"].items()))
         stderr.print(f"  or: zb train --elastic.addr {info['addr']} --elastic.port {info['port']}"
                      + (f" --secret-file {secret_path}" if secret_path else ""))
-        stderr.print("  a second run on this store (another model, say): the same, with --elastic.namespace NAME, one "
-                     f"name per run; zb status --store {info['addr']}:{info['port']} lists them all", markup=False)
+        stderr.print("  a second run on this store (another model, say): the same plus --elastic.namespace NAME, a name "
+                     "per run", markup=False)
+        stderr.print(f"  every run on it: zb status --store {info['addr']}:{info['port']}", markup=False)
         if boards:
             stderr.print(f"  dashboard (read-only): {boards[0].url}", markup=False)
 
