@@ -36,7 +36,7 @@ class NoRun(EnvironmentFailure):
     """The store answers but holds no zb run (yet), or another program's keys."""
 
 
-def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None) -> "RunReader":
+def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None) -> RunReader:
     """A reader of the run on `addresses` (elastic.addr's list, in failover order). One address: its store,
     as zb.store_clients.reading_client opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the
     run is read from the one zb.elastic.stores.start_index picks (the latest holding a world, else the first
