@@ -32,7 +32,7 @@ class Topology:
     def exec_prefix(self, host: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns(host)]
 
-    def __enter__(self) -> "Topology":
+    def __enter__(self) -> Topology:
         try:
             self._add_ns(self.bridge_ns)
             _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")

@@ -116,7 +116,7 @@ def start_store(procs: Procs) -> int:
         except OSError:
             procs.check_alive("store")
             if procs.deadline - time.monotonic() < 0:
-                raise TimeoutError("zb store did not start listening")
+                raise TimeoutError("zb store did not start listening") from None
             time.sleep(0.1)
 
 

@@ -5,9 +5,9 @@ different). PLATFORM.md: the cpu controller is mounted at /sys/fs/cgroup/cpu and
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 

@@ -101,7 +101,7 @@ def solo_rate(path: Path, args: argparse.Namespace) -> tuple[float, float]:
 def run_summary(paths: dict[str, Path], args: argparse.Namespace) -> dict:
     tokens_per_step = args.batch * args.seq
     starts, ends, tokens, hashes, inner_rates = [], [], 0, [], 0.0
-    for uid, path in paths.items():
+    for path in paths.values():
         steps, outer = read_metrics(path, "step"), read_metrics(path, "outer_step")
         # The node's own speed in this run: tokens over the time in its inner steps (past the first 5).
         inner_rates += tokens_per_step * len(steps[5:]) / sum(tokens_per_step / e["tokens_per_s"] for e in steps[5:])

@@ -41,7 +41,7 @@ class Counting:
     """A store client that counts the operations and the bytes they return (into `tally`, another Counting, when
     several clients count together)."""
 
-    def __init__(self, store, tally: "Counting | None" = None) -> None:
+    def __init__(self, store, tally: Counting | None = None) -> None:
         self.store, self.ops, self.bytes = store, 0, 0
         self.tally = tally or self
 
@@ -170,7 +170,7 @@ def measure_runs(client, runs: int, nodes: int, repeats: int) -> dict:
         tally.ops = tally.bytes = 0
         view.read(with_history=history)
         ops, size = tally.ops, tally.bytes
-        seconds, _ = _timed(lambda: view.read(with_history=history), repeats)
+        seconds, _ = _timed(lambda history=history: view.read(with_history=history), repeats)
         rows[label] = {"ops": ops, "bytes": size, "ms": round(seconds * 1e3, 3)}
     return {"runs": runs, "nodes_per_run": nodes, **rows}
 

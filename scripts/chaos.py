@@ -205,7 +205,8 @@ class Chaos:
         try:
             code = proc.wait(timeout)
         except Exception:
-            raise Failure(f"hang: {uid} did not exit within {timeout:.0f} s after its signal:\n{self.cluster.log(uid)}")
+            raise Failure(f"hang: {uid} did not exit within {timeout:.0f} s after its signal:\n{self.cluster.log(uid)}") \
+                from None
         if expected is not None and code != expected:
             raise Failure(f"{uid} exited with {code}, expected {expected}:\n{self.cluster.log(uid)}")
         return f"exit {code}"

@@ -37,8 +37,8 @@ def ring_allreduce(pg, rank: int, size: int, tensor, deadline: float):
     nxt, prv = (rank + 1) % size, (rank - 1) % size
     for hop in range(size - 1):
         incoming = torch.empty_like(carry)
-        send = _post(lambda: pg.send([carry], nxt, hop), nxt)
-        recv = _post(lambda: pg.recv([incoming], prv, hop), prv)
+        send = _post(lambda carry=carry, hop=hop: pg.send([carry], nxt, hop), nxt)
+        recv = _post(lambda incoming=incoming, hop=hop: pg.recv([incoming], prv, hop), prv)
         _wait(recv, prv, deadline)
         _wait(send, nxt, deadline)
         total += incoming

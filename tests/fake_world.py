@@ -13,9 +13,10 @@ store's keys.EVICTED (diloco.evict_clipped), and refuses such a node as the memb
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -52,7 +52,7 @@ def test_a_kill_at_any_point_of_a_recommit_leaves_a_complete_checkpoint(tmp_path
         with monkeypatch.context() as patch:
             calls = []
 
-            def op(name, real):
+            def op(name, real, calls=calls, k=k):
                 def wrapped(*args, **kwargs):
                     calls.append(name)
                     if len(calls) == k:

@@ -124,7 +124,7 @@ def test_a_file_with_every_prime_key_loads_with_prime_s_meaning(tmp_path, caplog
     with caplog.at_level(logging.WARNING, logger="zb.config"):
         cfg = load_config([path], {}, environ={})
     flat = {f"{s}.{k}" if s else k: v for s, k, v in _leaves(to_dict(cfg))}
-    for key, (value, zb_key, expected) in PRIME.items():
+    for key, (_, zb_key, expected) in PRIME.items():
         if zb_key is not None:
             assert flat[zb_key] == expected, key
             assert "file" in source_of(cfg, zb_key), key

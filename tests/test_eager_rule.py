@@ -11,8 +11,8 @@ one-round delay run on the same problem for comparison.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import pytest
 import torch

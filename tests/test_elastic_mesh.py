@@ -176,7 +176,8 @@ def test_local_ranks_share_one_view_and_a_dead_local_rank_takes_its_node_out(clu
     first = cluster.agreement([a, b], 2, timeout=90)
     for node in (a, b):      # both replica groups summed correctly at that mesh version
         # (the agreement is seen at one local rank's step; the other's may be logged a moment later)
-        wait_until(lambda: {s["local_rank"] for s in node.events("step") if s["version"] == first["version"]} == {0, 1},
+        wait_until(lambda node=node: {s["local_rank"] for s in node.events("step")
+                                      if s["version"] == first["version"]} == {0, 1},
                    30, f"both of {node.uid}'s local ranks stepping at mesh version {first['version']}",
                    alive=[node.proc])
         assert all(s["ok"] for s in node.events("step") if s["version"] == first["version"])

@@ -170,7 +170,7 @@ def test_probe_reports_silence_not_refusal_as_unreachable():
     filler = socket.create_connection(silent.getsockname(), timeout=1.0)
     try:
         closed = f"127.0.0.1:{free_port()}"
-        far = "127.0.0.1:%d" % silent.getsockname()[1]
+        far = f"127.0.0.1:{silent.getsockname()[1]}"
         assert unreachable_peers({"ok": listener.endpoint, "gone": closed, "far": far}, timeout=0.5) == {"far"}
     finally:
         listener.stop()

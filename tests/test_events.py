@@ -168,7 +168,7 @@ def test_step_and_eval_events_and_the_step_line():
 
 # -- what the consumers read ----------------------------------------------------------------------------
 def _fields(event: str) -> set[str]:
-    record = next(r for r in events.RECORDS if r.EVENT == event)
+    record = next(r for r in events.RECORDS if event == r.EVENT)
     return {f.name for _, f in events.line_schema(record)}
 
 

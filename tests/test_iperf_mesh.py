@@ -37,7 +37,7 @@ def _ranks(world: int, *extra_per_rank: list[str], common: list[str] = FAST, ran
              for r in ranks}
     done = []
     try:
-        for r, p in procs.items():
+        for p in procs.values():
             out, err = p.communicate(timeout=timeout)
             done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
     finally:

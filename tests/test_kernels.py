@@ -310,7 +310,7 @@ def test_residual_keeps_what_quantization_dropped(scheme: Scheme) -> None:
     # error feedback over rounds: sum of what was sent == sum of inputs + r0 - final residual (to fp32 noise)
     r = r0.clone()
     sent_total, x_total = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
-    for k in range(8):
+    for _ in range(8):
         xk = torch.randn(n, generator=g)
         codes, scales = _quantize(xk, scheme, 1, r)
         _dequantize(codes, scales, v, scheme, 1, add=False)

@@ -89,10 +89,9 @@ def test_hashing_gives_up_once_the_command_is_interrupted(tmp_path, interrupted_
 def test_a_pool_left_by_a_signal_does_not_wait_for_its_work():
     release = threading.Event()
     started = time.monotonic()
-    with pytest.raises(stop_signals.Interrupted):
-        with stop_signals.worker_pool(1, "test-pool") as pool:
-            pool.submit(release.wait, 60)   # a download that would take a minute
-            raise stop_signals.Interrupted(signal.SIGTERM)
+    with pytest.raises(stop_signals.Interrupted), stop_signals.worker_pool(1, "test-pool") as pool:
+        pool.submit(release.wait, 60)   # a download that would take a minute
+        raise stop_signals.Interrupted(signal.SIGTERM)
     release.set()
     assert time.monotonic() - started < 30, "the pool waited for the work in flight"
 
@@ -100,16 +99,15 @@ def test_a_pool_left_by_a_signal_does_not_wait_for_its_work():
 def test_a_signal_inside_held_takes_effect_at_its_end(monkeypatch):
     """Renames that put an export in place are never cut in two; the signal is raised after them."""
     done = []
-    with pytest.raises(stop_signals.Interrupted) as raised:
-        with stop_signals.held():
-            stop_signals._raise_once(signal.SIGTERM, None)   # what the handler does when the signal comes
-            done.append("both renames")
+    with pytest.raises(stop_signals.Interrupted) as raised, stop_signals.held():
+        stop_signals._raise_once(signal.SIGTERM, None)   # what the handler does when the signal comes
+        done.append("both renames")
     assert done == ["both renames"] and raised.value.exit_code == 143
 
 
 def test_the_line_says_what_the_stop_left():
-    with pytest.raises(stop_signals.Interrupted) as raised:
-        with stop_signals.when("before training started"), stop_signals.when(lambda: "inside: said first"):
-            raise stop_signals.Interrupted(signal.SIGINT)
+    with pytest.raises(stop_signals.Interrupted) as raised, stop_signals.when("before training started"), \
+            stop_signals.when(lambda: "inside: said first"):
+        raise stop_signals.Interrupted(signal.SIGINT)
     assert raised.value.message() == "interrupted by SIGINT inside: said first"
     assert raised.value.exit_code == 130

@@ -68,7 +68,7 @@ def test_a_store_that_comes_back_after_the_failover_is_ignored_and_a_new_node_fi
     view = cluster.agreement([a, b, c], 3, after=time.time(), store_ok=True, timeout=90)
     assert view["version"] > moved["version"]
     assert all(len(n.events("store_failover")) == 1 for n in (a, b)) and not c.events("store_failover")
-    assert "starting on store 127.0.0.1:%d" % cluster.standby_ports[0] in c.err.read_text()
+    assert f"starting on store 127.0.0.1:{cluster.standby_ports[0]}" in c.err.read_text()
 
 
 def test_a_node_that_saw_the_store_revived_follows_the_run_to_the_next_one(cluster):
@@ -175,7 +175,7 @@ def _aimed_kills(run: TrainCluster, uids: list[str], landed) -> int:
         killed = time.time()
         run.kill_store(ports[k])
         for uid in uids:
-            run.wait_for(uid, lambda u=uid: len(run.metrics(u, "store_failover")) == k + 1, f"move {k + 1}")
+            run.wait_for(uid, lambda u=uid, k=k: len(run.metrics(u, "store_failover")) == k + 1, f"move {k + 1}")
         if landed(killed):
             return k
     return -1
@@ -238,11 +238,12 @@ def test_the_store_killed_while_a_joiner_receives_the_state(tmp_path):
                 run.start_train(f"n{i}", *BIG, "--optim.total_steps", "100000", rank=i)
             run.wait_outer("n0", 2)
             run.start_train("late", *BIG, "--optim.total_steps", "100000", rank=2)
-            run.wait_for("late", lambda: any("late" in e["joined"] for e in run.metrics("late", "membership")),
+            run.wait_for("late", lambda run=run: any("late" in e["joined"] for e in run.metrics("late", "membership")),
                          "admitted")
             killed = time.time()
             run.kill_store()
-            run.wait_for("late", lambda: len(run.metrics("late", "store_failover")) == 1, "moved to the standby")
+            run.wait_for("late", lambda run=run: len(run.metrics("late", "store_failover")) == 1,
+                         "moved to the standby")
             run.wait_outer("late", 4)
             _stop_and_agree(run, ["n0", "n1", "late"])
             # The hand-over follows the admission at once (check-in, then the transfer): it ran from the membership

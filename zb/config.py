@@ -20,9 +20,10 @@ import os
 import re
 import sys
 import typing
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AbstractSet, Any, Callable, Mapping, Sequence
+from typing import Any
 
 from zb import config_prime as prime
 from zb.addresses import bracket_hint, valid_store_list
@@ -179,9 +180,8 @@ def _convert(spec: KeySpec, value: Any, source: str) -> Any:
                 raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: must be a finite number")
         elif spec.items:
             value = _to_list(spec, value, where)
-        elif spec.type is str:
-            if not isinstance(value, str):
-                raise ValueError
+        elif spec.type is str and not isinstance(value, str):
+            raise ValueError
     except (TypeError, ValueError):
         raise ConfigError(f"{spec.key} = {toml_value(value)}{where}: expected {spec.type.__name__}") from None
     if spec.type is str:
@@ -407,7 +407,7 @@ def _warn_once(line: str) -> None:
     log.warning("%s", line)
 
 
-def build(values: Mapping[str, tuple[Any, str]], present: AbstractSet[str] = frozenset()) -> Config:
+def build(values: Mapping[str, tuple[Any, str]], present: Set[str] = frozenset()) -> Config:
     cfg = Config()
     sources = {key: DEFAULT for key in KEYS}
     for section in present:

@@ -9,7 +9,7 @@ knowledge lives (zb.train.setup) with zb.config.fail.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from zb.addresses import parse_stores
 from zb.config_schema import Config, DilocoConfig

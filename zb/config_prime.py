@@ -13,8 +13,9 @@ Pure data and translation: zb.config applies it to files, ZERO_BAND_* variables 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from zb.errors import InvalidInput
 

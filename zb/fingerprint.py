@@ -15,7 +15,8 @@ It lives below both of its users (zb.diloco checks it at join, zb.ckpt at resume
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zb import __version__
 from zb.config import KEYS, get, toml_value

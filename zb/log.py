@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 _FORMAT = "%(asctime)s %(levelname).1s [%(zb_node)s r%(zb_rank)s] %(name)s: %(message)s"
 

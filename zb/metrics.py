@@ -22,8 +22,9 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from zb.errors import free_space
 

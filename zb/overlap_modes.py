@@ -9,7 +9,8 @@ Nothing outside this module and zb.diloco.algorithms compares a mode's name: ask
 
 from __future__ import annotations
 
-from typing import ClassVar, Iterator, Protocol
+from collections.abc import Iterator
+from typing import ClassVar, Protocol
 
 _FRAGMENT_KEYS = ("fragments", "fragment_delay", "fragment_alpha")
 

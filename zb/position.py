@@ -20,7 +20,7 @@ class RunPosition:
         return asdict(self)
 
     @staticmethod
-    def from_json(data: object) -> "RunPosition":
+    def from_json(data: object) -> RunPosition:
         """From a manifest's JSON; step and outer_step are required, token counts default to 0
         (live snapshots carry no node's own tokens). ValueError names what is missing."""
         if not isinstance(data, dict) or not all(isinstance(data.get(k), int) for k in ("step", "outer_step")):
@@ -32,5 +32,5 @@ class RunPosition:
         return [getattr(self, f.name) for f in fields(self)]
 
     @staticmethod
-    def from_ints(values) -> "RunPosition":
+    def from_ints(values) -> RunPosition:
         return RunPosition(*(int(v) for v in list(values)[:len(fields(RunPosition))]))

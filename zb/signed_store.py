@@ -30,8 +30,9 @@ import secrets
 import struct
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from zb.errors import InvalidInput
 from zb.secret import WHERE, derive

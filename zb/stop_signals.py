@@ -20,15 +20,16 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any
 
 POLL_S = 0.1
 
 # What signal.signal takes and returns: a function, SIG_DFL / SIG_IGN, or None (installed outside Python).
-SignalHandler = Union[Callable[[int, Optional[FrameType]], Any], int, signal.Handlers, None]
+SignalHandler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 _received: str | None = None   # the first stop signal this process got, whichever handler caught it
 
@@ -164,7 +165,7 @@ class StopSignals:
         self.received: str | None = None
         self._previous: dict[int, SignalHandler] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

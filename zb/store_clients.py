@@ -30,8 +30,9 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from zb import stop_signals
 from zb.dial import unresolvable, wait_listening

@@ -6,7 +6,8 @@ and its source the same way, whether it came from a file, an env twin or a flag.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import click
 

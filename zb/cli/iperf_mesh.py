@@ -129,7 +129,7 @@ class _Progress:
             self.bar = count_bar(console=stderr)
             self.task = self.bar.add_task("measuring links", total=self.total)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         if self.bar:
             self.bar.start()
         return self

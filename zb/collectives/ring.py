@@ -26,10 +26,10 @@ same suspect (and so on around the ring) instead of timing out and blaming us.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

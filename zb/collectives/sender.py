@@ -12,8 +12,8 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Callable
 
 import torch
 import torch.distributed as dist

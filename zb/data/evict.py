@@ -24,11 +24,11 @@ from zb.data.hub import HubDataset, RemoteFile, repo_folder
 log = logging.getLogger("zb.data")
 
 MARKERS = ".zb-streamed"  # in the dataset's cache folder: <revision>/<quoted path> per file zb fetched
-_registry: dict[tuple, "StreamCache"] = {}
+_registry: dict[tuple, StreamCache] = {}
 _registry_lock = threading.Lock()
 
 
-def stream_cache(ds: HubDataset, files: list[RemoteFile], budget_bytes: float) -> "StreamCache":
+def stream_cache(ds: HubDataset, files: list[RemoteFile], budget_bytes: float) -> StreamCache:
     """The process's StreamCache of these files (made on first use)."""
     key = (str(ds.cache_dir), ds.repo_id, ds.revision, tuple(f.path for f in files))
     with _registry_lock:

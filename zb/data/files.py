@@ -13,8 +13,9 @@ import gzip
 import json
 import os
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from zb.data.hashing import text_id
 from zb.errors import InvalidInput

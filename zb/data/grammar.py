@@ -56,13 +56,13 @@ class Choice:
     logp: tuple[float, ...]
 
     @classmethod
-    def zipf(cls, words: list[str] | str, exponent: float = 1.0) -> "Choice":
+    def zipf(cls, words: list[str] | str, exponent: float = 1.0) -> Choice:
         options = tuple(words.split() if isinstance(words, str) else words)
         weights = [1.0 / (rank + 1) ** exponent for rank in range(len(options))]
         return cls.weighted(options, weights)
 
     @classmethod
-    def weighted(cls, words, weights) -> "Choice":
+    def weighted(cls, words, weights) -> Choice:
         total = sum(weights)
         cum, acc = [], 0.0
         for w in weights:

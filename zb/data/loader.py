@@ -15,7 +15,8 @@ A document cut by a window's end goes on as the first segment of the next row.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -82,7 +83,7 @@ class DataLoader:
         self._docs: Iterator | None = None
         self._resume_offset: int | None = 0  # not None: (re)open the stream at self._pos first
 
-    def __iter__(self) -> "DataLoader":
+    def __iter__(self) -> DataLoader:
         return self
 
     def check_nonempty(self) -> None:
@@ -165,7 +166,7 @@ class FakeLoader:
         self.shard, self.split, self.seed = shard, split, seed
         self.batch = 0
 
-    def __iter__(self) -> "FakeLoader":
+    def __iter__(self) -> FakeLoader:
         return self
 
     def check_nonempty(self) -> None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from zb.data.hashing import unit
 from zb.data.stream import POSITION, DocStream

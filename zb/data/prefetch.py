@@ -38,7 +38,7 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def __iter__(self) -> "Prefetcher":
+    def __iter__(self) -> Prefetcher:
         return self
 
     def _start(self) -> None:

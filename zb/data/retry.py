@@ -12,7 +12,8 @@ import logging
 import random
 import re
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from zb.errors import EnvironmentFailure
 

@@ -15,9 +15,9 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from zb.config_checks import dataset_entries, ratio_weights
 from zb.config_schema import DataConfig

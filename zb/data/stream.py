@@ -11,7 +11,8 @@ stream at a position yields that document first.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from zb.data.grammar import GRAMMAR
 from zb.data.hashing import mix64, unit

@@ -19,8 +19,9 @@ It never calls the node: what it may use is `NodeContext`, data and the run's gr
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist

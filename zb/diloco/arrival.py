@@ -11,8 +11,9 @@ agreement on what arrived is its stripe owners'.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Sequence
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ class BackgroundAllReduce(threading.Thread):
     buffer, so the SUM is the weighted average (zb.diloco.fragment_rounds) and `scale` is not applied."""
 
     def __init__(self, buffer: torch.Tensor, groups: Callable[[], Sequence[dist.ProcessGroup]], cfg: DilocoConfig,
-                 scale: int, tokens: int | None = None, feedback: Callable[[], ContextManager[torch.Tensor | None]] | None = None):
+                 scale: int, tokens: int | None = None, feedback: Callable[[], AbstractContextManager[torch.Tensor | None]] | None = None):
         super().__init__(name="zb-overlap-allreduce", daemon=True)
         self.buffer, self.groups, self.cfg, self.scale = buffer, groups, cfg, scale
         self.tokens = tokens

@@ -119,7 +119,7 @@ def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> li
 
 
 def _same(a: int, b: int) -> bool:
-    return a == UNKNOWN_DIGEST or b == UNKNOWN_DIGEST or a == b
+    return UNKNOWN_DIGEST in (a, b) or a == b
 
 
 def digest_value(digest: bytes) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import statistics
 import struct
-from typing import Collection, Iterable
+from collections.abc import Collection, Iterable
 
 
 def clip_scales(norms: list[float], contributors: list[int], k: float | None) -> list[float]:

@@ -80,7 +80,6 @@ with momentum beta keeps a residue, so evaluate and export S, not S + phi.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -95,7 +94,7 @@ class OuterSGD:
     nesterov: bool = False
 
     @classmethod
-    def of(cls, optimizer: torch.optim.Optimizer) -> "OuterSGD":
+    def of(cls, optimizer: torch.optim.Optimizer) -> OuterSGD:
         """The hyper-parameters of a torch.optim.SGD with one param group (as zb's OuterState)."""
         if not isinstance(optimizer, torch.optim.SGD) or len(optimizer.param_groups) != 1:
             raise ValueError("the eager split needs a torch.optim.SGD with one param group")
@@ -106,7 +105,7 @@ class OuterSGD:
         return cls(lr=float(g["lr"]), momentum=float(g["momentum"]), nesterov=bool(g["nesterov"]))
 
     @torch.no_grad()
-    def step(self, param: torch.Tensor, buf: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+    def step(self, param: torch.Tensor, buf: torch.Tensor | None, grad: torch.Tensor) -> None:
         """One SGD step on `param` in place, with `buf` (the momentum; None when momentum is 0)
         updated in place. A zero `buf` behaves as torch's first step (buffer := grad)."""
         if self.momentum == 0:
@@ -125,11 +124,11 @@ class OwnTerm:
     momentum is shared momentum + momentum. Never all-reduced, never hashed."""
 
     offset: torch.Tensor              # phi_m: the node's outer params minus the shared ones
-    momentum: Optional[torch.Tensor]  # beta_m: node momentum minus shared momentum (None if mu == 0)
+    momentum: torch.Tensor | None  # beta_m: node momentum minus shared momentum (None if mu == 0)
     last_share: torch.Tensor          # D_m(r-1)/M_(r-1): this node's share of the average in flight
 
     @classmethod
-    def zeros_like(cls, like: torch.Tensor, opt: OuterSGD) -> "OwnTerm":
+    def zeros_like(cls, like: torch.Tensor, opt: OuterSGD) -> OwnTerm:
         """The own term of a node that has applied nothing eagerly (start of a run, a joiner)."""
         return cls(offset=torch.zeros_like(like),
                    momentum=torch.zeros_like(like) if opt.momentum != 0 else None,
@@ -147,8 +146,8 @@ def pseudo_gradient(shared: torch.Tensor, own: OwnTerm, local: torch.Tensor) -> 
 
 
 @torch.no_grad()
-def shared_step(shared: torch.Tensor, shared_momentum: Optional[torch.Tensor],
-                arrived: Optional[torch.Tensor], opt: OuterSGD) -> bool:
+def shared_step(shared: torch.Tensor, shared_momentum: torch.Tensor | None,
+                arrived: torch.Tensor | None, opt: OuterSGD) -> bool:
     """Step the shared outer params and momentum (in place) with the average that just arrived,
     Dbar(r-1). `arrived` None (first round, or the all-reduce failed): nothing changes. Returns
     whether a step was taken. Identical inputs on every node give identical bits on every node;
@@ -174,8 +173,8 @@ def own_step(own: OwnTerm, fresh: torch.Tensor, world_size: int, opt: OuterSGD, 
 
 
 @torch.no_grad()
-def eager_step(shared: torch.Tensor, shared_momentum: Optional[torch.Tensor], own: OwnTerm,
-               fresh: torch.Tensor, world_size: int, arrived: Optional[torch.Tensor],
+def eager_step(shared: torch.Tensor, shared_momentum: torch.Tensor | None, own: OwnTerm,
+               fresh: torch.Tensor, world_size: int, arrived: torch.Tensor | None,
                opt: OuterSGD) -> torch.Tensor:
     """The whole round boundary on one node: `shared_step` with the arrived average, `own_step`
     with the fresh pseudo-gradient; returns the params the next round starts from (new tensor).

@@ -26,7 +26,8 @@ model into stripes and `push_start` writes it back, each a collective over the n
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist

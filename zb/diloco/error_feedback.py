@@ -22,8 +22,8 @@ Its layout is the algorithm's buffer: the params in order (blocking, eager), or 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

@@ -9,7 +9,7 @@ SGD step with lr 1 and no momentum lands exactly on the average of the nodes' pa
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

@@ -22,7 +22,8 @@ import hashlib
 import logging
 import math
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 

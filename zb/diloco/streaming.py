@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import math
 import re
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist

@@ -19,7 +19,7 @@ count); every node needs at least S local ranks.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,8 +72,8 @@ class StripeLayout:
         """out[i] := this rank's stripe of tensor i, whose local FSDP shard here is shards[i] (any
         device and dtype; out is fp32 CPU). A collective over the node's local ranks."""
         for shape, shard, dst in zip(full_shapes, shards, out):
-            self._move(shape, lambda a, b, buf, s=shard: _put(buf, s, a, b, self._fsdp_rows(shape)),
-                       lambda a, b, buf, d=dst: _take(buf, d, a, b, self._stripe_rows(shape)))
+            self._move(shape, lambda a, b, buf, s=shard, shape=shape: _put(buf, s, a, b, self._fsdp_rows(shape)),
+                       lambda a, b, buf, d=dst, shape=shape: _take(buf, d, a, b, self._stripe_rows(shape)))
 
     @torch.no_grad()
     def write(self, full_shapes: Sequence[Sequence[int]], stripes: Sequence[torch.Tensor],
@@ -81,8 +81,8 @@ class StripeLayout:
         """shards[i] (this rank's FSDP shard, in place) := the stripe owners' values of tensor i. A
         collective over the node's local ranks."""
         for shape, src, shard in zip(full_shapes, stripes, shards):
-            self._move(shape, lambda a, b, buf, s=src: _put(buf, s, a, b, self._stripe_rows(shape)),
-                       lambda a, b, buf, d=shard: _take(buf, d, a, b, self._fsdp_rows(shape)))
+            self._move(shape, lambda a, b, buf, s=src, shape=shape: _put(buf, s, a, b, self._stripe_rows(shape)),
+                       lambda a, b, buf, d=shard, shape=shape: _take(buf, d, a, b, self._fsdp_rows(shape)))
 
     def _fsdp_rows(self, shape: Sequence[int]) -> tuple[int, int]:
         return rows(_rows_of(shape)[0], self.size, self.rank)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist

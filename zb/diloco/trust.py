@@ -11,7 +11,8 @@ its id again (keys.EVICTED, written by the node's claims), and an evicted node l
 from __future__ import annotations
 
 import logging
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from zb.diloco import clip
 from zb.diloco.checkin import Plan

@@ -14,8 +14,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import store_errors

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many, store_errors

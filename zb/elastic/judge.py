@@ -45,7 +45,7 @@ class RoundDeadlines:
     stuck_after: float
 
     @staticmethod
-    def from_config(cfg: ElasticConfig) -> "RoundDeadlines":
+    def from_config(cfg: ElasticConfig) -> RoundDeadlines:
         return RoundDeadlines(suspect_grace=cfg.heartbeat_interval, sync_deadline=cfg.sync_deadline,
                          stuck_after=2 * cfg.sync_deadline + cfg.heartbeat_timeout)
 

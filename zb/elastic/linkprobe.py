@@ -28,7 +28,8 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many, store_errors

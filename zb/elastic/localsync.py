@@ -9,7 +9,8 @@ longest wait of local rank 0 (zb.train.device.control_timeout_s).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from zb.errors import EnvironmentFailure, InvalidInput
 

@@ -14,7 +14,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from zb.errors import EnvironmentFailure
 

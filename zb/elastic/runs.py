@@ -18,8 +18,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from zb.elastic import keys
 from zb.signed_store import SignedRecords, holds_secret

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import socket
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from zb.addresses import StoreAddress
 from zb.elastic.tcpstore import NotHostable, host, is_loopback, is_public

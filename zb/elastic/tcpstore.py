@@ -11,8 +11,9 @@ import errno
 import ipaddress
 import logging
 import socket
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from zb.dial import unresolvable
 from zb.errors import EnvironmentFailure

@@ -29,7 +29,7 @@ class WorldView:
 
     @staticmethod
     def of(world: World, uid: str, token: str, *, changed: bool, store_ok: bool, store_epoch: int,
-           store_index: int = 0) -> "WorldView":
+           store_index: int = 0) -> WorldView:
         return WorldView(mesh_version=world.version, global_rank=world.nodes.index(uid),
                          global_world_size=len(world.nodes), nodes=list(world.nodes), leader=world.leader or "",
                          joined=list(world.joined), left=list(world.left), died=list(world.died),
@@ -40,5 +40,5 @@ class WorldView:
         return asdict(self)
 
     @staticmethod
-    def from_dict(data: dict[str, Any]) -> "WorldView":
+    def from_dict(data: dict[str, Any]) -> WorldView:
         return WorldView(**data)

@@ -41,7 +41,7 @@ class World:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
     @staticmethod
-    def decode(raw: bytes | str) -> "World | None":
+    def decode(raw: bytes | str) -> World | None:
         """None for an empty value (a fresh store) or anything that is not a world record."""
         try:
             data = json.loads(raw or "null")

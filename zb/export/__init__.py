@@ -101,7 +101,7 @@ def _check_shapes(params: dict[str, torch.Tensor], args) -> None:
                                "runs")
 
 
-def read_params(ckpt, *, inner: bool) -> tuple["ModelArgs", dict[str, torch.Tensor]]:
+def read_params(ckpt, *, inner: bool) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
     """(the model's args, its full fp32 params by name) from an opened checkpoint (zb.export.source):
     every part joined, shapes checked against the model the checkpoint's config describes."""
     from zb.export.gather import gather

@@ -50,7 +50,7 @@ def gather(ckpt: Checkpoint, order: list[str], *, inner: bool) -> dict[str, torc
     use_outer = ckpt.has_outer and not inner
     shards: dict[str, list[torch.Tensor]] = {name: [] for name in order}
     stripes = _stripe_shapes(ckpt, order) if use_outer else []
-    for index, (part, manifest) in enumerate(zip(ckpt.parts, ckpt.manifests)):
+    for index, part in enumerate(ckpt.parts):
         if use_outer and index >= len(stripes):
             break                      # ranks beyond the run's stripes hold no outer state
         tensors = _outer_shards(part, stripes[index], order) if use_outer else _read(part, MODEL)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, replace
-from typing import Optional
 
 from zb.config import ConfigError
 from zb.config_schema import ModelConfig
@@ -24,9 +23,9 @@ class ModelArgs:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    n_kv_heads: Optional[int] = None  # None: as many as n_heads (plain multi-head attention)
+    n_kv_heads: int | None = None  # None: as many as n_heads (plain multi-head attention)
     vocab_size: int = 320
-    ffn_dim_multiplier: Optional[float] = None
+    ffn_dim_multiplier: float | None = None
     multiple_of: int = 32  # the SwiGLU hidden size is rounded up to a multiple of this
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0

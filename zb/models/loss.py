@@ -11,7 +11,6 @@ from the hidden states and the output weight, and made again in backward).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +25,7 @@ class LossSpec:
     """How the loss is computed: the z-loss weight, and chunking (None: one piece; fused: the output
     projection goes into the chunks too)."""
     z_loss_weight: float = 0.0
-    num_chunks: Optional[int] = None
+    num_chunks: int | None = None
     fused: bool = False
 
     @property

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from zb.config_schema import LogConfig
 from zb.errors import EnvironmentFailure

@@ -21,8 +21,8 @@ cycle in the search's deterministic order, so the result is a pure function of t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Search nodes per threshold check. About 2 us each in CPython: a 32-node matrix with nine
 # checks stays far below a second even when every check exhausts its budget.

@@ -19,8 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from zb.errors import EnvironmentFailure
 from zb.net.link import LinkError, LinkServer, receive, send

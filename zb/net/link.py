@@ -22,8 +22,8 @@ import statistics
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from zb.dial import unresolvable
 from zb.errors import EnvironmentFailure
@@ -107,7 +107,7 @@ class LinkServer:
         while not self._closed.is_set():
             try:
                 conn, _ = self._sock.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             threading.Thread(target=self._admit, args=(conn,), daemon=True).start()
 
@@ -162,7 +162,7 @@ class LinkServer:
 def _connect(addr: str, port: int, connect_timeout_s: float, io_timeout_s: float) -> socket.socket:
     try:
         sock = socket.create_connection((addr, port), timeout=connect_timeout_s)
-    except socket.timeout:
+    except TimeoutError:
         raise LinkError(f"connect to {addr}:{port} timed out after {connect_timeout_s:g} s") from None
     except OSError as e:
         raise LinkError(f"connect to {addr}:{port} failed: {e.strerror or e}") from None

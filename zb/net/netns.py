@@ -18,9 +18,9 @@ import os
 import secrets
 import shutil
 import subprocess
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 PREFIX = "zbns"
 IFNAME = "eth0"

@@ -16,7 +16,8 @@ check and a get of the list) and one RunReader refresh per run (scripts/bench_st
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zb.addresses import StoreAddress
 from zb.elastic import keys

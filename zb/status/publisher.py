@@ -17,7 +17,8 @@ import importlib
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zb import stop_signals
 from zb.elastic import keys
@@ -60,7 +61,7 @@ def publish_status(sink, cfg, *, is_head: bool):
 class StatusSink:
     """A metrics sink that also feeds the status record; everything else goes to the wrapped sink."""
 
-    def __init__(self, inner, publisher: "StatusPublisher") -> None:
+    def __init__(self, inner, publisher: StatusPublisher) -> None:
         self.inner, self.publisher = inner, publisher
 
     def log(self, event: str, **fields: Any):

@@ -40,7 +40,7 @@ class NoRun(EnvironmentFailure):
 
 
 def open_reader(addresses: list[StoreAddress], timeout: float, secret: bytes | None = None,
-                namespace: str = "") -> "RunReader":
+                namespace: str = "") -> RunReader:
     """A reader of the run on `addresses` (elastic.addr's list, in failover order), in `namespace` (elastic.namespace;
     "" the store's root). One address: its store,
     as zb.store_clients.reading_client opens it. Several: each is asked at once whether it holds the run's world (holds_run), and the

@@ -16,8 +16,9 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import parse_qs
 
 from zb.dial import unresolvable
@@ -83,7 +84,7 @@ class Dashboard:
         shown = "127.0.0.1" if host == "0.0.0.0" else f"[{host}]" if ":" in host else host
         return f"http://{shown}:{port}/"
 
-    def start(self) -> "Dashboard":
+    def start(self) -> Dashboard:
         self.sample()
         self._threads = [threading.Thread(target=self._sample_loop, name="zb-dashboard-sampler", daemon=True),
                          threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.2},

@@ -21,8 +21,9 @@ What a resume means depends on the run:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from zb.errors import InvalidInput
 from zb.swarm import registry
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("zb.swarm")
 
 
-def checkpointed_stage(cfg: "Config") -> int | None:
+def checkpointed_stage(cfg: Config) -> int | None:
     """The stage of the checkpoint this worker would resume (ckpt.resume), None without one: an unpinned
     worker takes its checkpoint's stage instead of the store's choice."""
     from zb.ckpt.durable.layout import latest_step, part_name, resolve_part
@@ -63,12 +64,12 @@ class StageCheckpoints:
     """The checkpoints of one stage worker; does nothing without a ckpt setting. `state_of` gives the
     worker's state to save and to resume into, as RunCheckpoints takes it."""
 
-    def __init__(self, cfg: "Config", *, stage_index: int, uid: str, sink, state_of: "Callable[[], TrainState]"):
+    def __init__(self, cfg: Config, *, stage_index: int, uid: str, sink, state_of: Callable[[], TrainState]):
         self.cfg, self.index = cfg, stage_index
         self.run = RunCheckpoints(cfg, uid=uid, local_rank=0, local_world_size=1, is_head=True, sink=sink,
                                   local_group=None, state_of=state_of)
 
-    def resume(self, link: registry.StoreLink, *, joining: bool) -> "Resumed | None":
+    def resume(self, link: registry.StoreLink, *, joining: bool) -> Resumed | None:
         """Load this worker's checkpoint per the module's rules, in place; the rest for the worker to apply.
         `joining`: the stage has live workers, whose state this one takes instead."""
         cfg, sw = self.cfg, self.cfg.swarm

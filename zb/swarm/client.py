@@ -92,7 +92,8 @@ class Hops:
                 waited_since = waited_since or time.monotonic()
                 if time.monotonic() - waited_since > self.stage_wait:
                     raise EnvironmentFailure(f"stage {stage} has had no live worker for {self.stage_wait:g} s; start "
-                                             f"one (zb train ... --swarm.stage {stage}) or raise swarm.stage_wait")
+                                             f"one (zb train ... --swarm.stage {stage}) or raise swarm.stage_wait") \
+                        from None
                 avoid.clear()
                 time.sleep(0.2)
                 self.refresh(force=True)

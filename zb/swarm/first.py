@@ -91,7 +91,7 @@ class FirstStage(StageWorker):
                 step = self.ledger.position.step
                 batches = [next(self.train_loader) for _ in range(self.accum)]
                 ids = [step * self.accum + i for i in range(self.accum)]
-                losses = list(pool.map(lambda a: self._micro_batch(step, *a), zip(ids, batches)))
+                losses = list(pool.map(lambda a, step=step: self._micro_batch(step, *a), zip(ids, batches)))
                 for mb in ids:
                     if mb in self.counted:
                         raise RuntimeError(f"micro-batch {mb} counted twice")   # a bug: the bookkeeping is per id

@@ -133,7 +133,7 @@ def heartbeat_keys(stage: int, uids: list[str]) -> list[str]:
     return [f"{prefix}/{elastic_keys.heartbeat(u)}" for u in uids]
 
 
-def first_stage_training(link: "StoreLink", window: float, poll_s: float = 0.2) -> bool:
+def first_stage_training(link: StoreLink, window: float, poll_s: float = 0.2) -> bool:
     """Whether first-stage workers are training now: a registered one (see workers(): not one whose uid started
     again since, as in a whole run restarting under the same ids, whose new process bumps the same counter)
     moves its stage heartbeat within `window` seconds. False at once when there is none; registrations of a run

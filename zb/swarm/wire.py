@@ -90,7 +90,7 @@ def send(sock: socket.socket, msg: Message, deadline: float) -> int:
             sock.settimeout(_remaining(deadline))
             try:
                 n = sock.send(view)
-            except socket.timeout:
+            except TimeoutError:
                 raise WireError("send timed out") from None
             except OSError as e:
                 raise WireError(f"send failed: {e.strerror or e}") from None
@@ -156,7 +156,7 @@ def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
         sock.settimeout(_remaining(deadline))
         try:
             k = sock.recv_into(view[got:])
-        except socket.timeout:
+        except TimeoutError:
             raise WireError("receive timed out") from None
         except OSError as e:
             raise WireError(f"receive failed: {e.strerror or e}") from None

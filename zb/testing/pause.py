@@ -18,7 +18,8 @@ import importlib
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from zb import stop_signals
 

@@ -16,8 +16,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 # zb/testing/procs.py -> zb/testing -> zb -> the checkout root (symlinks resolved; whatever the cwd).
 REPO = Path(__file__).resolve().parents[2]

@@ -21,9 +21,10 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from zb.testing.pause import PAUSED
 from zb.testing.procs import PYTHON, REPO, TINY, free_port, subprocess_env
@@ -48,7 +49,7 @@ class Silent:
             except OSError:
                 return
 
-    def reached_by(self, running: "Running") -> bool:
+    def reached_by(self, running: Running) -> bool:
         """A connection came after `running` started (its command is waiting for an answer)."""
         return any(at > running.started for at, _ in list(self.accepted))
 
@@ -68,7 +69,7 @@ class Stage:
         self.silents: list[Silent] = []
         self.store: Any = None
 
-    def __enter__(self) -> "Stage":
+    def __enter__(self) -> Stage:
         from zb.elastic.tcpstore import host
 
         train = subprocess.run([PYTHON, "-m", "zb", "train", *TINY, "--optim.total_steps", "2", "--ckpt.interval", "2",
@@ -132,7 +133,7 @@ class Outcome:
 class Stop:
     name: str                                  # "export (hashing the checkpoint)"
     argv: list[str]                            # after `python`
-    ready: Callable[["Running"], bool]         # the command is at its point now
+    ready: Callable[[Running], bool]         # the command is at its point now
     line: dict[signal.Signals, str]            # signal -> what its line says (a regex): the one line of the stop
     codes: dict[signal.Signals, int] = field(default_factory=lambda: dict(INTERRUPTED))
     env: dict[str, str] = field(default_factory=dict)
@@ -189,7 +190,7 @@ class Running:
             return []
         return [int(pid) for pid in text.split()]
 
-    def wait_for(self, ready: Callable[["Running"], bool], timeout: float, what: str) -> None:
+    def wait_for(self, ready: Callable[[Running], bool], timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not ready(self):
             if self.proc.poll() is not None:

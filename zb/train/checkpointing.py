@@ -10,7 +10,8 @@ of them committed, agreed through the store.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from zb.config import source_of
 from zb.config_schema import Config
@@ -27,7 +28,7 @@ class RunCheckpoints:
     run applies it; without any ckpt setting it does nothing."""
 
     def __init__(self, cfg: Config, *, uid: str, local_rank: int, local_world_size: int, is_head: bool,
-                 sink, local_group, state_of: Callable[[], "TrainState"]):
+                 sink, local_group, state_of: Callable[[], TrainState]):
         self.cfg, self.state_of = cfg, state_of
         self.manager = None
         ckpt = cfg.ckpt
@@ -43,7 +44,7 @@ class RunCheckpoints:
                                              local_world_size=local_world_size, sink=sink, local_group=local_group)
 
     def resume(self, *, store=None, scope: str = "", joining: bool = False,
-               quorum: int | None = None) -> "Resumed | None":
+               quorum: int | None = None) -> Resumed | None:
         """Load per ckpt.resume into the run's state (in place) and return the rest for the run to apply.
         `store`: the run's global store under DiLoCo, where `latest` is agreed with the other nodes that start
         together (`scope` names this start; waiting for `quorum` of them, default elastic.world_size);

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import tempfile
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,7 +90,7 @@ def _named(path: Path) -> Callable[[int], Path]:
     return lambda rank: step_dir / part_name(rank)
 
 
-def _latest(cfg: Config, reader: "_Reader", scratch: Callable[[], Path], group: Any) -> Checkpoint | None:
+def _latest(cfg: Config, reader: _Reader, scratch: Callable[[], Path], group: Any) -> Checkpoint | None:
     """The newest step of the current branch that reads (every local rank takes the same step); each one
     skipped is named in a warning, as a resume names it."""
     uid = cfg.elastic.unique_id
@@ -103,19 +104,25 @@ def _latest(cfg: Config, reader: "_Reader", scratch: Callable[[], Path], group: 
         step = _all_min(line[-1] if line else -1, group)
         if step < 0:
             return None
-        copies: list[tuple[Callable[[int], Path], str | None]] = []
-        if step in local:
-            copies.append((lambda rank: root / snapshot_name(step) / part_name(rank), None))
-        if remote is not None and step in remote_steps:     # also where the local copy does not read
-            copies.append((lambda rank: download_part(remote, step, rank, scratch()),
-                           f"{remote}/{snapshot_name(step)}"))
-        loaded = _first_that_reads(reader, step, copies)
+        loaded = _first_that_reads(reader, step, _copies(step, root, step in local,
+                                                         remote if step in remote_steps else None, scratch))
         if _all_min(int(loaded is not None), group) == 1:
             return loaded
         bound = step
 
 
-def _first_that_reads(reader: "_Reader", step: int,
+def _copies(step: int, root: Path, local: bool, remote: str | None,
+            scratch: Callable[[], Path]) -> list[tuple[Callable[[int], Path], str | None]]:
+    """Where step's parts can be read: the local copy, then the remote one (also where the local does not read)."""
+    copies: list[tuple[Callable[[int], Path], str | None]] = []
+    if local:
+        copies.append((lambda rank: root / snapshot_name(step) / part_name(rank), None))
+    if remote is not None:
+        copies.append((lambda rank: download_part(remote, step, rank, scratch()), f"{remote}/{snapshot_name(step)}"))
+    return copies
+
+
+def _first_that_reads(reader: _Reader, step: int,
                       copies: list[tuple[Callable[[int], Path], str | None]]) -> Checkpoint | None:
     """The step read from its first copy that reads (local, then remote); another run's is never skipped."""
     for fetch, where in copies:

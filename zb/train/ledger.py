@@ -16,7 +16,8 @@ import math
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from zb import __version__
 from zb.config import non_default_settings
@@ -51,7 +52,7 @@ class Ledger:
     `mfu` turns tokens per second into MFU, None without a FLOPs model (a stage): the step's mfu is then
     null and outer steps report no rates. `stage` goes on a stage worker's events."""
 
-    def __init__(self, sink: Sink, scheduler: "torch.optim.lr_scheduler.LambdaLR", *, tokens_per_step: int,
+    def __init__(self, sink: Sink, scheduler: torch.optim.lr_scheduler.LambdaLR, *, tokens_per_step: int,
                  mfu: Callable[[float], float | None] | None = None, stage: int | None = None) -> None:
         self.sink, self.scheduler = sink, scheduler
         self.tokens_per_step, self.mfu, self.stage = tokens_per_step, mfu, stage
@@ -82,7 +83,7 @@ class Ledger:
         """The loop starts training (after a resume): outer-step rates count from here."""
         self._round = (time.perf_counter() if now is None else now, self.position)
 
-    def outer_step(self, report: "OuterReport", *, received: RunPosition | None = None,
+    def outer_step(self, report: OuterReport, *, received: RunPosition | None = None,
                    closing: bool | None = None, round_micro_batches: int | None = None) -> OuterStep:
         """After an outer step: a joiner takes the run's position it `received` (as of the step's start);
         after an adaptive round every node moves to the run's step and counts the tokens every node

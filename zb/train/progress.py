@@ -60,7 +60,7 @@ class TrainingDisplay:
             self._task = self._progress.add_task("[bold]train", total=total_steps, completed=start_step, loss="-",
                                                  tps="-")
 
-    def __enter__(self) -> "TrainingDisplay":
+    def __enter__(self) -> TrainingDisplay:
         if self._progress is not None:
             self._progress.start()
             retarget_stream(sys.stderr)  # log lines print above the bar instead of through it

@@ -237,7 +237,7 @@ class TrainingRun:
         return slot, self.diloco.num_slots
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def checkpoint_state(self) -> "TrainState":
+    def checkpoint_state(self) -> TrainState:
         """What a checkpoint holds, and what a resume fills in place."""
         from zb.ckpt.durable.state import TrainState
         from zb.train.fsdp import unsharded_params
@@ -375,7 +375,7 @@ class TrainingRun:
             self.ledger.outer_step(report, closing=True)
             self._log_outer(report, " | run end: last average applied, model = shared params")
 
-    def _log_outer(self, report: "OuterReport", note: str) -> None:
+    def _log_outer(self, report: OuterReport, note: str) -> None:
         """The outer step's log line (its event went out from the ledger)."""
         note = note or report.note or ("" if report.applied else " | NOT applied")
         assert self.cfg.diloco is not None  # outer steps happen only with DiLoCo

@@ -36,7 +36,7 @@ class StopRequest:
         self._first_at = 0.0
         self._previous: dict[int, stop_signals.SignalHandler] = {}
 
-    def install(self) -> "StopRequest":
+    def install(self) -> StopRequest:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -8,8 +8,9 @@ update equals that of one process taking the whole batch (a test holds the two a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist

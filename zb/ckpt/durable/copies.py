@@ -14,8 +14,9 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from zb.ckpt.format.catalog import commit, fsync_path, read_committed, tmp_dir
 from zb.errors import EnvironmentFailure, InvalidInput, free_space

@@ -20,8 +20,9 @@ new one from then on. Torch-free: `zb ckpt ls` uses it.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from zb.ckpt.format.manifest import Manifest
 

@@ -30,6 +30,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +254,7 @@ class CheckpointManager:
                 continue  # this rank's part got there; another rank's did not
             except (InvalidInput, OSError):
                 pass
-            copied, error = retry(f"checkpoint step {step}: copy from RAM to disk", lambda: copy_part(src, dst),
+            copied, error = retry(f"checkpoint step {step}: copy from RAM to disk", partial(copy_part, src, dst),
                                   self.attempts, self.retry_delay)
             if copied is None:
                 raise EnvironmentFailure(
@@ -420,7 +421,7 @@ class CheckpointManager:
                 return None
             loaded = None
             try:
-                loaded = self._read_step(lambda r: self._part_of(step, r, step in remote), state)
+                loaded = self._read_step(lambda r, step=step: self._part_of(step, r, step in remote), state)
             except _RunMismatch:
                 raise
             except (InvalidInput, EnvironmentFailure, OSError) as e:  # damaged: the previous one, if any

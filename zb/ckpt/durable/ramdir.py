@@ -22,8 +22,8 @@ import logging
 import os
 import shutil
 import socket
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from zb.ckpt.durable.layout import complete_steps
 

@@ -106,7 +106,7 @@ class Manifest:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes | str, source: str) -> "Manifest":
+    def from_json(cls, data: bytes | str, source: str) -> Manifest:
         """Parse and validate; anything malformed is an InvalidInput naming `source`."""
         try:
             doc = json.loads(data)
@@ -115,7 +115,7 @@ class Manifest:
             raise InvalidInput(f"{source}: not a valid zb snapshot manifest ({e})") from None
 
     @classmethod
-    def _from_dict(cls, doc: dict[str, Any]) -> "Manifest":
+    def _from_dict(cls, doc: dict[str, Any]) -> Manifest:
         if doc.get("format") != FORMAT:
             raise ValueError(f"format is {doc.get('format')!r}, expected {FORMAT!r}")
         if _int(doc["version"]) > VERSION:

@@ -76,7 +76,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "zb-ckpt-serve/1"
     sys_version = ""
-    server: "SnapshotServer"
+    server: SnapshotServer
 
     def setup(self) -> None:
         # A stalled client cannot hold a thread forever. typeshed declares `timeout` a ClassVar, but
@@ -115,7 +115,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send_file(what[1], what[2], body)
         except HttpError as e:
             self._send_json(e.status, {"error": str(e)}, body, e.headers)
-        except (BrokenPipeError, ConnectionResetError, socket.timeout) as e:
+        except (TimeoutError, BrokenPipeError, ConnectionResetError) as e:
             log.debug("client %s went away: %s", self.address_string(), e)
             self.close_connection = True
 

@@ -7,8 +7,8 @@ import logging
 import os
 import secrets
 import stat
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from zb.errors import InvalidInput
 from zb.secret import sidecar_token
