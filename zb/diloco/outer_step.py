@@ -31,6 +31,7 @@ from zb.collectives import PeerFailure
 from zb.config_schema import Config
 from zb.diloco import checkin, drift, rounds
 from zb.diloco.algorithm import CheckInResult, OuterAlgorithm, Step, adaptive_plan, end_round, run_position
+from zb.diloco.algorithm import Mesh as TransferMesh
 from zb.diloco.background import Arrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.claims import RunClaims
@@ -50,18 +51,10 @@ from zb.position import RunPosition
 log = logging.getLogger("zb.diloco")
 
 
-class Mesh(Protocol):
-    """The elastic world as the outer step uses it (zb.elastic.ElasticDeviceMesh, or a fake world's)."""
-
-    @property
-    def view(self) -> WorldView | None: ...
-
-    @property
-    def global_pg(self) -> torch.distributed.ProcessGroup: ...
+class Mesh(TransferMesh, Protocol):
+    """The elastic world as the outer step uses it: what an algorithm's transfers use, and resolving."""
 
     def resolve(self) -> WorldView: ...
-
-    def report_failure(self, rank: int | None) -> None: ...
 
 
 class Live(Protocol):
@@ -92,7 +85,7 @@ class OuterSteps:
         took over the run's state, the run's position before the step."""
         alg = self.algorithm
         arrival = alg.arrive()                                                     # 1
-        done = self.resolve_and_check_in(position, self._arrived(arrival))              # 2
+        done = self.resolve_and_check_in(position, self._arrived(arrival))         # 2
         report = done.report()
         alg.note_arrival(report, arrival)
         if not done.ok or done.plan is None:
