@@ -27,6 +27,7 @@ from zb.status.reader import NoRun, RunReader, read_present
 from zb.status.record import HISTORY_POINTS, NodeStatus, decode_history, decode_record, encode
 from zb.status.report import build_report
 from zb.status.server import Dashboard, listen
+from zb.testing.fake_dom import FAKE_DOM
 from zb.testing.procs import free_port, wait_until, zb_process
 
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -464,24 +465,6 @@ def test_dashboard_serves_the_page_and_the_document(store):
         board.close()
 
 
-# A DOM just large enough for the page's script: its nodes table comes back as text, one list of cells per row.
-_FAKE_DOM = """
-class FakeNode {
-  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.style = {}; this.own = ""; }
-  setAttribute(k, v) { this.attrs[k] = String(v); }
-  appendChild(c) { this.children.push(c); return c; }
-  replaceChildren(...c) { this.children = c; }
-  set textContent(t) { this.own = String(t); this.children = []; }
-  get textContent() { return this.own + this.children.map(c => c.textContent).join(""); }
-}
-const byId = {};
-const document = {
-  createElement: t => new FakeNode(t), createElementNS: (ns, t) => new FakeNode(t),
-  createTextNode: t => { const n = new FakeNode("#text"); n.own = String(t); return n; },
-  getElementById: id => byId[id] || (byId[id] = new FakeNode("div")), body: new FakeNode("body"),
-};
-document.getElementById("zb-data").textContent = process.argv[2];
-"""
 
 
 def test_dashboard_table_shows_the_sync_column_as_the_cli_does(tmp_path):
@@ -496,7 +479,7 @@ def test_dashboard_table_shows_the_sync_column_as_the_cli_does(tmp_path):
     html = render()
     script = html.split("<!--ZB_DATA-->")[1].split("<script>")[1].split("</script>")[0]
     show = 'console.log(JSON.stringify(byId["nodes"].children[0].children.map(r => r.children.map(c => c.textContent))));'
-    (tmp_path / "page.js").write_text(_FAKE_DOM + script + show)
+    (tmp_path / "page.js").write_text(FAKE_DOM + script + show)
     sent = {"q": ("int4", 1_234_567), "f": ("none", 987), "new": ("int2", None), "old": (None, None),
             "big": ("int8", 7_890_000_000), "edge": ("none", 999_950), "zero": ("int2", 0)}
     nodes = [{"uid": uid, "state": "training", "compression": c, "wire_bytes": b} for uid, (c, b) in sent.items()]

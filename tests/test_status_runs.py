@@ -22,6 +22,7 @@ from zb.status.page import render
 from zb.status.reader import RunReader
 from zb.status.record import encode
 from zb.status.server import Dashboard, listen
+from zb.testing.fake_dom import FAKE_DOM
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -153,23 +154,6 @@ def test_the_dashboard_opens_on_the_list_and_each_run_has_its_page(store):
         board.close()
 
 
-_FAKE_DOM = """
-class FakeNode {
-  constructor(tag) { this.tag = tag; this.attrs = {}; this.children = []; this.style = {}; this.own = ""; }
-  setAttribute(k, v) { this.attrs[k] = String(v); }
-  appendChild(c) { this.children.push(c); return c; }
-  replaceChildren(...c) { this.children = c; }
-  set textContent(t) { this.own = String(t); this.children = []; }
-  get textContent() { return this.own + this.children.map(c => c.textContent).join(""); }
-}
-const byId = {};
-const document = {
-  createElement: t => new FakeNode(t), createElementNS: (ns, t) => new FakeNode(t),
-  createTextNode: t => { const n = new FakeNode("#text"); n.own = String(t); return n; },
-  getElementById: id => byId[id] || (byId[id] = new FakeNode("div")), body: new FakeNode("body"),
-};
-document.getElementById("zb-data").textContent = process.argv[2];
-"""
 
 
 def test_the_page_draws_the_list_each_run_a_link_to_its_page(tmp_path):
@@ -181,7 +165,7 @@ def test_the_page_draws_the_list_each_run_a_link_to_its_page(tmp_path):
             'console.log(JSON.stringify({title: byId["title"].textContent, shown: byId["run-view"].style.display,'
             ' rows: rows.map(r => [r.attrs["data-run"], r.children[0].children[0].attrs.href,'
             ' r.children.map(c => c.textContent)])}));')
-    (tmp_path / "page.js").write_text(_FAKE_DOM + script + show)
+    (tmp_path / "page.js").write_text(FAKE_DOM + script + show)
     doc = {"source": "test", "time": time.time(), "runs": [
         {"namespace": "", "sealed": False, "nodes_alive": 1, "nodes": [{"uid": "r0"}], "step": 5, "state": "running"},
         {"namespace": "a b/c", "sealed": False, "nodes_alive": 0, "nodes": [{"uid": "x"}, {"uid": "y"}], "step": 9,
