@@ -9,9 +9,14 @@ import json
 import signal
 from datetime import timedelta
 
+import pytest
+
 from zb.secret import write_new_secret
 from zb.testing.cluster import TrainCluster
 from zb.testing.procs import zb_process
+
+# The process variant of tests/test_status_runs.py's in-process runs (a minute of real nodes): on request.
+pytestmark = pytest.mark.soak
 
 SHORT = ["--optim.total_steps", "10", "--elastic.status_interval", "0.5"]      # two outer steps, then the end
 LONG = ["--optim.total_steps", "100000", "--elastic.status_interval", "0.5"]
