@@ -7,10 +7,12 @@ single-process simulation of a rule (tests/drivers/diloco_reference.py, the same
 inner optimizer as `zb train`; no pseudo-gradient compression), so a sweep of many settings fits on
 a 2-core machine: the loss is the mean train loss of the last 30 steps over the nodes.
 
-Every rule (blocking, eager, and each streaming fragments:tau:alpha) runs with every outer
-lr:momentum setting, on every model, H and seed. A cell is the mean over the seeds (each seed's
+Every rule (blocking, eager, delayed: the naive one-round delay, and each streaming
+fragments:tau:alpha) runs with every outer lr:momentum setting, on every model, H and seed. A cell is the mean over the seeds (each seed's
 value kept: the spread); best against best takes, per (model, H, rule), the setting of lowest mean
-loss and compares it with blocking's lowest, as a ratio of the means and per seed.
+loss and compares it with blocking's lowest, as a ratio of the means and per seed. With both eager and
+delayed, `recovered` is the share of the delay's cost that eager wins back, best against best:
+(delayed - eager) / (delayed - blocking), the eager paper's question (arXiv 2502.12996: almost all of it).
 
     PYTHONPATH=$PWD python scripts/bench_overlap_regime.py --models debug,debugmodel --seeds 1,2 --hs 10 \\
         --rules eager,streaming --streaming 2:1:0.5,5:1:0.5 --settings 1.0:0,0.7:0,0.5:0,0.7:0.9
@@ -32,7 +34,7 @@ from zb.testing.cluster import REFERENCE
 from zb.testing.procs import REPO, checkout_file, subprocess_env
 
 TAIL = 30   # steps at the end whose train loss is averaged
-RULES = ("eager", "streaming")   # compared with blocking DiLoCo (rule none), which always runs
+RULES = ("eager", "streaming", "delayed")   # compared with blocking DiLoCo (rule none), which always runs
 
 
 def _numbers(p: argparse.ArgumentParser, flag: str, text: str, kinds: tuple, sep: str = ":") -> list[tuple]:
@@ -103,6 +105,8 @@ def variants(args: argparse.Namespace) -> list[tuple]:
     out = [("blocking", None, None, None)]
     if "eager" in args.rules:
         out.append(("eager", None, None, None))
+    if "delayed" in args.rules:
+        out.append(("delayed", None, None, None))
     out += [("streaming", f, tau, alpha) for f, tau, alpha in args.streaming]
     return out
 
@@ -166,6 +170,21 @@ def summarize(args: argparse.Namespace, found: dict) -> tuple[list[dict], list[d
     return rows, best
 
 
+def recovered(best: list[dict]) -> list[dict]:
+    """Per (model, H) with both eager and delayed: the share (%) of the delay's cost, best against best, that
+    eager wins back; None where the delay cost nothing."""
+    out = []
+    for key in dict.fromkeys((b["model"], b["h"]) for b in best):
+        by_rule = {b["rule"]: b for b in best if (b["model"], b["h"]) == key}
+        if "eager" in by_rule and "delayed" in by_rule:
+            blocking, delayed, eager = by_rule["eager"]["blocking"], by_rule["delayed"]["loss"], by_rule["eager"]["loss"]
+            cost = delayed - blocking
+            share = round(100 * (delayed - eager) / cost, 1) if cost > 0 else None
+            out.append({"model": key[0], "h": key[1], "blocking": blocking, "delayed": delayed, "eager": eager,
+                        "recovered_pct": share})
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cells = [(model, h, v, lr, mom, s) for model in args.models for h in args.hs for v in variants(args)
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         found = dict(zip(cells, pool.map(lambda c: simulate(args, *c), cells)))
     rows, best = summarize(args, found)
     doc = {"bench": "overlap_regime", "nodes": args.nodes, "steps": args.steps, "models": args.models,
-           "batch": args.batch, "seq": args.seq, "seeds": args.seeds, "tail": TAIL, "rows": rows, "best": best}
+           "batch": args.batch, "seq": args.seq, "seeds": args.seeds, "tail": TAIL, "rows": rows, "best": best,
+           "recovered": recovered(best)}
     if not args.json:
         seeds = ", ".join(f"seed {s}" for s in args.seeds)
         print(f"{'model':>10} {'H':>4} {'rule':>18} {'outer lr':>8} {'momentum':>8} {'loss':>7}  ({seeds})  vs blocking")
@@ -189,6 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{s['outer_momentum']}{extra}) vs best blocking {b['blocking']:.4f} (lr "
                   f"{b['blocking_setting']['outer_lr']}, momentum {b['blocking_setting']['outer_momentum']}): "
                   f"{b['vs_blocking_pct']:+.2f}% (per seed {', '.join(f'{x:+.2f}%' for x in b['per_seed_vs_blocking_pct'])})")
+        for r in doc["recovered"]:
+            share = "n/a (the delay cost nothing)" if r["recovered_pct"] is None else f"{r['recovered_pct']:.1f}%"
+            print(f"{r['model']} H={r['h']}: eager wins back {share} of the delay's cost (blocking {r['blocking']:.4f}, "
+                  f"delayed {r['delayed']:.4f}, eager {r['eager']:.4f}; best against best)")
     print(json.dumps(doc))
     return doc
 

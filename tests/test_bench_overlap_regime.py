@@ -47,6 +47,25 @@ def test_best_against_best_takes_each_rules_lowest_mean_and_keeps_the_seed_sprea
     assert row["vs_blocking_pct"] == pytest.approx(100 * (1.4 / 1.2 - 1), abs=0.01)   # same setting's blocking
 
 
+def test_recovered_is_the_share_of_the_delays_cost_that_eager_wins_back():
+    mod = load_script("bench_overlap_regime")
+    best = [{"model": "debug", "h": 10, "rule": "eager", "loss": 1.2, "blocking": 1.0},
+            {"model": "debug", "h": 10, "rule": "delayed", "loss": 1.5, "blocking": 1.0},
+            {"model": "debug", "h": 30, "rule": "eager", "loss": 1.0, "blocking": 1.0},
+            {"model": "debug", "h": 30, "rule": "delayed", "loss": 0.9, "blocking": 1.0},
+            {"model": "tiny", "h": 10, "rule": "eager", "loss": 1.0, "blocking": 1.0}]   # no delayed: not listed
+    assert [(r["h"], r["recovered_pct"]) for r in mod.recovered(best)] == [(10, 60.0), (30, None)]
+
+
+def test_the_delayed_rule_simulates_and_differs_from_eager_and_blocking():
+    doc = load_script("bench_overlap_regime").main(
+        ["--nodes", "2", "--steps", "30", "--hs", "10", "--settings", "1.0:0", "--rules", "eager,delayed",
+         "--batch", "2", "--seq", "32", "--json"])
+    blocking, eager, delayed = (r["loss"] for r in doc["rows"])
+    assert len({blocking, eager, delayed}) == 3   # a rule flag that got lost would make two of them equal
+    assert [(r["model"], r["h"]) for r in doc["recovered"]] == [("debug", 10)]
+
+
 @pytest.mark.parametrize("argv", [
     ["--steps", "35", "--hs", "10"],                                            # steps not a multiple of H
     ["--hs", "10", "--rules", "streaming", "--streaming", "4:1:0.5"],           # 4 fragments do not divide 10

@@ -1,5 +1,5 @@
 """diloco.overlap with real nodes on loopback: a whole run equals the single-process simulation of
-its update rule (eager and none), nodes agree on the shared params at every outer step, and the
+its update rule (none, eager, streaming, delayed), nodes agree on the shared params at every outer step, and the
 background all-reduce's failures, joiners, checkpoints and signals keep every guarantee.
 
 Nodes are real `zb train` processes around a real `zb store` (zb/testing/cluster.py).
@@ -24,10 +24,12 @@ def _rule_flags(rule: str) -> list[str]:
 def references() -> dict[str, list[list[float]]]:
     flags = [*TINY[:-4], "--model.name", "debug", "--diloco.inner_steps", "5", *RUN_FLAGS, "--train.device", "cpu"]
     return {rule: reference_losses(2, rule, flags + (STREAMING if rule == "streaming" else []))
-            for rule in ("eager", "none", "streaming")}
+            for rule in ("eager", "none", "streaming", "delayed")}
 
 
-@pytest.mark.parametrize("rule", ["eager", "none", "streaming"])
+# delayed (the naive one-round delay) also has its single-process reference in the default suite
+# (tests/test_node_inprocess.py); its real-process twin runs on request.
+@pytest.mark.parametrize("rule", ["eager", "none", "streaming", pytest.param("delayed", marks=pytest.mark.soak)])
 def test_whole_run_equals_the_single_process_simulation_of_its_rule(make_run, references, rule):
     run = make_run(2)
     for i in range(2):

@@ -2,7 +2,7 @@
 the update rules' definitions (not from zb.diloco's code), with zb's own model, data and inner
 optimizer, so a real multi-process run can be compared with it step loss by step loss.
 
-    python diloco_reference.py NODES RULE ARGS...      (RULE: none | eager; ARGS: zb train flags)
+    python diloco_reference.py NODES RULE ARGS...      (RULE: none | eager | streaming | delayed; ARGS: zb train flags)
 
 NODES is a count, or each node's local rank count (`1,2`): a node of L local ranks reads the data
 of local ranks 0..L-1 of its slot, as a `zb train` node through torchrun does, and one step
@@ -14,6 +14,9 @@ eager: the paper's per-worker form (arXiv 2502.12996, as RESEARCH.md gives it): 
        private outer SGD (params and momentum) and steps it with
          Dbar(r-1) + D_m(r)/M - D_m(r-1)/M,
        where D_m(r) = theta_m - x_m and Dbar(r-1) is the mean launched one boundary earlier.
+delayed: the naive one-round delay (the eager paper's baseline): one shared outer SGD; every round
+       starts from the shared params, and at its end they step with the mean launched one boundary
+       earlier, D_m(r) = theta - x_m taking the shared params the round started from.
 streaming: Streaming DiLoCo (torchft's fragment rule): fragment p of P syncs at step (p+1)*H/P of
        each round; tau steps earlier every node takes D_m = theta_p - x_m,p; at the sync step one
        outer SGD per fragment (its own momentum) steps theta_p with the mean, and every node merges
@@ -118,7 +121,7 @@ def main() -> None:
     sims = [SimNode(cfg, tokenizer, placement, m, nodes, ranks[m]) for m in range(nodes)]
     H, total = cfg.diloco.inner_steps, cfg.optim.total_steps
     thetas = [torch.nn.Parameter(s.flat(), requires_grad=False) for s in sims]
-    if rule == "none":
+    if rule in ("none", "delayed"):
         opts = [outer_sgd(thetas[0], cfg.diloco)]
     else:
         opts = [outer_sgd(t, cfg.diloco) for t in thetas]
@@ -133,8 +136,10 @@ def main() -> None:
             s.train(H)
         deltas = [thetas[m if rule == "eager" else 0].detach() - s.flat() for m, s in enumerate(sims)]
         mean = torch.stack(deltas).mean(0)
-        if rule == "none":
-            step(opts[0], mean)
+        if rule in ("none", "delayed"):
+            if rule == "none" or arrived is not None:
+                step(opts[0], mean if rule == "none" else arrived)
+            arrived = mean
             for s in sims:
                 s.load(thetas[0].detach())
             continue
