@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from zb.ckpt.durable.layout import check_complete, entries, part_count, part_name, resolve_part, step_from_name
 from zb.ckpt.durable.lineage import current_lineage, merge
+from zb.ckpt.durable.manager import all_min
 from zb.ckpt.durable.remote import download_part, remote_entries
 from zb.ckpt.durable.reshard import join_and_split
 from zb.ckpt.durable.state import MODEL, check_meta, load_model, model_tensors
@@ -101,12 +101,12 @@ def _latest(cfg: Config, reader: _Reader, scratch: Callable[[], Path], group: An
     bound = None
     while True:
         line = [s for s in current_lineage(found) if bound is None or s < bound]
-        step = _all_min(line[-1] if line else -1, group)
+        step = all_min(line[-1] if line else -1, group)
         if step < 0:
             return None
         loaded = _first_that_reads(reader, step, _copies(step, root, step in local,
                                                          remote if step in remote_steps else None, scratch))
-        if _all_min(int(loaded is not None), group) == 1:
+        if all_min(int(loaded is not None), group) == 1:
             return loaded
         bound = step
 
@@ -134,15 +134,6 @@ def _first_that_reads(reader: _Reader, step: int,
             log.warning("skipping %s copy of checkpoint step %d: %s", "the remote" if where else "the local",
                         step, e)
     return None
-
-
-def _all_min(value: int, group: Any) -> int:
-    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
-        return value
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return int(t.item())
 
 
 class _Reader:

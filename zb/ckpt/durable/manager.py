@@ -431,12 +431,7 @@ class CheckpointManager:
             bound = step
 
     def _all_min(self, value: int) -> int:
-        if not (dist.is_initialized() and dist.get_world_size(self.group) > 1):
-            return value
-        device = "cuda" if dist.get_backend(self.group) == "nccl" else "cpu"
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return all_min(value, self.group)
 
     def _read_part(self, part: Path, state: TrainState) -> dict:
         """Read and check everything of a part before anything is applied: a checkpoint whose
@@ -504,6 +499,16 @@ class CheckpointManager:
         if not meta.get("data_exact", True) or not state.data_exact:
             log.warning("the data loader cannot resume exactly (shuffle buffer): the resumed run sees slightly "
                         "different data than an uninterrupted one")
+
+
+def all_min(value: int, group: Any) -> int:
+    """The smallest of every local rank's `value` (the local ranks agree on a step or an outcome); alone: `value`."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return value
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return int(t.item())
 
 
 class _RunMismatch(InvalidInput):
