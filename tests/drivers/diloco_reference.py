@@ -82,15 +82,15 @@ def step(opt: torch.optim.SGD, grad: torch.Tensor) -> None:
     opt.step()
 
 
-def streaming(sims: list[SimNode], dcfg, total: int) -> None:
+def streaming(sims: list, dcfg, total: int, on_round=None) -> torch.Tensor:
     from zb.diloco.streaming import fragment_of_params
 
     names, numels = zip(*[(n, p.numel()) for n, p in sims[0].model.named_parameters()])
     owner = fragment_of_params(list(names), list(numels), dcfg.fragments)
     starts = [sum(numels[:i]) for i in range(len(numels))]
-    index = [torch.cat([torch.arange(starts[i], starts[i] + numels[i]) for i in range(len(owner)) if owner[i] == p])
-             for p in range(dcfg.fragments)]
     theta = sims[0].flat()
+    index = [torch.cat([torch.arange(starts[i], starts[i] + numels[i], device=theta.device)
+                        for i in range(len(owner)) if owner[i] == p]) for p in range(dcfg.fragments)]
     frags = [torch.nn.Parameter(theta[ix].clone(), requires_grad=False) for ix in index]
     opts = [outer_sgd(f, dcfg) for f in frags]  # one outer SGD (and momentum) per fragment
     H, per, tau = dcfg.inner_steps, dcfg.inner_steps // dcfg.fragments, dcfg.fragment_delay
@@ -107,6 +107,66 @@ def streaming(sims: list[SimNode], dcfg, total: int) -> None:
                     x = s.flat()
                     x[index[p]] = dcfg.fragment_alpha * x[index[p]] + (1 - dcfg.fragment_alpha) * frags[p].detach()
                     s.load(x)
+        if on_round is not None and t % H == 0:
+            on_round(t // H - 1, outer_params(theta, frags, index))
+    return outer_params(theta, frags, index)
+
+
+def outer_params(theta: torch.Tensor, frags: list[torch.Tensor], index: list[torch.Tensor]) -> torch.Tensor:
+    """Streaming's outer params as one flat vector: each fragment's, where it sits."""
+    out = torch.empty_like(theta)
+    for frag, ix in zip(frags, index):
+        out[ix] = frag.detach()
+    return out
+
+
+def global_params(rule: str, thetas: list[torch.Tensor]) -> torch.Tensor:
+    """The run's outer params: the shared ones, or under eager the mean of the nodes' private ones."""
+    return thetas[0].detach() if rule in ("none", "delayed") else torch.stack([t.detach() for t in thetas]).mean(0)
+
+
+def mean_of(deltas: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(deltas).mean(0)
+
+
+def run_rule(sims: list, rule: str, dcfg, total: int, average=mean_of, on_round=None) -> torch.Tensor:
+    """Train `sims` (objects with train(steps), flat(), load(flat)) for `total` inner steps under `rule`
+    and return the outer params at the end.
+
+    `average(deltas)` is the all-reduce (the exact mean, or a model of a compressed one; not used by
+    streaming); `on_round(r, params)` sees the outer params after round r's outer step."""
+    nodes, H = len(sims), dcfg.inner_steps
+    if rule == "streaming":
+        return streaming(sims, dcfg, total, on_round)
+    thetas = [torch.nn.Parameter(s.flat(), requires_grad=False) for s in sims]
+    opts = [outer_sgd(thetas[0], dcfg)] if rule in ("none", "delayed") else [outer_sgd(t, dcfg) for t in thetas]
+    last = [torch.zeros_like(thetas[0]) for _ in sims]
+    arrived: torch.Tensor | None = None
+    for r in range(total // H):
+        for s in sims:
+            s.train(H)
+        deltas = [thetas[m if rule == "eager" else 0].detach() - s.flat() for m, s in enumerate(sims)]
+        mean = average(deltas)
+        if rule in ("none", "delayed"):
+            if rule == "none" or arrived is not None:
+                step(opts[0], mean if rule == "none" else arrived)
+            arrived = mean
+            for s in sims:
+                s.load(thetas[0].detach())
+        else:
+            for m, s in enumerate(sims):
+                g = deltas[m] / nodes - last[m]
+                if arrived is not None:
+                    g = g + arrived
+                step(opts[m], g)
+                last[m] = deltas[m] / nodes
+                s.load(thetas[m].detach())
+            arrived = mean
+        if on_round is not None:
+            on_round(r, global_params(rule, thetas))
+    for s in sims:
+        s.train(total % H)
+    return global_params(rule, thetas)
 
 
 def main() -> None:
@@ -119,40 +179,7 @@ def main() -> None:
     tokenizer = build_tokenizer(cfg.data.tokenizer, retries=0)
     placement = pick_placement(cfg.train, LocalWorld(0, 1))
     sims = [SimNode(cfg, tokenizer, placement, m, nodes, ranks[m]) for m in range(nodes)]
-    H, total = cfg.diloco.inner_steps, cfg.optim.total_steps
-    thetas = [torch.nn.Parameter(s.flat(), requires_grad=False) for s in sims]
-    if rule in ("none", "delayed"):
-        opts = [outer_sgd(thetas[0], cfg.diloco)]
-    else:
-        opts = [outer_sgd(t, cfg.diloco) for t in thetas]
-    last = [torch.zeros_like(thetas[0]) for _ in sims]
-    arrived: torch.Tensor | None = None
-    if rule == "streaming":
-        streaming(sims, cfg.diloco, total)
-        print(json.dumps({"losses": [s.losses for s in sims]}))
-        return
-    for _ in range(total // H):
-        for s in sims:
-            s.train(H)
-        deltas = [thetas[m if rule == "eager" else 0].detach() - s.flat() for m, s in enumerate(sims)]
-        mean = torch.stack(deltas).mean(0)
-        if rule in ("none", "delayed"):
-            if rule == "none" or arrived is not None:
-                step(opts[0], mean if rule == "none" else arrived)
-            arrived = mean
-            for s in sims:
-                s.load(thetas[0].detach())
-            continue
-        for m, s in enumerate(sims):
-            g = deltas[m] / nodes - last[m]
-            if arrived is not None:
-                g = g + arrived
-            step(opts[m], g)
-            last[m] = deltas[m] / nodes
-            s.load(thetas[m].detach())
-        arrived = mean
-    for s in sims:
-        s.train(total % H)
+    run_rule(sims, rule, cfg.diloco, cfg.optim.total_steps)
     print(json.dumps({"losses": [s.losses for s in sims]}))
 
 

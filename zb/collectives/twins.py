@@ -72,10 +72,10 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.view(nb, block)
 
 
-def _counts(n: int, block: int) -> torch.Tensor:
+def _counts(n: int, block: int, device: torch.device) -> torch.Tensor:
     """Values per block, as fp32 (the last block may be shorter)."""
     nb = -(-n // block)
-    counts = torch.full((nb,), float(block))
+    counts = torch.full((nb,), float(block), device=device)
     if nb and n % block:
         counts[-1] = float(n % block)
     return counts
@@ -87,7 +87,7 @@ def _scales(mat: torch.Tensor, scheme: Scheme, n: int) -> tuple[torch.Tensor, to
         a = mat.new_zeros(mat.shape[0])
         for j in range(mat.shape[1]):          # index order, one rounding per addition
             a = a + mat[:, j].abs()
-        m = (a / _counts(n, scheme.block)) * torch.full_like(a, INT2_MEAN_SCALE)
+        m = (a / _counts(n, scheme.block, a.device)) * torch.full_like(a, INT2_MEAN_SCALE)
     else:
         m = mat.abs().amax(dim=1) if mat.numel() else mat.new_zeros(mat.shape[0])
     bad = ~torch.isfinite(m)  # NaN propagates through amax and the sum; Inf too
@@ -127,7 +127,7 @@ def _pack(codes: torch.Tensor, scheme: Scheme) -> torch.Tensor:
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad)])
     lanes = codes.view(-1, per)
-    out = torch.zeros(lanes.shape[0], dtype=torch.int32)
+    out = torch.zeros(lanes.shape[0], dtype=torch.int32, device=codes.device)
     for k in range(per):
         out |= lanes[:, k] << (k * scheme.bits)
     return out.to(torch.uint8)
