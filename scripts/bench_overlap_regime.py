@@ -51,6 +51,21 @@ def _numbers(p: argparse.ArgumentParser, flag: str, text: str, kinds: tuple, sep
     return out
 
 
+def _rule_settings(p: argparse.ArgumentParser, text: str) -> dict[str, list[tuple]]:
+    """'blocking=1.0:0,eager=0.7:0;0.5:0' -> {rule: [(lr, momentum), ...]}; p.error on anything else."""
+    out: dict[str, list[tuple]] = {}
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        rule, _, settings = item.partition("=")
+        if rule.strip() not in ("blocking", *RULES) or not settings:
+            p.error(f"--rule-settings: {item!r} is not RULE=lr:momentum (rules: blocking, {', '.join(RULES)})")
+        out[rule.strip()] = _numbers(p, "--rule-settings", settings.replace(";", ","), (float, float))
+    return out
+
+
+def settings_of(args: argparse.Namespace, rule: str) -> list[tuple]:
+    return args.rule_settings.get(rule, args.settings)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=4, help="M: simulated DiLoCo nodes.")
@@ -58,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hs", default="10", help="Comma-separated H values (diloco.inner_steps).")
     p.add_argument("--settings", default="1.0:0,0.7:0,0.5:0,0.7:0.9",
                    help="Comma-separated outer lr:momentum pairs (Nesterov when momentum > 0).")
+    p.add_argument("--rule-settings", default="",
+                   help="Per-rule outer settings instead of --settings, e.g. 'blocking=1.0:0,eager=0.7:0' "
+                        "(several for one rule: 'eager=0.7:0;0.5:0'): for long runs, each rule at its best.")
     p.add_argument("--rules", default="eager",
                    help=f"Comma-separated rules compared with blocking DiLoCo: {', '.join(RULES)}.")
     p.add_argument("--streaming", default="2:1:0.5",
@@ -73,6 +91,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.hs = [h for (h,) in _numbers(p, "--hs", args.hs, (int,))]
     args.seeds = [s for (s,) in _numbers(p, "--seeds", args.seeds, (int,))]
     args.settings = _numbers(p, "--settings", args.settings, (float, float))
+    args.rule_settings = _rule_settings(p, args.rule_settings)
     args.rules = [r.strip() for r in args.rules.split(",") if r.strip()]
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.streaming = _numbers(p, "--streaming", args.streaming, (int, int, float)) \
@@ -87,7 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--rules: unknown {', '.join(bad)} (choose from {', '.join(RULES)})")
     if bad := [m for m in args.models if m not in model_names("llama2")]:
         p.error(f"--models: no such size {', '.join(bad)} (valid: {', '.join(model_names('llama2'))})")
-    if any(lr <= 0 or not 0 <= mom < 1 for lr, mom in args.settings):
+    if any(lr <= 0 or not 0 <= mom < 1 for lr, mom in [*args.settings, *sum(args.rule_settings.values(), [])]):
         p.error("--settings: the outer lr must be positive and the momentum in [0, 1)")
     for f, tau, alpha in args.streaming:
         if f < 1 or tau < 0 or not 0 <= alpha <= 1:
@@ -147,11 +166,16 @@ def summarize(args: argparse.Namespace, found: dict) -> tuple[list[dict], list[d
     for model in args.models:
         for h in args.hs:
             mine = []
+            blocking_variant = variants(args)[0]
+            best_blocking = min(settings_of(args, "blocking"), key=lambda st: mean(
+                found[(model, h, blocking_variant, *st, s)] for s in args.seeds))
             for variant in variants(args):
                 rule, f, tau, alpha = variant
-                for lr, mom in args.settings:
+                for lr, mom in settings_of(args, rule):
                     losses = [found[(model, h, variant, lr, mom, s)] for s in args.seeds]
-                    blocking = [found[(model, h, variants(args)[0], lr, mom, s)] for s in args.seeds]
+                    # against blocking at the same setting where it ran, else against blocking's best
+                    st = (lr, mom) if (lr, mom) in settings_of(args, "blocking") else best_blocking
+                    blocking = [found[(model, h, blocking_variant, *st, s)] for s in args.seeds]
                     mine.append({"model": model, "h": h, "rule": rule, "fragments": f, "fragment_delay": tau,
                                  "fragment_alpha": alpha, "outer_lr": lr, "outer_momentum": mom,
                                  "loss": round(mean(losses), 4), "losses": [round(x, 4) for x in losses],
@@ -188,7 +212,7 @@ def recovered(best: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cells = [(model, h, v, lr, mom, s) for model in args.models for h in args.hs for v in variants(args)
-             for lr, mom in args.settings for s in args.seeds]
+             for lr, mom in settings_of(args, v[0]) for s in args.seeds]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         found = dict(zip(cells, pool.map(lambda c: simulate(args, *c), cells)))
     rows, best = summarize(args, found)

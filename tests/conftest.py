@@ -71,6 +71,7 @@ def load_script(name: str):
         sys.path.insert(0, str(REPO / "scripts"))
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -61,14 +61,15 @@ class Eager(Mode):
     @classmethod
     def advisories(cls, d: DilocoSettings) -> Iterator[tuple[str, str]]:
         yield "diloco.overlap", ("eager lost 14-37% in loss against blocking DiLoCo, best setting against best, on every "
-                                 "model we could train (0.15M-6.6M params), where streaming was within 1% (BENCHMARKS.md, "
-                                 "\"Eager across the regime\"): prefer diloco.overlap = streaming unless a short run "
-                                 "of your own model says otherwise")
+                                 "model we could train on a CPU (0.15M-6.6M params), and 4% at 53M on a GPU, where "
+                                 "streaming was within 1% or better (BENCHMARKS.md, \"Eager across the regime\", "
+                                 "\"Fidelity at scale\"): prefer diloco.overlap = streaming unless a short run of your "
+                                 "own model says otherwise")
         if d.outer_momentum > 0:
             yield "diloco.outer_momentum", ("with diloco.overlap = eager, outer momentum made eager 84-99% worse than "
-                                            "blocking DiLoCo in our sweep, where momentum 0 with diloco.outer_lr 0.7 was "
-                                            "eager's best (BENCHMARKS.md, \"Eager across the regime\"): set "
-                                            "diloco.outer_momentum = 0")
+                                            "blocking DiLoCo in our CPU sweep and 27-34% worse at 53M on a GPU, where "
+                                            "momentum 0 with diloco.outer_lr 0.7 was eager's best (BENCHMARKS.md, \"Eager "
+                                            "across the regime\", \"Fidelity at scale\"): set diloco.outer_momentum = 0")
 
 
 class Streaming(Mode):
