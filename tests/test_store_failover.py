@@ -44,6 +44,23 @@ def test_three_nodes_move_to_the_standby_when_the_store_dies_for_good(cluster):
         assert moved["from_store"] == f"127.0.0.1:{cluster.port}"
 
 
+def test_three_nodes_move_to_the_standby_when_the_store_goes_silent(cluster):
+    """The store stopped (SIGSTOP): connections stay open, nothing answers, nothing is reset. Every operation
+    of the nodes' clients is bounded by the failover budget (zb.elastic.stores.op_budget), not by TCP: they move
+    as they do from a killed store, within store_failover_s plus a few operation timeouts."""
+    cluster.start_store()
+    cluster.start_store(cluster.standby_ports[0])
+    a, b, c = cluster.start_world(3)
+    first = cluster.agreement([a, b, c], 3)
+    cluster.silence_store()
+    silenced = time.time()
+    view = cluster.agreement([a, b, c], 3, after=silenced, store_ok=True, timeout=90)
+    assert view["version"] > first["version"] and sorted(view["nodes"]) == ["a", "b", "c"]
+    for node in (a, b, c):
+        (moved,) = _moved(node, cluster.standby_ports[0])
+        assert moved["silent_s"] >= 3.0 and moved["from_store"] == f"127.0.0.1:{cluster.port}"
+
+
 def test_a_node_hosts_the_next_store(cluster):
     cluster.start_store()
     a = cluster.start("a", 0, 3, ZB_ELASTIC_HOST_STORE="1")   # the first store is taken: a hosts the second

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -208,10 +209,49 @@ def handshake(host: str, port: int, timeout_s: float, answer_s: float, hint: str
     wait_for(helper)
     if "store" in result:
         store: TCPStore = result["store"]
+        bound_socket_waits(host, port, timeout_s)
         return store
     why = result.get("error") or f"no answer within {answer_s:g} s"
     raise failure(f"{host}:{port} accepts connections but does not answer as a TCPStore ({why}): is it a "
                   f"`zb store`? {hint}")
+
+
+def bound_socket_waits(host: str, port: int, seconds: float) -> int:
+    """Give every socket of this process connected to host:port a receive and send timeout of `seconds`;
+    return how many it found.
+
+    torch's client waits for a store's reply in a blocking recv with no timeout. A store whose machine went
+    silent (stopped, or every packet dropped: no reset) then holds every operation until TCP gives up,
+    minutes to never: its operation timeout bounds only the wait for a missing key. With the socket's own
+    timeout the recv fails after `seconds` ("Socket Timeout", a DistNetworkError, which every caller treats
+    as the store's silence and answers with a new client: the old one's replies are out of step). Every
+    client of one address in a process wants the same bound, so finding them by address is enough."""
+    import psutil
+
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        # torch's client connects over IPv6 where it can: 127.0.0.1 is then ::ffff:127.0.0.1
+        found = [c for c in psutil.Process().net_connections(kind="tcp")
+                 if c.raddr and c.raddr.port == port and c.fd >= 0 and c.raddr.ip.removeprefix("::ffff:") in ips]
+    except (OSError, psutil.Error):
+        return 0
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    done = 0
+    for conn in found:
+        try:
+            sock = socket.socket(fileno=os.dup(conn.fd))
+        except OSError:
+            continue   # closed meanwhile
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            done += 1
+        except OSError:
+            pass
+        finally:
+            sock.close()   # the duplicate only: the option belongs to the socket both descriptors share
+    return done
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.elastic import keys
+from zb.rendezvous_store import patient
 from zb.signed_store import prefixed
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class StreamGroups:
         self.tag, self.first = tag, first
         self.extra = max(0, streams - first)
         self.local_rank, self.timeout = local_rank, timedelta(seconds=pg_timeout_s)
+        # the members of a world build these together: each waits for the others as long as a collective would
+        self.wait_s = pg_timeout_s
         self.version: int | None = None
         # ProcessGroupGloo objects: torch types them as a Backend, they serve as groups here
         self.groups: list[Any] = []
@@ -47,7 +50,7 @@ class StreamGroups:
             self.groups, self.version = [], None
             prefix = keys.mesh_prefix(view.mesh_version, self.local_rank)
             try:
-                self.groups = [dist.ProcessGroupGloo(prefixed(store, f"{prefix}/{self.tag}{j}"),
+                self.groups = [dist.ProcessGroupGloo(patient(prefixed(store, f"{prefix}/{self.tag}{j}"), self.wait_s),
                                                      view.global_rank, view.global_world_size, self.timeout)
                                for j in range(self.first, self.first + self.extra)]
             except RuntimeError as e:

@@ -30,6 +30,7 @@ from zb.elastic.stores import shared_stores
 from zb.elastic.tcpstore import read_many, store_errors
 from zb.elastic.view import WorldView
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, ZbError
+from zb.rendezvous_store import patient
 from zb.signed_store import prefixed
 from zb.store_clients import StoreUnreachable
 
@@ -335,7 +336,10 @@ class ElasticDeviceMesh:
         pg, ok = None, True
         if self.replica is not None:
             try:
-                prefix = prefixed(store, keys.mesh_prefix(view.mesh_version, self.replica))
+                # patient: the members wait up to elastic.store_timeout for each other, a silent store
+                # is noticed within the client's short operation timeout (zb.rendezvous_store)
+                prefix = patient(prefixed(store, keys.mesh_prefix(view.mesh_version, self.replica)),
+                                 self.cfg.store_timeout)
                 pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
                                            timedelta(seconds=self.cfg.pg_timeout))
             except (RuntimeError,) + store_errors() as e:

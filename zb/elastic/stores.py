@@ -11,7 +11,9 @@ tested in-process:
 - `boundary_action`: what a node does at an outer step whose store does not answer: train on the
   old world (one address), wait for the store at the boundary, or move;
 - `arrival`: what a node does at a store it moved to (re-form, join, or refuse another run);
-- `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store.
+- `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store;
+- `op_budget`: how long one store operation of a node may wait, so that a store that went silent (no reset)
+  is noticed within elastic.store_failover_s, not after TCP's minutes.
 
 Moves go forward only: a node never goes back to an earlier address, so a store that comes back
 after the failover is ignored by every node of the run. Nodes that re-formed mark the stores they left
@@ -77,6 +79,19 @@ def arrival(my_run: str, store_run: str | None) -> str:
     if my_run and store_run and store_run != my_run:
         return OTHER_RUN
     return JOIN
+
+
+OP_FLOOR_S = 5.0   # no run client's store operation times out sooner: a busy machine's store can be that slow
+
+
+def op_budget(op_timeout: float, failover_s: float, failover: bool) -> float:
+    """The operation timeout (and reconnect wait) of a node's store client. With a store to fail over to, a
+    store machine that goes silent (every packet dropped, no reset: TCP would wait minutes) must be noticed
+    within elastic.store_failover_s: a third of it, at least OP_FLOOR_S, so the boundary asks it a few times
+    before it moves. With one store there is nowhere to go: elastic.store_timeout, as set."""
+    if not failover:
+        return op_timeout
+    return min(op_timeout, max(OP_FLOOR_S, failover_s / 3))
 
 
 def reform_quorum(last_world_size: int) -> int:
@@ -169,8 +184,11 @@ class StoreList:
         if not self._started:
             self._start(connect_timeout, namespace)
         index, address = self.index, self.current
-        client = run_client(address.host, address.port, connect_timeout, op_timeout, counters=keys.is_counter,
-                            namespace=namespace, secret=self.secret)
+        # Bounded by the failover budget: a silent store answers nothing, and every wait on it would last the
+        # whole timeout. gloo's rendezvous, which waits long for peers, wraps it (zb.rendezvous_store).
+        budget = op_budget(op_timeout, self.failover_s, self.has_other)
+        client = run_client(address.host, address.port, min(connect_timeout, budget), budget,
+                            counters=keys.is_counter, namespace=namespace, secret=self.secret)
         if self.index != index:
             raise StoreUnreachable(f"the run moved from {address} to {self.current} while connecting")
         self.answered()

@@ -99,6 +99,14 @@ class Cluster:
         store.kill()
         store.wait(10)
 
+    def silence_store(self, port: int | None = None) -> None:
+        """SIGSTOP the `zb store` at self.port (or at a standby's `port`): its sockets stay open and the kernel keeps
+        accepting and acknowledging, but nothing answers and nothing is reset, as with a machine that vanished
+        without a word. close() kills it (SIGKILL ends a stopped process too)."""
+        store = self.store if port in (None, self.port) else self.standbys[port]
+        assert store is not None, "start_store() first"
+        store.send_signal(signal.SIGSTOP)
+
     def start(self, uid: str, rank: int = 0, world_size: int = 1, *args: str, nproc: int = 0, **env: str) -> Node:
         out, err = self.tmp / f"{uid}.{len(self.nodes)}.out", self.tmp / f"{uid}.{len(self.nodes)}.err"
         node_env = dict(self.env, GLOBAL_UNIQUE_ID=uid, GLOBAL_RANK=str(rank), GLOBAL_WORLD_SIZE=str(world_size), **env)
