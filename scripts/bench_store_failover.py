@@ -1,8 +1,11 @@
-"""How long a run stands still when its store dies for good, and what training it loses (issue 26).
+"""How long a run stands still when its store dies for good or goes silent, and what training it loses
+(issues 26 and 39).
 
 N `zb train` nodes (tiny debug model, H = 5, every node on the loopback) around a `zb store` with a
-standby `zb store` second in elastic.addr. After 3 outer steps the first store is SIGKILLed and never
-started again. Measured from the nodes' own metrics against the moment of the kill:
+standby `zb store` second in elastic.addr. After 3 outer steps the first store is SIGKILLed (--how kill:
+its connections reset at once) or SIGSTOPped (--how stop: its connections stay open and nothing answers,
+as with a machine that vanished) and never comes back. Measured from the nodes' own metrics against the
+moment of the kill:
 - failover_s: the kill to the first outer step the whole run completed on the standby (the last node's
   first outer step after its store_failover event);
 - silent_s: how long the old store had been silent when the nodes moved (elastic.store_failover_s is the floor);
@@ -12,7 +15,8 @@ started again. Measured from the nodes' own metrics against the moment of the ki
 Profiles: default (elastic.* defaults: heartbeats 2 s / 10 s, store_failover_s 30) and short (the tests'
 SHORT_TIMEOUTS and store_failover_s 5).
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/bench_store_failover.py --nodes 3 6 --profiles short default --repeats 2
+    PYTHONPATH=$PWD .venv/bin/python scripts/bench_store_failover.py --nodes 3 6 --profiles short default --repeats 2 \
+        --how kill stop
 
 Prints a table and one JSON line.
 """
@@ -20,6 +24,7 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -41,7 +46,7 @@ PROFILES = {
 AFTER = 3   # outer steps the whole run takes on the standby before it stops
 
 
-def one_run(tmp: Path, nodes: int, profile: str) -> dict:
+def one_run(tmp: Path, nodes: int, profile: str, how: str = "kill") -> dict:
     run = TrainCluster(tmp, nodes, **PROFILES[profile])
     uids = [f"n{i}" for i in range(nodes)]
     try:
@@ -53,7 +58,7 @@ def one_run(tmp: Path, nodes: int, profile: str) -> dict:
         before = [e["time"] for e in run.metrics("n0", "outer_step")]
         round_s = statistics.median(b - a for a, b in zip(before, before[1:]))
         killed = time.time()
-        run.kill_store()
+        (run.kill_store if how == "kill" else run.silence_store)()
         for uid in uids:
             run.wait_for(uid, lambda u=uid: _after_move(run, u, AFTER), "outer steps on the standby", timeout=600)
         firsts = [_after_move(run, u, 1)[0]["time"] for u in uids]
@@ -63,7 +68,7 @@ def one_run(tmp: Path, nodes: int, profile: str) -> dict:
         for uid in uids:
             run.finish(uid, timeout=120)
         lost = sum(_lost(run, u) for u in uids)
-        return {"nodes": nodes, "profile": profile, "failover_s": round(max(firsts) - killed, 2),
+        return {"nodes": nodes, "profile": profile, "how": how, "failover_s": round(max(firsts) - killed, 2),
                 "first_node_s": round(min(firsts) - killed, 2), "silent_s": round(statistics.median(silent), 2),
                 "floor_s": float(PROFILES[profile]["ZB_ELASTIC_STORE_FAILOVER_S"]), "round_s": round(round_s, 3),
                 "lost_steps": lost}
@@ -94,22 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, nargs="+", default=[3, 6])
     p.add_argument("--profiles", nargs="+", default=["short", "default"], choices=sorted(PROFILES))
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--how", nargs="+", default=["kill"], choices=["kill", "stop"],
+                   help="kill: SIGKILL the store (connections reset); stop: SIGSTOP it (silent, nothing reset).")
     args = p.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="zb-failover-") as tmp:
         for profile in args.profiles:
-            for nodes in args.nodes:
-                for r in range(args.repeats):
-                    where = Path(tmp) / f"{profile}-{nodes}-{r}"
-                    where.mkdir()
-                    row = one_run(where, nodes, profile)
-                    rows.append(row)
-                    print(f"[failover] {json.dumps(row)}", file=sys.stderr, flush=True)
-    print(f"{'profile':8s} {'nodes':>5s} {'floor s':>8s} {'silent s':>9s} {'first node s':>13s} {'run s':>7s} "
+            for nodes, r, how in itertools.product(args.nodes, range(args.repeats), args.how):
+                where = Path(tmp) / f"{profile}-{nodes}-{r}-{how}"
+                where.mkdir()
+                row = one_run(where, nodes, profile, how)
+                rows.append(row)
+                print(f"[failover] {json.dumps(row)}", file=sys.stderr, flush=True)
+    print(f"{'profile':8s} {'how':>4s} {'nodes':>5s} {'floor s':>8s} {'silent s':>9s} {'first node s':>13s} {'run s':>7s} "
           f"{'over floor (rounds)':>20s} {'lost steps':>10s}")
     for row in rows:
         over = (row["failover_s"] - row["floor_s"]) / row["round_s"]
-        print(f"{row['profile']:8s} {row['nodes']:5d} {row['floor_s']:8.1f} {row['silent_s']:9.2f} "
+        print(f"{row['profile']:8s} {row['how']:>4s} {row['nodes']:5d} {row['floor_s']:8.1f} {row['silent_s']:9.2f} "
               f"{row['first_node_s']:13.2f} {row['failover_s']:7.2f} {over:20.1f} {row['lost_steps']:10d}")
     print(json.dumps({"bench": "store_failover", "rows": rows}))
     return 0 if all(r["lost_steps"] == 0 for r in rows) else 1

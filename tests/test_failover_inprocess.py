@@ -128,6 +128,20 @@ def test_a_lone_node_of_a_larger_world_does_not_train_alone_at_the_next_store():
         r.close()
 
 
+def test_half_of_the_world_does_not_reform_at_the_next_store():
+    """One of two nodes at the next store: the other may still train on the earlier store (a partition cut only
+    this one off it), so half is not enough to re-form, only a majority is (zb.elastic.stores.reform_quorum)."""
+    r = Run(dataclasses.replace(CFG, store_timeout=8.0))
+    try:
+        r.start(["a", "b"])
+        r.beats[1].stop()                                    # b never reaches the next store
+        r.lose_first_store()
+        (outcome,) = r.together(["a"], lambda m: m.resolve()).values()
+        assert isinstance(outcome, EnvironmentFailure) and "not admitted" in str(outcome), outcome
+    finally:
+        r.close()
+
+
 def test_a_next_store_holding_another_run_is_refused(run):
     run.start(["a"])
     client = dist.TCPStore("127.0.0.1", run.second.port, use_libuv=True, timeout=timedelta(seconds=10))

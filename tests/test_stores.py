@@ -81,8 +81,11 @@ def test_at_the_next_store_a_node_reforms_joins_or_refuses_another_run():
     assert arrival("", "run-2") == JOIN          # a node of no run yet (it was joining): the run it finds
 
 
-def test_the_world_reforms_with_at_least_half_of_the_last_one():
-    assert [reform_quorum(n) for n in (1, 2, 3, 4, 5, 6)] == [1, 1, 2, 2, 3, 3]
+def test_the_world_reforms_with_a_strict_majority_of_the_last_one():
+    assert [reform_quorum(n) for n in (1, 2, 3, 4, 5, 6)] == [1, 2, 2, 3, 3, 4]
+    # the movers and the nodes left behind on the earlier store can never both hold a majority
+    for n in range(1, 9):
+        assert all(not (moved >= reform_quorum(n) and n - moved >= reform_quorum(n)) for moved in range(n + 1))
 
 
 def test_the_store_list_moves_forward_only_and_times_silence_from_the_last_answer():

@@ -18,8 +18,9 @@
   and retries at the next call; a restarted (empty) store gets new clients, new requests, a new seed.
   With a next store in elastic.addr (zb.elastic.stores) the node instead waits at the boundary until
   the store has been silent for elastic.store_failover_s, moves to the next one and re-forms the
-  world there: seeded once at least half of the last world asked to join (all of it, or half after
-  elastic.heartbeat_timeout), with the run's id, so a node never joins another run's store.
+  world there: seeded once more than half of the last world asked to join (all of it, or a majority
+  after elastic.heartbeat_timeout; zb.elastic.stores.reform_quorum), with the run's id, so a node never
+  joins another run's store and the two sides of a partition never both re-form.
 """
 
 from __future__ import annotations
@@ -266,6 +267,7 @@ class Membership:
         # Never before the quorum's grace has passed (elastic.start_timeout can exceed elastic.store_timeout):
         # a first node whose peers start slowly seeds with those present then, as start_timeout promises.
         give_up = max(time.monotonic() + self.cfg.store_timeout, quorum.grace_at + self.cfg.heartbeat_timeout)
+        waiting_said = False
         while time.monotonic() < give_up:
             snap = read_snapshot(self.client, None)
             self._answered()
@@ -279,6 +281,11 @@ class Membership:
             self._observe(snap, world)
             if self._may_seed(world, snap, quorum):
                 self._seed(world, snap)
+            elif not waiting_said and quorum.least > 1 and time.monotonic() >= quorum.grace_at:
+                waiting_said = True
+                log.warning("waiting for %d of the last world's %d nodes to reach this store before the world "
+                            "re-forms here (up to elastic.store_timeout): fewer could train apart from nodes that "
+                            "still reach the earlier store", quorum.least, quorum.full)
             time.sleep(self.cfg.polling_interval)
         raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
                                  "member resolved the world (are the other nodes running and reaching the store?)")
@@ -357,7 +364,7 @@ class Membership:
             if self.heartbeat is not None and "evicted" in why else ""
         log.warning("rejoining (%s); last mesh version %d%s", why, self.world.version if self.world else 0, hint)
         quorum = len(self.world.nodes) if self.world else 1
-        # With a failover list a store revived at its address is seeded by at least half the world, as a new one
+        # With a failover list a store revived at its address is seeded by a majority of the world, as a new one
         # is: else a few nodes that saw it come back could train there apart from the rest, who moved on.
         least = reform_quorum(quorum) if self.stores is not None and self.stores.has_other else 1
         return self._join(Quorum(full=quorum, least=least, grace_at=time.monotonic() + self.cfg.sync_deadline))

@@ -11,7 +11,8 @@ tested in-process:
 - `boundary_action`: what a node does at an outer step whose store does not answer: train on the
   old world (one address), wait for the store at the boundary, or move;
 - `arrival`: what a node does at a store it moved to (re-form, join, or refuse another run);
-- `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store;
+- `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store (a
+  strict majority, so two halves of a partition never both train);
 - `op_budget`: how long one store operation of a node may wait, so that a store that went silent (no reset)
   is noticed within elastic.store_failover_s, not after TCP's minutes.
 
@@ -95,9 +96,13 @@ def op_budget(op_timeout: float, failover_s: float, failover: bool) -> float:
 
 
 def reform_quorum(last_world_size: int) -> int:
-    """Nodes of the last world that must arrive before the world re-forms at a new store: at least half,
-    so no node trains alone in a minority that lost the others on the way (a partition)."""
-    return max(1, (last_world_size + 1) // 2)
+    """Nodes of the last world that must arrive before the world re-forms at a new store: more than half.
+    A partition can cut some nodes off a store that still answers the others, who go on there; the cut-off
+    nodes take its silence for its death and move. With exactly half on each side both used to train (two
+    worlds, two final models); now the movers need a majority, so half of them wait instead. What this does
+    not settle (issue 39, open): a minority left on the old store, whose leader drops the silent majority
+    and trains on until the movers' mark (keys.MOVED) reaches that store, and then receives the run's state."""
+    return last_world_size // 2 + 1
 
 
 @dataclass
