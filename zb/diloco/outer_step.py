@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from zb import stop_signals
 from zb.collectives import PeerFailure
 from zb.config_schema import Config
 from zb.diloco import checkin, drift, rounds
@@ -42,8 +43,9 @@ from zb.diloco.sync import SyncStats
 from zb.diloco.transfer import StateTransfer, send_each
 from zb.diloco.trust import ClipTrust
 from zb.elastic import localsync
+from zb.elastic.stores import may_train_on
 from zb.elastic.view import WorldView
-from zb.errors import EnvironmentFailure, InvalidInput
+from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
 from zb.events import OuterReport
 from zb.local_world import LocalWorld
 from zb.position import RunPosition
@@ -90,6 +92,8 @@ class OuterSteps:
         alg.note_arrival(report, arrival)
         if not done.ok or done.plan is None:
             alg.skip(done.attempts, closing)
+            if not may_train_on(done.view.store_ok, synced=False):
+                self._wait_for_store(position)
             if not closing:
                 end_round(self.clock, report, done.view, None)                     # 8
                 alg.round_started(report, position)
@@ -178,6 +182,31 @@ class OuterSteps:
             stats = None
         assert view is not None  # at least one attempt
         return CheckInResult(view, plan, None, attempts, False, resolve_s, checkin_s)
+
+    def _wait_for_store(self, position: RunPosition) -> None:
+        """This node lost the store and part of its world at the same outer step (zb.elastic.stores.may_train_on):
+        ask the store again every few seconds, up to elastic.store_timeout, before training another round. When it
+        answers, the world it resolves says what this node is now (still a member, or readmitted: then it receives
+        the run's state at the next outer step, as a node the run evicted does)."""
+        e = self.cfg.elastic
+        log.warning("outer step %d: the store does not answer and part of the world is gone: waiting for the store "
+                    "(up to elastic.store_timeout, %g s) instead of training apart from nodes that may still reach it",
+                    position.outer_step + 1, e.store_timeout)
+        give_up = time.monotonic() + e.store_timeout
+        while True:
+            leaving = stop_signals.requested()   # every local rank decides the same: each check is one vote
+            if not localsync.all_ok(self.local_group, leaving is None):
+                raise LeavingRun(f"{leaving or 'a stop signal'} received while waiting for the store")
+            if not localsync.all_ok(self.local_group, time.monotonic() < give_up):
+                raise EnvironmentFailure(f"the store did not answer for elastic.store_timeout ({e.store_timeout:g} s) "
+                                         "after this node lost part of its world: it stops rather than train apart "
+                                         "(its checkpoints stay; start it again to rejoin the run)")
+            time.sleep(max(1.0, e.heartbeat_interval))
+            view = self._resolve()
+            if view.store_ok:
+                log.warning("the store answers again: this node is in mesh v%d of %d nodes", view.mesh_version,
+                            view.global_world_size)
+                return
 
     def _norm(self) -> float:
         """diloco.clip: this node's pseudo-gradient norm, compared with the others' in the check-in (blocking

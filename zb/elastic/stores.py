@@ -13,6 +13,7 @@ tested in-process:
 - `arrival`: what a node does at a store it moved to (re-form, join, or refuse another run);
 - `reform_quorum`: how many of the last world must arrive before the world re-forms at a new store (a
   strict majority, so two halves of a partition never both train);
+- `may_train_on`: whether a node that could not reach the store trains the next round (only with its whole world);
 - `op_budget`: how long one store operation of a node may wait, so that a store that went silent (no reset)
   is noticed within elastic.store_failover_s, not after TCP's minutes.
 
@@ -103,6 +104,15 @@ def reform_quorum(last_world_size: int) -> int:
     not settle (issue 39, open): a minority left on the old store, whose leader drops the silent majority
     and trains on until the movers' mark (keys.MOVED) reaches that store, and then receives the run's state."""
     return last_world_size // 2 + 1
+
+
+def may_train_on(store_ok: bool, synced: bool) -> bool:
+    """Whether a node trains the next round after an outer step. Without its store, only the whole last
+    world goes on, its all-reduce with every member done: a store outage that all nodes share must not stop
+    them. A node that lost both the store and part of its world (the check-in failed) cannot tell whether
+    the others go on without it (a partition cut it off the store while the rest still reach it), so it
+    waits for the store instead of training apart: any change of the world needs the store."""
+    return store_ok or synced
 
 
 @dataclass
