@@ -153,6 +153,9 @@ class FakeMesh:
     def host_store_if_asked(self) -> None:
         return None
 
+    def mark_finished(self, outer_step: int, step: int) -> bool:
+        return False
+
     def shutdown(self, graceful: bool = True) -> None:
         return None
 

@@ -15,7 +15,9 @@ import torch.distributed as dist
 from zb.config_schema import ElasticConfig
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.membership import Membership
+from zb.elastic.store_state import Finished, finished_without
 from zb.elastic.world import World
+from zb.errors import RunFinishedWithout
 
 # A live member beats 15 times per timeout: a busy machine does not make it look dead.
 CFG = ElasticConfig(store_timeout=60, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.2,
@@ -132,3 +134,39 @@ def test_a_joiner_is_admitted_at_the_next_resolution(members):
                               if m.uid == "d" else outer_steps_until_admitted(m, "d"))
     assert all(w.nodes == worlds["a"].nodes for w in worlds.values()) and sorted(worlds["a"].nodes) == ["a", "b", "d"]
     assert worlds["a"].joined == ["d"]
+
+
+def test_a_node_of_an_older_world_stops_when_the_run_finished_without_it(members):
+    """c was dropped (frozen, cut off) and the others finished the run in a later world: when c comes back it
+    stops with one line instead of finding the world empty and training on alone; the nodes of the final world
+    are not late."""
+    start(members, ["a", "b", "c"])
+    members.freeze("c")
+    final = members.together(["a", "b"], lambda m: m.resolve())["a"]
+    assert sorted(final.nodes) == ["a", "b"]
+    assert members.nodes["a"].mark_finished(outer_step=12, step=120)
+    assert members.nodes["b"].mark_finished(outer_step=12, step=120)      # the first record stays
+    members.beat("c")
+    with pytest.raises(RunFinishedWithout, match=r"finished without this node: .* outer step 12 \(step 120\)"):
+        members.nodes["c"].resolve()
+    assert members.nodes["b"].resolve().version >= final.version          # b finished it: not late
+
+
+def test_the_run_end_record_is_checked_field_by_field():
+    good = Finished("r1", 3, 12, 120, 1_700_000_000.0)
+    assert Finished.decode(good.encode().encode()) == good
+    for bad in [b"", b"[]", b"{", b'{"run": "r1"}', b'{"run": "", "version": 1, "outer_step": 1, "step": 1, "time": 1}',
+                b'{"run": "r1", "version": -1, "outer_step": 1, "step": 1, "time": 1}',
+                b'{"run": "r1", "version": true, "outer_step": 1, "step": 1, "time": 1}',
+                b'{"run": "r1", "version": 1, "outer_step": 1, "step": 1, "time": 1e12}',
+                b'{"run": "r1", "version": 1, "outer_step": "1", "step": 1, "time": 1}']:
+        assert Finished.decode(bad) is None, bad
+
+
+def test_only_a_node_of_an_older_world_of_the_same_run_is_late():
+    done = Finished("r1", 5, 12, 120, 1.0)
+    assert finished_without(done, World(version=4, nodes=["c"], run="r1"))
+    assert not finished_without(done, World(version=5, nodes=["a"], run="r1"))   # the final world
+    assert not finished_without(done, World(version=2, nodes=["c"], run="r2"))   # another run on this store
+    assert not finished_without(done, None) and not finished_without(None, World(version=1, run="r1"))
+    assert not finished_without(done, World(version=1, nodes=["c"], run=""))     # no run yet

@@ -28,6 +28,11 @@ class EnvironmentFailure(ZbError):
     exit_code = 1
 
 
+class RunFinishedWithout(EnvironmentFailure):
+    """The run this node belongs to reached its end in a later world than the node's (it was cut off or
+    stopped meanwhile): the node stops, and writes no final model of its own."""
+
+
 class LeavingRun(ZbError):
     """This node already said goodbye (its deathrattle is in the store, after SIGTERM/SIGINT), so it
     takes no further part in the run: the caller stops as it would on the signal."""

@@ -10,6 +10,7 @@ runs every outer step in one order for every algorithm (docs/architecture.md wal
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -21,7 +22,7 @@ from zb.config_schema import Config, DilocoConfig
 from zb.diloco import rounds
 from zb.diloco.algorithm import NodeContext, OuterAlgorithm
 from zb.diloco.algorithms import ALGORITHMS
-from zb.diloco.claims import RunClaims
+from zb.diloco.claims import FINISHED_WAIT_S, RunClaims
 from zb.diloco.outer import OuterState
 from zb.diloco.outer_step import Mesh, OuterSteps
 from zb.diloco.roles import RoleKeeper
@@ -55,6 +56,8 @@ class NodeMesh(Mesh, Protocol):
     def use_stripes(self, stripes: int) -> None: ...
 
     def shutdown(self, graceful: bool = True) -> None: ...
+
+    def mark_finished(self, outer_step: int, step: int) -> bool: ...
 
 
 class DilocoNode:
@@ -274,6 +277,16 @@ class DilocoNode:
     def params_hash(self) -> str:
         """Hash of the outer params over the node's local ranks (equal on every node when in sync)."""
         return self._steps.params_hash()
+
+    def finished(self, position: RunPosition) -> None:
+        """The run reached its end (the head of a node whose training did): on the store's list of runs for `zb
+        status`, and as the run's end in its own records, so a node of an older world that comes back stops
+        (zb.elastic.store_state.finished_without) instead of training on alone."""
+        marker = threading.Thread(target=self.mesh.mark_finished, args=(position.outer_step, position.step),
+                                  name="zb-run-end", daemon=True)   # a silent store holds it, not the exit
+        marker.start()
+        self.claims.finish()
+        marker.join(FINISHED_WAIT_S)
 
     def shutdown(self, graceful: bool = True) -> None:
         if self.algorithm is not None:

@@ -16,6 +16,8 @@ JOINS = f"{ROOT}/joins"          # append-only: one JSON join request per line
 GONE = f"{ROOT}/gone"            # append-only: "<uid> <token>" per line (the deathrattle)
 MOVED = f"{ROOT}/moved"          # the index in elastic.addr the run moved on to from this store ("" while it is here)
 STORES = f"{ROOT}/stores"        # elastic.addr's list as the run's first node named it (compare_set): all must match
+FINISHED = f"{ROOT}/finished"    # JSON {run, version, outer_step, step, time}: the run reached its end in that world
+                                 # (compare_set, the first node to finish); a node of an older world of the run stops
 EVICTED = f"{ROOT}/evicted"      # append-only: one unique id per line, excluded for the rest of the run (the layer
                                  # above decides whom: zb.elastic.membership.exclude); the leader drops it, never admits it
 RUNS = f"{ROOT}/runs"            # append-only, at the store's root whatever the namespace, never sealed: one JSON line

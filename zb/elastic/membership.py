@@ -40,11 +40,11 @@ from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hi
 from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.ring import RingPlanner, apply_ring_order
-from zb.elastic.store_state import Snapshot, encode_line, evicted_ids, read_snapshot
+from zb.elastic.store_state import Finished, Snapshot, encode_line, evicted_ids, finished_without, read_snapshot
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
 from zb.elastic.tcpstore import read_many, store_errors
 from zb.elastic.world import Observation, World, next_world
-from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun
+from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
 from zb.store_clients import StoreUnreachable
 
 if TYPE_CHECKING:
@@ -406,11 +406,35 @@ class Membership:
             if "timeout" not in str(e):
                 raise
 
+    def mark_finished(self, outer_step: int, step: int) -> bool:
+        """The run reached its end in this node's world: say so on the store (keys.FINISHED, the first node's
+        record stays), so a node of an older world that comes back stops instead of training on alone. Best
+        effort: False when the store did not take it."""
+        world = self.world
+        if world is None or not world.run:
+            return False
+        record = Finished(world.run, world.version, outer_step, step, round(time.time(), 3))
+        try:
+            self.client.compare_set(keys.FINISHED, "", record.encode())
+            return True
+        except store_errors() + (ZbError,) as e:
+            log.warning("could not mark the run finished on the store: %s", str(e).splitlines()[0])
+            return False
+
     def _check_snapshot(self, snap: Snapshot) -> None:
-        """Every snapshot read: this node did not say goodbye, the run did not evict it, and the run has not moved on
-        from this store."""
+        """Every snapshot read: this node did not say goodbye, the run did not evict it or finish without it, and
+        the run has not moved on from this store."""
         self._check_not_leaving(snap)
         refuse_if_evicted(self.uid, snap.evicted)
+        if finished_without(snap.finished, self.world):
+            done = snap.finished
+            assert done is not None   # finished_without holds only for a record
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(done.time))
+            raise RunFinishedWithout(
+                f"the run finished without this node: its other nodes ended it at outer step {done.outer_step} "
+                f"(step {done.step}) on {when}, in mesh version {done.version} (this node's last was "
+                f"{self.world.version if self.world else 0}); the final model is in their checkpoints. This node "
+                "stops without saving a final model of its own")
         if snap.moved is not None and self.stores is not None and snap.moved > self.stores.index:
             raise RunMoved(snap.moved)
 

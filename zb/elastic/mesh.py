@@ -124,6 +124,10 @@ class ElasticDeviceMesh:
                                  "see the log for the peers that failed to arrive")
 
 
+    def mark_finished(self, outer_step: int, step: int) -> bool:
+        """Local rank 0: the run reached its end in this node's world (zb.elastic.membership.mark_finished)."""
+        return self.local_rank == 0 and self._membership is not None and self._head.mark_finished(outer_step, step)
+
     def report_failure(self, suspect: int | None = None) -> None:
         """A collective on global_pg failed; `suspect` is the group rank blamed (None: unknown)."""
         self._failed = True

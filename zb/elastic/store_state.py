@@ -30,6 +30,46 @@ class Answer:
     unreachable: list[str] = field(default_factory=list)  # members its probe could not connect to
 
 
+@dataclass(frozen=True)
+class Finished:
+    """The run reached its end (keys.FINISHED): in world `version` of run `run`, at that outer step and step."""
+
+    run: str
+    version: int
+    outer_step: int
+    step: int
+    time: float
+
+    def encode(self) -> str:
+        return json.dumps({"run": self.run, "version": self.version, "outer_step": self.outer_step,
+                           "step": self.step, "time": self.time})
+
+    @staticmethod
+    def decode(raw: bytes) -> Finished | None:
+        """None for an absent or malformed record: each field of its type and range, or nothing."""
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict):
+            return None
+        run, when = doc.get("run"), doc.get("time")
+        counts = [doc.get(k) for k in ("version", "outer_step", "step")]
+        ints = [v for v in counts if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62]
+        if not (isinstance(run, str) and 0 < len(run) <= 64 and len(ints) == 3 and isinstance(when, (int, float))
+                and not isinstance(when, bool) and 0 <= when < 1e11):
+            return None
+        return Finished(run, ints[0], ints[1], ints[2], float(when))
+
+
+def finished_without(finished: Finished | None, world: World | None) -> bool:
+    """True when the run this node belongs to ended in a later world than the node's: the others finished it
+    while this node was cut off or stopped. A node of the final world (which finished it too) is not late; a
+    node of no world yet, or of another run (one started again on the same store), is not concerned."""
+    return (finished is not None and world is not None and bool(world.run) and finished.run == world.run
+            and world.version < finished.version)
+
+
 @dataclass
 class Snapshot:
     raw_world: bytes
@@ -40,17 +80,18 @@ class Snapshot:
     events: int = 0    # events of the roll call read (keys.roll_call_events): what a waiter waits past
     moved: int | None = None   # the run moved on from this store to this index of elastic.addr (keys.MOVED)
     evicted: set[str] = field(default_factory=set)   # unique ids excluded for the rest of the run (keys.EVICTED)
+    finished: Finished | None = None   # the run reached its end (keys.FINISHED)
 
 
 def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
     """World, goodbyes, evicted ids and joins, plus the answers to the roll call of `resolution` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED]
+    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED, keys.FINISHED]
     if resolution is not None:
         names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[5]) if len(raw) > 5 else [], events=_count(raw[6]) if len(raw) > 6 else 0,
-                    moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]))
+                    answers=_answers(raw[6]) if len(raw) > 6 else [], events=_count(raw[7]) if len(raw) > 7 else 0,
+                    moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]), finished=Finished.decode(raw[5]))
 
 
 def ended_world(store: StoreClient) -> World | None:

@@ -181,7 +181,7 @@ class TrainingRun:
             self.checkpoints.final(self.ledger.position.step)
             if self.diloco is not None and self.local.is_head and self.stop_signal is None and \
                     self.ledger.position.step >= self.total:
-                self.diloco.claims.finish()   # `zb status` lists the run as finished (a bounded wait)
+                self.diloco.finished(self.ledger.position)   # `zb status` and late nodes see it (bounded waits)
         finally:
             if hasattr(getattr(self, "train_loader", None), "close"):
                 self.train_loader.close()  # the prefetch thread
