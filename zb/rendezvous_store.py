@@ -19,10 +19,12 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from zb.signed_store import Forwarding
+
 POLL_S = 0.02       # between two checks for a key not there yet: a rendezvous reads one key per member
 
 
-class PatientRecords:
+class PatientRecords(Forwarding):
     """What a PatientStore does over `inner` (any torch Store); `patient()` makes one."""
 
     def __init__(self, inner: Any, wait_s: float):
@@ -71,21 +73,8 @@ class PatientRecords:
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(key)
 
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.inner.timeout
-
     def clone(self) -> Any:
         return patient(self.inner.clone(), self.wait_s)
-
-    def has_extended_api(self) -> bool:
-        return True
 
 
 @functools.cache

@@ -96,7 +96,26 @@ def _warn_once(full_key: str) -> None:
                 "tampered with): ignored", full_key)
 
 
-class SignedRecords:
+class Forwarding:
+    """What a Python torch Store over another one (`inner`) passes through as it is (zb.rendezvous_store too)."""
+
+    inner: Any
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self.inner.timeout
+
+    def has_extended_api(self) -> bool:
+        return True
+
+
+class SignedRecords(Forwarding):
     """What a SignedStore does (see the module's text); `signed()` makes one. `inner` is a plain client of the
     store; `key` the records' key (`record_key`); `counters(full_key)` says which keys are counters, passed
     through unsealed; `prefix` is what dist.PrefixStore would add."""
@@ -205,21 +224,8 @@ class SignedRecords:
     def delete_key(self, key: str) -> bool:
         return self.inner.delete_key(self._full(key))
 
-    def num_keys(self) -> int:
-        return self.inner.num_keys()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.inner.set_timeout(timeout)
-
-    @property
-    def timeout(self) -> timedelta:
-        return self.inner.timeout
-
     def clone(self) -> Any:
         return signed(self.inner.clone(), self.key, self.counters, self.prefix)
-
-    def has_extended_api(self) -> bool:
-        return True
 
 
 @functools.cache
