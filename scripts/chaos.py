@@ -79,7 +79,7 @@ LOOPBACK_KINDS = ["store-loss"]            # the namespaced cluster has one stor
 # starts), so a restart mostly keeps the run where it is; one that takes longer moves it on, which is fine too.
 FAILOVER_S = 10.0
 STANDBYS = 3                               # stores after the first in elastic.addr: at most this many store-losses
-NETNS_KINDS = ["link-down", "partition"]   # only with --netns: faults of the network between hosts
+NETNS_KINDS = ["link-down", "partition", "store-cut"]   # only with --netns: faults of the network between hosts
 # diloco.clip of every node with --overlap none. Not 1: the round's median is a contributor's own norm, so at 1
 # every honest node above it (about half of them, every outer step) is scaled down and reported as "clipped in
 # N outer steps in a row" (honest norms here lie within a few % of the median); 2 leaves honest nodes alone
@@ -617,6 +617,30 @@ class Chaos:
         self._after_network_event(f"partition {a}|{b} for {cut:.1f} s", counts, "partition", f"{a}|{b}",
                                   f"cut {cut:.1f} s" + (f", {during} outer steps applied during it" if long else ""),
                                   since)
+
+    def ev_store_cut(self) -> None:
+        """Some nodes (one to all but one) stop hearing the store: every packet between their hosts and the
+        store's host dropped, no reset, while they still reach each other; then it heals. The side that keeps
+        the store goes on; the cut nodes must not train apart (issue 39: without the store only the whole world
+        trains on) and come back as one run with the others. Long cuts outlast the heartbeat timeout, so the
+        store's side drops them and they return as joiners; none outlasts the store timeout."""
+        from _chaos_netns import set_partition
+
+        cut = self.rng.sample(self.live, self.rng.randint(1, len(self.live) - 1))
+        long = self.rng.random() < 0.5
+        held = self.rng.uniform(HEARTBEAT_TIMEOUT + 2, STORE_TIMEOUT - 4) if long else self.rng.uniform(2.0, 8.0)
+        counts, since = self.outer_counts(self.live), time.time()
+        self.signalled.update(cut)               # they may rightly be declared dead
+        hosts = [self.cluster.host_of[u] for u in cut]
+        for host in hosts:
+            set_partition(host, self.cluster.store_host, True)
+        try:
+            time.sleep(held)
+        finally:
+            for host in hosts:
+                set_partition(host, self.cluster.store_host, False)
+        self._after_network_event(f"store-cut of {sorted(cut)} for {held:.1f} s", counts, "store-cut",
+                                  "|".join(sorted(cut)), f"cut {held:.1f} s", since)
 
     def _synced_during(self, after: float, size: int) -> int:
         """Outer steps applied since `after` (unix time) in a world of at least `size` nodes."""

@@ -56,6 +56,20 @@ def test_link_down_and_partition_in_namespaces(tmp_path, capsys):
 
 
 @pytest.mark.soak
+@pytest.mark.netns
+@pytest.mark.timeout(1200)
+def test_nodes_cut_from_the_store_in_namespaces(tmp_path, capsys):
+    """One to all but one nodes stop hearing the store (nft drops every packet, no reset) while they still
+    reach each other: the store's side goes on, the cut nodes never train apart, and after the heal the run
+    is one world again (issue 39)."""
+    reason = load_script("_chaos_netns").unavailable()
+    if reason:
+        pytest.skip(f"network namespaces unavailable: {reason}")
+    out = _run(capsys, "--netns", "--seed", "1", "--events", "3", "--kinds", "store-cut", "--keep", str(tmp_path))
+    assert "store-cut" in out and "one world of" in out, out
+
+
+@pytest.mark.soak
 @pytest.mark.timeout(900)
 def test_stores_lost_in_a_row(tmp_path, capsys):
     """Seed 6: three store-losses and node kills in one run; each loss moves the run to the next standby of
