@@ -260,7 +260,7 @@ class Evaluator:
 
 
 def run_variant(args: argparse.Namespace, variant: Variant, steps: int, nodes: list[Node], start: torch.Tensor,
-                data: Tokens, evaluate: Evaluator, vocab: int) -> dict:
+                data: Tokens, evaluate: Evaluator) -> dict:
     cfg = config(args, variant, steps)
     data.reset()
     for n in nodes:
@@ -290,7 +290,7 @@ def run_variant(args: argparse.Namespace, variant: Variant, steps: int, nodes: l
 
 
 def calibrate(args: argparse.Namespace, nodes: list[Node], start: torch.Tensor, data: Tokens,
-              evaluate: Evaluator, vocab: int) -> dict:
+              evaluate: Evaluator) -> dict:
     """Seconds per node step, per evaluation and per compressed outer step, measured on this device."""
     cfg = config(args, VARIANTS["blocking"], 1000)
     node = nodes[0]
@@ -392,9 +392,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"train tokens a node, {evaluate.windows.shape[0]} held-out windows", flush=True)
     if args.smoke:
         for v in variants:
-            run_variant(args, v, args.h, nodes, start, data, evaluate, vocab)
+            run_variant(args, v, args.h, nodes, start, data, evaluate)
             print(f"smoke: {v.name} ran one round", flush=True)
-    times = calibrate(args, nodes, start, data, evaluate, vocab)
+    times = calibrate(args, nodes, start, data, evaluate)
     steps = args.steps or steps_for(args, times, variants)
     print(f"{times['step_s'] * 1000:.1f} ms a node step, {times['eval_s']:.2f} s an evaluation, {times['ring_s']:.2f} s "
           f"a compressed outer step: {steps} inner steps a node for each of {len(variants)} variants", flush=True)
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "corpus": json.loads((args.corpus / "corpus.json").read_text()) if (args.corpus / "corpus.json").is_file() else None,
                  "argv": sys.argv[1:], "results": []}
     for v in variants:
-        doc["results"].append(run_variant(args, v, steps, nodes, start, data, evaluate, vocab))
+        doc["results"].append(run_variant(args, v, steps, nodes, start, data, evaluate))
         r = doc["results"][-1]
         print(f"{v.name}: held-out {r['final_eval']:.4f} after {r['tokens'] / 1e6:.1f}M tokens in {r['seconds']:.0f} s",
               flush=True)
