@@ -116,14 +116,6 @@ class Tokens:
         return w[:, :-1], w[:, 1:]
 
 
-@torch.no_grad()
-def load_flat(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
-
-
 @dataclass
 class Node:
     """One simulated node: zb's model, inner AdamW, schedule and step on its own data shard."""
@@ -144,10 +136,10 @@ class Node:
         self.losses = []
 
     def flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+        return REF.flat_params(self.model)
 
     def load(self, flat: torch.Tensor) -> None:
-        load_flat(self.model, flat)
+        REF.load_params(self.model, flat)
 
     def train(self, steps: int) -> None:
         assert self.trainer is not None
@@ -253,7 +245,7 @@ class Evaluator:
 
     @torch.no_grad()
     def __call__(self, flat: torch.Tensor, windows: int) -> float:
-        load_flat(self.model, flat)
+        REF.load_params(self.model, flat)
         rows = self.windows[:windows]
         batches = [(rows[i:i + self.batch, :-1], rows[i:i + self.batch, 1:]) for i in range(0, rows.shape[0], self.batch)]
         return self.trainer.evaluate(batches, len(batches))

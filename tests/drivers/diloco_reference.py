@@ -42,6 +42,20 @@ from zb.train.setup import build_loaders, build_model, check_batch
 from zb.train.step import Trainer, take
 
 
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """The model's params as one new fp32 vector, in parameters() order."""
+    return torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+
+
+@torch.no_grad()
+def load_params(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    """Copy a flat_params vector into the model (copies: the vector stays the caller's)."""
+    offset = 0
+    for p in model.parameters():
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 class SimNode:
     def __init__(self, cfg, tokenizer, placement, slot: int, nodes: int, local_ranks: int = 1):
         self.model = build_model(cfg, tokenizer.vocab_size, placement)
@@ -55,14 +69,10 @@ class SimNode:
         self.losses: list[float] = []
 
     def flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+        return flat_params(self.model)
 
-    @torch.no_grad()
     def load(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for p in self.model.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        load_params(self.model, flat)
 
     def train(self, steps: int) -> None:
         for _ in range(steps):
