@@ -108,7 +108,8 @@ def page_text(html: str) -> str:
 def run(cmd: list[str], cwd: Path | None = None) -> str:
     out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}")
+        said = (out.stderr or out.stdout).strip().splitlines()
+        raise RuntimeError(f"{' '.join(cmd)} failed: {said[-1] if said else f'exit {out.returncode}'}")
     return out.stdout
 
 
