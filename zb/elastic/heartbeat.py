@@ -52,6 +52,12 @@ class Liveness:
     def is_dead(self, uid: str, now: float | None = None) -> bool:
         return self.silent_for(uid, now) > self.timeout
 
+    def proven_dead(self, uid: str) -> bool:
+        """Condemned (its port refused connections: the process is gone), not merely silent."""
+        with self._lock:
+            seen = self._seen.get(uid)
+        return seen is not None and seen[1] == float("-inf")
+
     def condemn(self, uid: str) -> None:
         """Dead now (its process is gone), until its counter changes again (a new incarnation)."""
         with self._lock:

@@ -15,6 +15,8 @@ WORLD = f"{ROOT}/world"          # JSON of the current World; written only with 
 JOINS = f"{ROOT}/joins"          # append-only: one JSON join request per line
 GONE = f"{ROOT}/gone"            # append-only: "<uid> <token>" per line (the deathrattle)
 MOVED = f"{ROOT}/moved"          # the index in elastic.addr the run moved on to from this store ("" while it is here)
+STAYED = f"{ROOT}/stayed"        # on a later store of elastic.addr: JSON {run, index, version}, the run went on at an
+                                 # earlier store without members gone silent (zb.elastic.partition): they go back there
 STORES = f"{ROOT}/stores"        # elastic.addr's list as the run's first node named it (compare_set): all must match
 FINISHED = f"{ROOT}/finished"    # JSON {run, version, outer_step, step, time}: the run reached its end in that world
                                  # (compare_set, the first node to finish); a node of an older world of the run stops

@@ -39,8 +39,9 @@ from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
 from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
+from zb.elastic.partition import FOLLOW, GO, DropVerdict, drop_verdict, may_go_back, needs_look, settle_s, stale_arrival
 from zb.elastic.ring import RingPlanner, apply_ring_order
-from zb.elastic.store_state import Finished, Snapshot, encode_line, evicted_ids, finished_without, read_snapshot
+from zb.elastic.store_state import Finished, Snapshot, Stayed, encode_line, evicted_ids, finished_without, read_snapshot
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
 from zb.elastic.tcpstore import read_many, store_errors
 from zb.elastic.world import Observation, World, next_world
@@ -63,6 +64,17 @@ def exclude(store: StoreClient, uids: list[str]) -> None:
             store.append(keys.EVICTED, uid + "\n")
 
 
+def _holds(snap: Snapshot | None, world: World, silent: set[str]) -> bool | None:
+    """Whether a later store (its snapshot; None: no answer) holds this run: its world, not moved on, or a join
+    request from one of the members gone silent, naming this run and this world (an older request there, of a
+    node that went back, is not this partition's)."""
+    if snap is None:
+        return None
+    if snap.world is not None and snap.world.run == world.run and not snap.moved:
+        return True
+    return any(r.uid in silent and r.run == world.run and r.last_version >= world.version for r in snap.joins)
+
+
 def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
     """A node whose id the run excluded (keys.EVICTED) is refused by it: one line, exit 2."""
     if uid in evicted:
@@ -77,6 +89,18 @@ class RunMoved(Exception):
     def __init__(self, index: int) -> None:
         super().__init__(f"the run moved on to store {index + 1} of elastic.addr")
         self.index = index
+
+
+class RunStayed(Exception):
+    """The run went on at an earlier store of elastic.addr without this node, which moved on (keys.STAYED, or
+    the store it left answering with a newer world): go back there and rejoin (zb.elastic.partition)."""
+
+    def __init__(self, index: int, why: str) -> None:
+        super().__init__(why)
+        self.index = index
+
+
+LOOK_EVERY_S = 2.0   # how often a node looks at another store of elastic.addr while a partition decides its side
 
 
 @dataclass
@@ -110,6 +134,9 @@ class Membership:
         self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
         self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
+        self._held_since: float | None = None      # a leader keeping a world a silent majority may have left
+        self._looked: tuple[float, DropVerdict] | None = None   # the last look at the later stores, and its verdict
+        self._looked_back = 0.0                    # when a mover last looked at the store it left
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self) -> StoreClient:
@@ -162,6 +189,11 @@ class Membership:
                 self.stores.move(to=moved.index)
                 self.store, attempt, moved_on = None, self._reform, True
                 continue
+            except RunStayed as stayed:
+                self._go_back(stayed)
+                self.store, moved_on = None, False
+                attempt = lambda: self._join(Quorum(full=1, least=1, grace_at=time.monotonic()))  # noqa: E731
+                continue
             except StoreUnreachable:
                 if self.stores is None:
                     raise
@@ -192,6 +224,23 @@ class Membership:
         size = len(last.nodes) if last else 1
         quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout)
         return self._join(quorum)
+
+    def _go_back(self, stayed: RunStayed) -> None:
+        """Back to the earlier store the run went on at without this node, once it answers with the run's world
+        (up to elastic.store_timeout: then exit 1, the checkpoints kept)."""
+        stores, run = self.stores, self.world.run if self.world else ""
+        assert stores is not None   # RunStayed comes from a failover list's stores
+        give_up = time.monotonic() + self.cfg.store_timeout
+        while True:
+            snap = stores.peek(stayed.index, self.cfg.namespace)
+            if snap is not None and snap.world is not None and snap.world.run == run:
+                stores.back(stayed.index, str(stayed))
+                return
+            if time.monotonic() >= give_up:
+                raise EnvironmentFailure(f"{stayed}, and store {stores.addresses[stayed.index]} has not answered this "
+                                         f"node for elastic.store_timeout ({self.cfg.store_timeout:g} s): it stops "
+                                         "(its checkpoints stay); start it again to rejoin the run")
+            time.sleep(LOOK_EVERY_S)
 
     # -- joining -----------------------------------------------------------------------------
     def join(self, quorum: int, quorum_timeout: float) -> World:
@@ -279,6 +328,8 @@ class Membership:
                 raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
                                          f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
             self._observe(snap, world)
+            if world is None and quorum.least > 1:
+                self._look_back()
             if self._may_seed(world, snap, quorum):
                 self._seed(world, snap)
             elif not waiting_said and quorum.least > 1 and time.monotonic() >= quorum.grace_at:
@@ -289,6 +340,23 @@ class Membership:
             time.sleep(self.cfg.polling_interval)
         raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
                                  "member resolved the world (are the other nodes running and reaching the store?)")
+
+    def _look_back(self) -> None:
+        """A mover waiting for a majority at the store it moved to: when the store it left answers with the run's
+        world grown past the one it left, the others went on there without it (it was the one cut off): it
+        goes back instead of waiting here for nodes that never come (zb.elastic.partition.may_go_back)."""
+        stores, last = self.stores, self.world
+        left = stores.left if stores is not None else None
+        if stores is None or left is None or last is None or time.monotonic() - self._looked_back < LOOK_EVERY_S:
+            return
+        self._looked_back = time.monotonic()
+        snap = stores.peek(left, self.cfg.namespace)
+        if snap is None or snap.world is None:
+            return
+        if may_go_back(last.run, last.version, snap.world.run, snap.world.version,
+                       snap.moved is not None and snap.moved > left):
+            raise RunStayed(left, f"the run went on at store {stores.addresses[left]} without this node (mesh version "
+                                  f"{snap.world.version}; this node left version {last.version})")
 
     def _observe(self, snap: Snapshot, world: World | None) -> None:
         cursor = world.join_cursor if world else 0
@@ -385,7 +453,8 @@ class Membership:
             # Members that answered too: a leader can crash between its answer and its write.
             self.closed_ports.check(self.client, [m for m in world.nodes if m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
-            if verdict.acting_leader == self.uid and verdict.settled:
+            if (verdict.acting_leader == self.uid and verdict.settled
+                    and self._may_drop(world, snap, verdict.observation, time.monotonic() - t0)):
                 self._lead(world, snap, verdict.observation)
                 continue
             self._wait_event(world.resolution, snap.events)
@@ -437,6 +506,13 @@ class Membership:
                 "stops without saving a final model of its own")
         if snap.moved is not None and self.stores is not None and snap.moved > self.stores.index:
             raise RunMoved(snap.moved)
+        last = self.world
+        if self.stores is not None and last is not None and stale_arrival(snap.stayed, last.run, last.version,
+                                                                           self.stores.index):
+            assert snap.stayed is not None   # stale_arrival holds only for a record
+            raise RunStayed(snap.stayed.index, f"the run went on at store {self.stores.addresses[snap.stayed.index]} "
+                                               f"without this node (mesh version {snap.stayed.version}; this node "
+                                               f"left version {last.version})")
 
     def _check_not_leaving(self, snap: Snapshot) -> None:
         if (self.uid, self.token) in snap.gone:
@@ -453,6 +529,75 @@ class Membership:
 
     def _in_ring_order(self, old: World, new: World) -> World:
         return apply_ring_order(old, new, self.ring.plan(self.client, new.nodes))
+
+    def _may_drop(self, world: World, snap: Snapshot, obs: Observation, since: float) -> bool:
+        """Whether this leader may write the next world now (zb.elastic.partition): always, unless it would drop
+        silent members while keeping no more than half of the world, with a later store they may have moved to.
+        Then it waits, follows the run to a later store (RunMoved), or claims the later stores and goes on."""
+        stores = self.stores
+        if stores is None or not stores.has_next:
+            return True
+        proven = {m for m in world.nodes if (m, world.tokens.get(m, "")) in snap.gone or m in snap.evicted
+                  or self.liveness.proven_dead(m)}
+        silent = [m for m in world.nodes if m in obs.excluded and m not in obs.answered and m not in proven
+                  and self.liveness.silent_for(m) > 2 * self.cfg.heartbeat_interval]
+        kept = [m for m in world.nodes if m not in obs.excluded and m not in proven]
+        counted = len(world.nodes) - len(proven)
+        if not needs_look(counted, len(kept), len(silent), has_later=True):
+            self._held_since, self._looked = None, None
+            return True
+        verdict = self._look_later(world, silent, counted, len(kept), since)
+        if verdict.action == FOLLOW:
+            assert verdict.to is not None
+            log.warning("%d of mesh version %d's %d nodes went silent and the run is on store %s: following it",
+                        len(silent), world.version, len(world.nodes), stores.addresses[verdict.to])
+            self.client.set(keys.MOVED, str(verdict.to))   # the others here follow too, at their next read
+            raise RunMoved(verdict.to)
+        if verdict.action == GO and self._claim_later(world):
+            log.warning("%d of mesh version %d's %d nodes went silent and no later store of elastic.addr holds the "
+                        "run: training on without them (they are gone, or cut off from every store)",
+                        len(silent), world.version, len(world.nodes))
+            self._held_since, self._looked = None, None
+            return True
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+            log.warning("keeping mesh version %d: %d of its %d nodes (%s) went silent, and with %d left this side is "
+                        "no majority; they may have moved to a later store of elastic.addr, so it waits for %s before "
+                        "training on without them (up to elastic.store_timeout)", world.version, len(silent),
+                        len(world.nodes), ", ".join(sorted(silent)), len(kept), verdict.why or "the later stores")
+        elif now - self._held_since > self.cfg.store_timeout:
+            raise EnvironmentFailure(f"{len(silent)} of mesh version {world.version}'s {len(world.nodes)} nodes went "
+                                     "silent, leaving no majority here, and for elastic.store_timeout "
+                                     f"({self.cfg.store_timeout:g} s) the later stores of elastic.addr could not tell "
+                                     "whether they went on there: this node stops (its checkpoints stay) rather than "
+                                     "train apart; start it again once the stores answer")
+        return False
+
+    def _look_later(self, world: World, silent: list[str], counted: int, kept: int, since: float) -> DropVerdict:
+        """What the later stores show of this run (at most every LOOK_EVERY_S): its world there, or a join
+        request of one of the silent members."""
+        now = time.monotonic()
+        if self._looked is not None and now - self._looked[0] < LOOK_EVERY_S:
+            return self._looked[1]
+        stores = self.stores
+        assert stores is not None   # _may_drop looks only with later stores
+        need_silence, need_since = settle_s(stores.failover_s, self.cfg.sync_deadline, self.cfg.heartbeat_timeout)
+        settled = min(self.liveness.silent_for(m) for m in silent) >= need_silence and since >= need_since
+        first = stores.index + 1
+        later = [_holds(stores.peek(i, self.cfg.namespace), world, set(silent))
+                 for i in range(first, len(stores.addresses))]
+        verdict = drop_verdict(counted, kept, len(silent), settled, later, first)
+        self._looked = (time.monotonic(), verdict)
+        return verdict
+
+    def _claim_later(self, world: World) -> bool:
+        """keys.STAYED on every later store, before the world without the silent members is written: one of them
+        arriving there later goes back instead of re-forming apart. False when a store did not take it."""
+        stores = self.stores
+        assert stores is not None
+        record = Stayed(world.run, stores.index, world.version + 1).encode()
+        return all(stores.claim(i, self.cfg.namespace, record) for i in range(stores.index + 1, len(stores.addresses)))
 
     def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
         new = self._in_ring_order(world, next_world(world, obs))

@@ -62,6 +62,34 @@ class Finished:
         return Finished(run, ints[0], ints[1], ints[2], float(when))
 
 
+@dataclass(frozen=True)
+class Stayed:
+    """keys.STAYED on a later store (zb.elastic.partition): run `run` went on at store `index` of elastic.addr in world `version`,
+    without members that had gone silent."""
+
+    run: str
+    index: int
+    version: int
+
+    def encode(self) -> str:
+        return json.dumps({"run": self.run, "index": self.index, "version": self.version})
+
+    @staticmethod
+    def decode(raw: bytes) -> Stayed | None:
+        """None for an absent or malformed record: each field of its type and range, or nothing."""
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict):
+            return None
+        run, index, version = doc.get("run"), doc.get("index"), doc.get("version")
+        ints = [v for v in (index, version) if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62]
+        if not (isinstance(run, str) and 0 < len(run) <= 64 and len(ints) == 2):
+            return None
+        return Stayed(run, ints[0], ints[1])
+
+
 def finished_without(finished: Finished | None, world: World | None) -> bool:
     """True when the run this node belongs to ended in a later world than the node's: the others finished it
     while this node was cut off or stopped. A node of the final world (which finished it too) is not late; a
@@ -81,17 +109,19 @@ class Snapshot:
     moved: int | None = None   # the run moved on from this store to this index of elastic.addr (keys.MOVED)
     evicted: set[str] = field(default_factory=set)   # unique ids excluded for the rest of the run (keys.EVICTED)
     finished: Finished | None = None   # the run reached its end (keys.FINISHED)
+    stayed: Stayed | None = None   # the run went on at an earlier store without members gone silent (keys.STAYED)
 
 
 def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
     """World, goodbyes, evicted ids and joins, plus the answers to the roll call of `resolution` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED, keys.FINISHED]
+    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
     if resolution is not None:
         names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[6]) if len(raw) > 6 else [], events=_count(raw[7]) if len(raw) > 7 else 0,
-                    moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]), finished=Finished.decode(raw[5]))
+                    answers=_answers(raw[7]) if len(raw) > 7 else [], events=_count(raw[8]) if len(raw) > 8 else 0,
+                    moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]), finished=Finished.decode(raw[5]),
+                    stayed=Stayed.decode(raw[6]))
 
 
 def ended_world(store: StoreClient) -> World | None:

@@ -28,8 +28,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from zb.addresses import StoreAddress, parse_stores
 from zb.elastic import keys
@@ -39,9 +40,11 @@ from zb.store_clients import StoreUnreachable, run_client
 
 if TYPE_CHECKING:
     from zb.config_schema import ElasticConfig
+    from zb.elastic.store_state import Snapshot
     from zb.store_clients import StoreClient
 
 log = logging.getLogger("zb.elastic")
+T = TypeVar("T")
 
 
 def start_index(holds_run: list[bool | None]) -> int | None:
@@ -123,6 +126,7 @@ class Failover:
     to_store: str
     silent_s: float        # seconds the old store had not answered any of this node's clients
     index: int             # position of the new store in elastic.addr
+    from_index: int = 0    # position of the store left
 
 
 @dataclass
@@ -175,7 +179,7 @@ class StoreList:
             silent, old = time.monotonic() - self._last_answer, self.index
             self.index = self.index + 1 if to is None else max(self.index + 1, min(to, len(self.addresses) - 1))
             self._last_answer = time.monotonic()   # the new store gets its own elastic.store_failover_s
-            moved = Failover(str(self.addresses[old]), str(self.current), round(silent, 3), self.index)
+            moved = Failover(str(self.addresses[old]), str(self.current), round(silent, 3), self.index, old)
             self.failovers.append(moved)
         if to is None:
             log.warning("store %s silent for %.1f s: moving the run to the next store, %s (%d of %d in elastic.addr)",
@@ -184,6 +188,37 @@ class StoreList:
             log.warning("the run moved on from store %s to %s (%d of %d in elastic.addr): following it",
                         moved.from_store, moved.to_store, self.index + 1, len(self.addresses))
         return moved
+
+    def back(self, to: int, why: str) -> None:
+        """Make an earlier address current again: the run's world went on there without this node, which had
+        moved on alone (zb.elastic.partition.may_go_back, keys.STAYED). The only move backwards."""
+        with self._lock:
+            assert to < self.index, "back() only to an earlier store"
+            old, self.index = self.index, to
+            self._last_answer = time.monotonic()
+        log.warning("going back from store %s to %s (%d of %d in elastic.addr): %s", self.addresses[old],
+                    self.current, to + 1, len(self.addresses), why)
+
+    @property
+    def left(self) -> int | None:
+        """The index of the store this node moved away from last (None: it never moved)."""
+        return self.failovers[-1].from_index if self.failovers else None
+
+    def peek(self, index: int, namespace: str) -> Snapshot | None:
+        """What store `index` holds, read through a client of its own (None: it does not answer within a few
+        seconds). For looking at a store this node is not on: a later one the run may have moved to, or the
+        one it left."""
+        from zb.elastic.store_state import read_snapshot
+
+        return _ask(self.addresses[index], namespace, self.secret, lambda client: read_snapshot(client, None))
+
+    def claim(self, index: int, namespace: str, record: str) -> bool:
+        """Write keys.STAYED on store `index` (zb.elastic.partition): False when it does not answer."""
+        def write(client: StoreClient) -> bool:
+            client.set(keys.STAYED, record)
+            return True
+
+        return _ask(self.addresses[index], namespace, self.secret, write) is not None
 
     def follow(self, index: int) -> None:
         """A local rank takes the store its node's head is on (never an earlier one)."""
@@ -263,6 +298,12 @@ class StoreList:
 def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) -> bool | None:
     """Whether the store at `address` holds a world under `namespace` that the run has not moved on from
     (None: it does not answer)."""
+    return _ask(address, namespace, secret, holds_run)
+
+
+def _ask(address: StoreAddress, namespace: str, secret: bytes | None, what: Callable[[StoreClient], T]) -> T | None:
+    """`what` over a client of its own to the store at `address`, None when it does not answer within a few
+    seconds (a silent host, packets dropped, costs the connect's 2 s, not TCP's minutes)."""
     import socket
 
     from zb.elastic.tcpstore import store_errors
@@ -271,7 +312,7 @@ def _holds_world(address: StoreAddress, namespace: str, secret: bytes | None) ->
         socket.create_connection((address.host, address.port), timeout=2.0).close()
         client = run_client(address.host, address.port, 2.0, 5.0, counters=keys.is_counter, namespace=namespace,
                             secret=secret)
-        return holds_run(client)
+        return what(client)
     except InvalidInput:
         raise           # it answers, with a run this node may not join (another secret, or none): say so
     except store_errors() + (ZbError,):
