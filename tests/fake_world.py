@@ -156,6 +156,9 @@ class FakeMesh:
     def mark_finished(self, outer_step: int, step: int) -> bool:
         return False
 
+    def check_finished(self) -> None:
+        return None
+
     def shutdown(self, graceful: bool = True) -> None:
         return None
 

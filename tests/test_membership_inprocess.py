@@ -13,11 +13,14 @@ import pytest
 import torch.distributed as dist
 
 from zb.config_schema import ElasticConfig
+from zb.elastic import keys
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.membership import Membership
 from zb.elastic.store_state import Finished, finished_without
 from zb.elastic.world import World
 from zb.errors import RunFinishedWithout
+from zb.signed_store import prefixed
+from zb.swarm.registry import stage_namespace
 
 # A live member beats 15 times per timeout: a busy machine does not make it look dead.
 CFG = ElasticConfig(store_timeout=60, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.2,
@@ -27,14 +30,17 @@ CFG = ElasticConfig(store_timeout=60, polling_interval=0.02, sync_deadline=5, he
 class Members:
     """Nodes of one run: each a Membership and the heartbeat thread that keeps it alive."""
 
-    def __init__(self) -> None:
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=10))
+    def __init__(self, store: dist.TCPStore | None = None, namespace: str = "") -> None:
+        """`store`: another run's (several runs, each in its `namespace`, on one store)."""
+        self.store = store or dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=True, wait_for_workers=False,
+                                            timeout=timedelta(seconds=10))
+        self.namespace = namespace
         self.nodes: dict[str, Membership] = {}
         self.beats: dict[str, Heartbeat] = {}
 
     def client(self):
-        return dist.TCPStore("127.0.0.1", self.store.port, use_libuv=True, timeout=timedelta(seconds=10))
+        client = dist.TCPStore("127.0.0.1", self.store.port, use_libuv=True, timeout=timedelta(seconds=10))
+        return prefixed(client, self.namespace) if self.namespace else client
 
     def add(self, uid: str) -> Membership:
         m = Membership(CFG, uid, f"tok-{uid}", 1, Liveness(CFG.heartbeat_timeout), self.client)
@@ -150,6 +156,34 @@ def test_a_node_of_an_older_world_stops_when_the_run_finished_without_it(members
     with pytest.raises(RunFinishedWithout, match=r"finished without this node: .* outer step 12 \(step 120\)"):
         members.nodes["c"].resolve()
     assert members.nodes["b"].resolve().version >= final.version          # b finished it: not late
+
+
+def test_each_stage_of_a_swarm_ends_in_its_own_namespace_and_its_late_worker_stops_without_a_resolution(members):
+    """DiLoCo-SWARM: each stage is a DiLoCo run in a namespace of its own on the one store (zb.swarm.registry.
+    stage_namespace). Stage 0 ends without its worker c: c stops at its next look at the store (check_finished:
+    a first-stage worker whose later stages all left never reaches its next resolution), while stage 1, which
+    has not ended, and the workers of stage 0's final world go on."""
+    stage0 = Members(members.store, stage_namespace("", 0))
+    stage1 = Members(members.store, stage_namespace("", 1))
+    try:
+        start(stage0, ["a", "b", "c"])
+        start(stage1, ["c", "d"])                      # a worker id of stage 0 again: each stage has its own world
+        stage0.freeze("c")
+        final = stage0.together(["a", "b"], lambda m: m.resolve())["a"]
+        assert stage0.nodes["a"].mark_finished(outer_step=3, step=30)
+        stage0.beat("c")
+        stage0.nodes["a"].check_finished()             # of the final world: not late
+        with pytest.raises(RunFinishedWithout, match=r"finished without this node: its other nodes ended it at "
+                                                     r"outer step 3 \(step 30\) at \d{4}-\d\d-\d\d .* UTC, in mesh "
+                                                     rf"version {final.version} "):
+            stage0.nodes["c"].check_finished()
+        for m in stage1.nodes.values():
+            m.check_finished()                         # stage 1's run has not ended
+        assert sorted(stage1.together(["c", "d"], lambda m: m.resolve())["d"].nodes) == ["c", "d"]
+        assert not members.store.check([keys.FINISHED])   # nothing at the store's root
+    finally:
+        stage0.close()
+        stage1.close()
 
 
 def test_the_run_end_record_is_checked_field_by_field():

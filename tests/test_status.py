@@ -494,6 +494,27 @@ def test_dashboard_table_shows_the_sync_column_as_the_cli_does(tmp_path):
     assert shown["q"] == "int4 1.2 MB" and shown["big"] == "int8 7.9 GB" and shown["old"] == "—"
 
 
+def test_dashboard_says_where_and_when_a_sealed_run_finished(tmp_path):
+    import shutil
+    import subprocess
+
+    node = shutil.which("node") or shutil.which("nodejs")
+    if node is None:
+        pytest.skip("no node.js to run the page's script")
+    script = render().split("<!--ZB_DATA-->")[1].split("<script>")[1].split("</script>")[0]
+    show = 'console.log(JSON.stringify(byId["summary"].children.map(c => c.textContent)));'
+    (tmp_path / "page.js").write_text(FAKE_DOM + script + show)
+    end = {"mesh_version": 4, "outer_step": 12, "step": 1200, "time": 1_700_000_000.0, "line": "finished at ..."}
+    for run, finished in (({}, False), ({"finished": end}, True)):
+        doc = {"source": "test", "time": 1.0, "run": run, "nodes": []}
+        out = subprocess.run([node, str(tmp_path / "page.js"), json.dumps(doc)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        parts = [p for p in json.loads(out.stdout) if p.strip()]
+        said = [p for p in parts if p.startswith("finished at ")]
+        assert len(said) == finished and all(p.startswith("finished at outer step 12 (step 1,200) at ") for p in said)
+
+
 def test_dashboard_shows_an_unreachable_store_and_keeps_the_last_data(store):
     _world(store, ["a"])
     _node(store, "a", step=3)
@@ -850,3 +871,33 @@ def test_the_clipped_nodes_of_the_newest_outer_step_are_shown():
     s.observe({"event": "outer_step", "time": 4.0, "outer_step": 5, "step": 25, "mesh_version": 1,
                "global_world_size": 3, "num_peers": 3})
     assert s.snapshot()[0]["clipped"] == [] and clipped_line({"run": {"clipped": []}}) is None
+
+
+def test_a_run_whose_nodes_sealed_its_end_shows_where_and_when_it_finished(store):
+    """keys.FINISHED (what a node writes at the run's end, zb.elastic.membership.mark_finished): the document
+    carries it and the table says it under itself; a record of an earlier run in the namespace, or one the run
+    went on past (a later world), says nothing."""
+    import io
+
+    from rich.console import Console
+
+    from zb.cli.status import finished_line, status_view
+    from zb.elastic.store_state import Finished
+
+    _world(store, ["a"], run="r1", version=4)
+    _node(store, "a", state="left", step=120, outer_step=12)
+    doc = RunReader(store, "test").read()
+    assert doc["run"]["finished"] is None and finished_line(doc) is None
+    store.set(keys.FINISHED, Finished("r1", 4, 12, 120, 1_700_000_000.0).encode())
+    doc = RunReader(store, "test").read()
+    line = "finished at outer step 12 (step 120) at 2023-11-14 22:13:20 UTC"
+    assert doc["run"]["finished"] == {"mesh_version": 4, "outer_step": 12, "step": 120, "time": 1_700_000_000.0,
+                                      "line": line}
+    assert finished_line(doc) == line
+    console = Console(file=io.StringIO(), width=250, color_system=None)
+    console.print(status_view(doc))
+    assert console.file.getvalue().splitlines()[-1] == line
+    _world(store, ["a"], run="r1", version=5)                 # nodes started again: the run goes on
+    assert RunReader(store, "test").read()["run"]["finished"] is None
+    _world(store, ["a"], run="r2", version=4)                 # another run in the namespace
+    assert RunReader(store, "test").read()["run"]["finished"] is None

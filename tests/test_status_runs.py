@@ -106,6 +106,33 @@ def test_a_run_sealed_with_a_secret_the_caller_does_not_hold_is_listed_by_name_o
     assert _items(store) == before, "listing writes nothing, not even the run marker"
 
 
+def test_a_run_whose_nodes_sealed_its_end_is_listed_finished_with_where_and_when(store):
+    """Each DiLoCo-SWARM stage is a run of the list (swarm/s0, swarm/s1); a stage whose workers sealed its end
+    (keys.FINISHED) is finished, even when the finish line on the store's list did not get there, and a line
+    under the list says where and when it ended."""
+    import io
+
+    from rich.console import Console
+
+    from zb.cli.status import runs_view
+    from zb.elastic.store_state import Finished
+
+    _run(store, "swarm/s0", {"w0": 2.0})
+    _run(store, "swarm/s1", {"w1": 3.0})
+    world = World(version=2, resolution=1, nodes=["w0"], tokens={"w0": "t"}, run="r0")
+    prefixed(store, "swarm/s0").set(keys.WORLD, world.encode())
+    prefixed(store, "swarm/s0").set(keys.FINISHED, Finished("r0", 2, 4, 20, 1_700_000_000.0).encode())
+    doc = _view(store).read()
+    rows = {r["namespace"]: r for r in doc["runs"]}
+    assert rows["swarm/s0"]["finished"] and rows["swarm/s0"]["state"] == "finished"
+    assert rows["swarm/s0"]["end"]["outer_step"] == 4 and rows["swarm/s1"]["end"] is None
+    assert rows["swarm/s1"]["state"] == "running"
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(runs_view(doc))
+    assert console.file.getvalue().splitlines()[-1] == \
+        "swarm/s0 finished at outer step 4 (step 20) at 2023-11-14 22:13:20 UTC"
+
+
 def test_the_list_as_a_table():
     from rich.console import Console
 

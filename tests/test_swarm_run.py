@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import SWARM
 
+from zb.addresses import StoreAddress
+from zb.status.reader import open_reader
+from zb.swarm import registry
 from zb.testing.cluster import TrainCluster
 from zb.testing.procs import zb_process
 
@@ -100,6 +103,12 @@ def test_two_stages_two_workers_replicas_agree_at_every_outer_step(tmp_path, com
             weights = [e["round_micro_batches"] for u in ("s1a", "s1b") for e in cluster.metrics(u, "outer_step")
                        if e["outer_step"] == k]
             assert sum(weights) == 2 * 2 * 5, weights
+        # Each stage's workers sealed its end in the stage's own namespace: a late worker of the stage would stop.
+        for stage in (0, 1):
+            reader = open_reader([StoreAddress("127.0.0.1", cluster.port)], 10.0,
+                                 namespace=registry.stage_namespace("", stage))
+            end = reader.read()["run"]["finished"]
+            assert end is not None and (end["outer_step"], end["step"]) == (2, 10), (stage, end)
     finally:
         cluster.close()
 

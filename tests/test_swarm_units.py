@@ -321,3 +321,27 @@ def test_store_link_falls_back_while_the_store_is_away_and_reconnects():
     assert link.run(lambda s: s.add("n", 1), fallback="known") == "known"
     host = dist.TCPStore("127.0.0.1", port, is_master=True, use_libuv=True, wait_for_workers=False)  # noqa: F841 - restarted, held open
     assert link.run(lambda s: s.add("n", 1)) == 1              # a new, empty store: reconnected
+
+
+def test_a_first_stage_worker_asks_whether_its_stage_run_ended_when_a_later_stage_has_no_worker(store):
+    """A first-stage worker cut off until the others finished finds every later stage gone and never reaches its
+    next outer step: its stage's end (run_over: zb.elastic.membership.check_finished) is asked as soon as a stage
+    has no worker, so it stops with that line instead of waiting swarm.stage_wait. A worker of the final world
+    (run_over says nothing) waits as before, asks again before giving up, and names the stage."""
+    from zb.errors import EnvironmentFailure, RunFinishedWithout
+    from zb.swarm.client import Hops
+
+    link, asked = registry.StoreLink(lambda: store), []
+
+    def ended() -> None:
+        asked.append("late")
+        raise RunFinishedWithout("the run finished without this node")
+
+    msg = wire.Message(wire.FORWARD, 3, 0, {}, [torch.zeros(2)])
+    late = Hops(link, 2, hop_timeout=1.0, stage_wait=600.0, heartbeat_timeout=5.0, run_over=ended)
+    with pytest.raises(RunFinishedWithout):
+        late.call(1, msg)
+    final = Hops(link, 2, hop_timeout=1.0, stage_wait=0.3, heartbeat_timeout=5.0, run_over=lambda: asked.append("final"))
+    with pytest.raises(EnvironmentFailure, match="stage 1 has had no live worker for 0.3 s"):
+        final.call(1, msg)
+    assert asked == ["late", "final", "final"]

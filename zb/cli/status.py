@@ -170,7 +170,7 @@ def _show(doc: dict, as_json: bool) -> None:
 
 def _view(doc: dict):
     """What a document shows: the list of the store's runs, or one run."""
-    return runs_table(doc) if "runs" in doc else status_view(doc)
+    return runs_view(doc) if "runs" in doc else status_view(doc)
 
 
 def _print_table(doc: dict) -> None:
@@ -207,13 +207,30 @@ def clipped_line(doc: dict) -> str | None:
     return f"diloco.clip scaled down {', '.join(clipped)} at outer step {run.get('outer_step')}"
 
 
-def status_view(doc: dict):
-    """The table, and under it the stores and diloco.clip lines when there are any."""
+def finished_line(doc: dict) -> str | None:
+    """The line under the table once the run's nodes sealed its end (keys.FINISHED): "finished at outer step 12
+    (step 120) at 2026-11-28 07:13:19 UTC"."""
+    end = (doc.get("run") or {}).get("finished")
+    return end["line"] if end else None
+
+
+def _with_lines(table, lines: list[str | None]):
     from rich.console import Group
     from rich.text import Text
 
-    table, lines = status_table(doc), [line for line in (stores_line(doc), clipped_line(doc)) if line]
-    return Group(table, *(Text(line) for line in lines)) if lines else table
+    shown = [line for line in lines if line]
+    return Group(table, *(Text(line) for line in shown)) if shown else table
+
+
+def status_view(doc: dict):
+    """The table, and under it the run's end, the stores and diloco.clip lines when there are any."""
+    return _with_lines(status_table(doc), [finished_line(doc), stores_line(doc), clipped_line(doc)])
+
+
+def runs_view(doc: dict):
+    """The list of runs, and under it where and when each run that ended did ("NAME finished at ...")."""
+    return _with_lines(runs_table(doc), [f"{namespace_name(r['namespace'])} {r['end']['line']}"
+                                         for r in doc.get("runs") or [] if r.get("end")])
 
 
 def _watch(reader, addresses: list, where: str, interval: float, timeout: float, as_json: bool,

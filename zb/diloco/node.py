@@ -59,6 +59,8 @@ class NodeMesh(Mesh, Protocol):
 
     def mark_finished(self, outer_step: int, step: int) -> bool: ...
 
+    def check_finished(self) -> None: ...
+
 
 class DilocoNode:
     """This node's part in a DiLoCo run: joining it, every outer step (zb.diloco.outer_step), live-recovery

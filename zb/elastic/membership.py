@@ -495,15 +495,7 @@ class Membership:
         the run has not moved on from this store."""
         self._check_not_leaving(snap)
         refuse_if_evicted(self.uid, snap.evicted)
-        if finished_without(snap.finished, self.world):
-            done = snap.finished
-            assert done is not None   # finished_without holds only for a record
-            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(done.time))
-            raise RunFinishedWithout(
-                f"the run finished without this node: its other nodes ended it at outer step {done.outer_step} "
-                f"(step {done.step}) on {when}, in mesh version {done.version} (this node's last was "
-                f"{self.world.version if self.world else 0}); the final model is in their checkpoints. This node "
-                "stops without saving a final model of its own")
+        self._check_finished(snap.finished)
         if snap.moved is not None and self.stores is not None and snap.moved > self.stores.index:
             raise RunMoved(snap.moved)
         last = self.world
@@ -513,6 +505,30 @@ class Membership:
             raise RunStayed(snap.stayed.index, f"the run went on at store {self.stores.addresses[snap.stayed.index]} "
                                                f"without this node (mesh version {snap.stayed.version}; this node "
                                                f"left version {last.version})")
+
+    def check_finished(self) -> None:
+        """What every snapshot read checks of the run's end (keys.FINISHED), read alone: for a node that cannot reach
+        its next resolution (a DiLoCo-SWARM first-stage worker whose later stages have all left). Never connects;
+        a store that does not answer tells nothing. Only while no join or resolution is under way: it uses their
+        client."""
+        store = self.store
+        if store is None:
+            return
+        try:
+            raw = read_many(store, [keys.FINISHED])[0]
+        except store_errors() + (ZbError,) as e:
+            log.debug("could not read the run's end from the store: %s", str(e).splitlines()[0])
+            return
+        self._check_finished(Finished.decode(raw))
+
+    def _check_finished(self, done: Finished | None) -> None:
+        """RunFinishedWithout when the run ended in a later world than this node's (finished_without)."""
+        if done is None or not finished_without(done, self.world):
+            return
+        raise RunFinishedWithout(
+            f"the run finished without this node: its other nodes ended it at {done.where_and_when()}, in mesh "
+            f"version {done.version} (this node's last was {self.world.version if self.world else 0}); the final "
+            "model is in their checkpoints. This node stops without saving a final model of its own")
 
     def _check_not_leaving(self, snap: Snapshot) -> None:
         if (self.uid, self.token) in snap.gone:

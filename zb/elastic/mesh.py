@@ -128,6 +128,12 @@ class ElasticDeviceMesh:
         """Local rank 0: the run reached its end in this node's world (zb.elastic.membership.mark_finished)."""
         return self.local_rank == 0 and self._membership is not None and self._head.mark_finished(outer_step, step)
 
+    def check_finished(self) -> None:
+        """Local rank 0, between outer steps: RunFinishedWithout when the run ended in a later world than this node's
+        (zb.elastic.membership.check_finished); for a node that cannot reach its next resolution."""
+        if self.local_rank == 0 and self._membership is not None:
+            self._head.check_finished()
+
     def report_failure(self, suspect: int | None = None) -> None:
         """A collective on global_pg failed; `suspect` is the group rank blamed (None: unknown)."""
         self._failed = True

@@ -8,6 +8,7 @@ peer's bytes are never unpickled or trusted beyond their shape).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,11 @@ class Finished:
     def encode(self) -> str:
         return json.dumps({"run": self.run, "version": self.version, "outer_step": self.outer_step,
                            "step": self.step, "time": self.time})
+
+    def where_and_when(self) -> str:
+        """As every line about the run's end says it: "outer step 12 (step 120) at 2026-11-28 07:13:19 UTC"."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.time))
+        return f"outer step {self.outer_step} (step {self.step}) at {when}"
 
     @staticmethod
     def decode(raw: bytes) -> Finished | None:

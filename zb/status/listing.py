@@ -4,9 +4,9 @@ With a namespace (`--namespace`, ZB_ELASTIC_NAMESPACE) the view is that run, as 
 Without one, the store's list of runs (zb.elastic.runs: each run's nodes announce it there) says what
 there is: no run or one, and the view is that run (the store's root when the list names none: a run of an
 older zb is listed nowhere), as `zb status` always showed it; two or more, and it is the list, a row per
-run read by a RunReader of its own (nodes alive, step, outer step, loss, tokens/s, finished or not). The
-list decides nothing but what is shown, and a run the caller cannot open (sealed with a secret it does
-not hold) is a row with its name alone, marked sealed.
+run read by a RunReader of its own (nodes alive, step, outer step, loss, tokens/s, finished or not, and the
+run's end as its nodes sealed it, keys.FINISHED). The list decides nothing but what is shown, and a run the
+caller cannot open (sealed with a secret it does not hold) is a row with its name alone, marked sealed.
 
 Read-only as every reader: the list is read through zb.store_clients.listing_client, which never writes,
 and each run through its own reader. One refresh of the list costs two store operations per store (a
@@ -28,7 +28,7 @@ from zb.status.reader import NoRun, RunReader, open_reader, read_present, sample
 
 ALIVE = ("training", "joining", "recovering", "silent", "leaving")   # the states of a node still in the run
 _EMPTY = {"nodes_alive": 0, "nodes": [], "world_size": None, "mesh_version": None, "step": None, "outer_step": None,
-          "total_steps": None, "loss": None, "tokens_per_s": None}
+          "total_steps": None, "loss": None, "tokens_per_s": None, "end": None}
 
 
 class StoreView:
@@ -96,6 +96,8 @@ class StoreView:
         except NoRun as e:       # listed before its first node published anything
             return dict(row, error=str(e), state="finished" if row["finished"] else "starting", **_EMPTY), None
         figures = _figures(doc)
+        # Finished: on the store's list, or in the run's own sealed record (a finish line the store did not take).
+        row["finished"] = row["finished"] or figures["end"] is not None
         state = "finished" if row["finished"] else "running" if figures["nodes_alive"] else "stopped"
         return dict(row, state=state, **figures), doc
 
@@ -125,7 +127,8 @@ def _figures(doc: dict[str, Any]) -> dict[str, Any]:
     return {"nodes_alive": len(alive), "nodes": [{"uid": n["uid"], "state": n["state"]} for n in nodes],
             "world_size": run.get("world_size"), "mesh_version": run.get("mesh_version"), "step": run.get("step"),
             "outer_step": run.get("outer_step"), "total_steps": run.get("total_steps"),
-            "loss": round(sum(losses) / len(losses), 4) if losses else None, "tokens_per_s": run.get("tokens_per_s")}
+            "loss": round(sum(losses) / len(losses), 4) if losses else None, "tokens_per_s": run.get("tokens_per_s"),
+            "end": run.get("finished")}
 
 
 def _warning(rows: list[dict[str, Any]], docs: dict[str, dict[str, Any]]) -> str | None:

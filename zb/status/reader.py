@@ -24,9 +24,10 @@ from typing import Any
 
 from zb.addresses import StoreAddress
 from zb.elastic import keys
-from zb.elastic.store_state import read_snapshot
+from zb.elastic.store_state import Finished, read_snapshot
 from zb.elastic.stores import holds_run, start_index
 from zb.elastic.tcpstore import read_lines, store_errors
+from zb.elastic.world import World
 from zb.errors import EnvironmentFailure, InvalidInput, ZbError
 from zb.signed_store import for_reading, holds_secret, prefixed, read_marker
 from zb.status.record import decode_history, decode_record
@@ -170,7 +171,7 @@ class RunReader:
         nodes = [self._node(u, records[u], world, snap.gone, pending) for u in uids]
         nodes.sort(key=_order)
         doc = {"source": self.where, "namespace": self.namespace, "time": round(time.time(), 3), "nodes": nodes,
-               "run": _run(world, nodes, records),
+               "run": dict(_run(world, nodes, records), finished=_end(snap.finished, world)),
                "stores": self._stores(world is not None, nodes), "warning": self._warning()}
         if with_history:
             doc["history"] = self._histories(records)
@@ -324,6 +325,15 @@ def _run(world, nodes: list[dict], records: dict[str, dict | None]) -> dict[str,
             "total_steps": total, "tokens_per_s": round(sum(tps), 1) if tps else None,
             "eta_s": round(eta, 1) if eta is not None else None,
             "states": {s: sum(1 for n in nodes if n["state"] == s) for s in sorted({n["state"] for n in nodes})}}
+
+
+def _end(finished: Finished | None, world: World | None) -> dict[str, Any] | None:
+    """The run's end as its nodes sealed it (keys.FINISHED): where, when and the line that says so; None before it,
+    and for a record of an earlier run in this namespace or a run started again since (a later world)."""
+    if finished is None or world is None or finished.run != world.run or world.version > finished.version:
+        return None
+    return {"mesh_version": finished.version, "outer_step": finished.outer_step, "step": finished.step,
+            "time": finished.time, "line": f"finished at {finished.where_and_when()}"}
 
 
 def sample_window(doc: dict) -> float:

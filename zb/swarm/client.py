@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 
 import torch
 
@@ -29,8 +30,11 @@ class Hops:
     """Requests to the workers of stages 1..S-1, each routed, deadline-bound and re-issued on failure."""
 
     def __init__(self, link: registry.StoreLink, stages: int, hop_timeout: float, stage_wait: float,
-                 heartbeat_timeout: float, refresh_s: float = 2.0):
+                 heartbeat_timeout: float, refresh_s: float = 2.0, run_over: Callable[[], None] = lambda: None):
         self.link, self.stages = link, stages
+        # Raises when this worker's stage run ended without it: asked when a stage has no worker (a late worker of a
+        # finished run finds every later stage gone), so it stops with that line, not after swarm.stage_wait.
+        self.run_over = run_over
         # A worker that died without leaving stays registered: its stage's heartbeat tells (no notice, no routing).
         self.liveness = registry.Liveness(link, heartbeat_timeout)
         self.hop_timeout, self.stage_wait, self.refresh_s = hop_timeout, stage_wait, refresh_s
@@ -89,8 +93,11 @@ class Hops:
             try:
                 uid = router.choose(size, avoid)
             except NoWorker:
+                if waited_since is None:
+                    self.run_over()
                 waited_since = waited_since or time.monotonic()
                 if time.monotonic() - waited_since > self.stage_wait:
+                    self.run_over()
                     raise EnvironmentFailure(f"stage {stage} has had no live worker for {self.stage_wait:g} s; start "
                                              f"one (zb train ... --swarm.stage {stage}) or raise swarm.stage_wait") \
                         from None

@@ -39,6 +39,7 @@ class FirstStage(StageWorker):
         self._hops: Hops | None = None
         self.compute = threading.Lock()
         self.counted: set[int] = set()   # micro-batch ids whose loss was counted (each exactly once)
+        self._asking_end = threading.Lock()   # the micro-batch threads share the membership's store client
 
     @property
     def hops(self) -> Hops:
@@ -56,7 +57,7 @@ class FirstStage(StageWorker):
             registry.announce_start(self.link.client, 0, self.uid, self.token)
             slot = self.join_stage(vocab_size)
             self._hops = Hops(self.link, self.num_stages, self.sw.hop_timeout, self.sw.stage_wait,
-                             self.cfg.elastic.heartbeat_timeout)
+                             self.cfg.elastic.heartbeat_timeout, run_over=self._run_over)
             registry.publish_stages(self.link.client, self.num_stages)
             self.train_loader, self.eval_loader = build_loaders(self.cfg, self.tokenizer, LocalWorld(rank=0, world_size=1), slot,
                                                                 self.diloco.num_slots)
@@ -71,7 +72,7 @@ class FirstStage(StageWorker):
             self.checkpoints.final(self.ledger.position.step)
             if stop.requested:
                 return Ended(stop.signum, self.ledger.position.step)
-            self.diloco.claims.finish()   # `zb status` lists the stage's run as finished (a bounded wait)
+            self.diloco.finished(self.ledger.position)   # `zb status` and late workers of the stage see it
             if self.cfg.eval.interval >= 0 and self.ledger.position.step > 0:
                 self._evaluate()
             return Ended(None, self.ledger.position.step)
@@ -107,6 +108,12 @@ class FirstStage(StageWorker):
                 if cfg.eval.interval > 0 and self.ledger.position.step % cfg.eval.interval == 0 and \
                         self.ledger.position.step < self.total:
                     self._evaluate()
+
+    def _run_over(self) -> None:
+        """RunFinishedWithout when the stage's run ended in a later world than this worker's: a worker cut off or
+        stopped until the others finished finds the later stages gone, and its next outer step out of reach."""
+        with self._asking_end:
+            self.diloco.mesh.check_finished()
 
     def inner_step(self, count: int) -> float:
         # The run's tokens of the step: this worker's times the first-stage workers training beside it.

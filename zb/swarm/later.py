@@ -66,7 +66,7 @@ class LaterStage(StageWorker):
             self.checkpoints.final(self.ledger.position.step)
             if stop.requested:
                 return Ended(stop.signum, self.ledger.position.step)
-            self.diloco.claims.finish()   # `zb status` lists the stage's run as finished (a bounded wait)
+            self.diloco.finished(self.ledger.position)   # `zb status` and late workers of the stage see it
             self._serve_until_owners_leave(stop)
             return Ended(None, self.ledger.position.step)
         finally:
