@@ -20,8 +20,8 @@ from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.membership import Membership
 from zb.elastic.partition import FOLLOW, GO, WAIT, drop_verdict, may_go_back, needs_look, settle_s, stale_arrival
 from zb.elastic.store_state import Snapshot, Stayed
-from zb.elastic.tcpstore import host
 from zb.elastic.stores import StoreList
+from zb.elastic.tcpstore import host
 from zb.elastic.world import World
 from zb.store_clients import StoreUnreachable
 
