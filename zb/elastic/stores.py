@@ -103,9 +103,8 @@ def reform_quorum(last_world_size: int) -> int:
     """Nodes of the last world that must arrive before the world re-forms at a new store: more than half.
     A partition can cut some nodes off a store that still answers the others, who go on there; the cut-off
     nodes take its silence for its death and move. With exactly half on each side both used to train (two
-    worlds, two final models); now the movers need a majority, so half of them wait instead. What this does
-    not settle (issue 39, open): a minority left on the old store, whose leader drops the silent majority
-    and trains on until the movers' mark (keys.MOVED) reaches that store, and then receives the run's state."""
+    worlds, two final models); now the movers need a majority, so half of them wait instead. The side left
+    on the old store follows the same rule from its end (zb.elastic.partition.drop_verdict)."""
     return last_world_size // 2 + 1
 
 
