@@ -271,7 +271,9 @@ def test_both_sides_wait_while_the_minority_cannot_see_the_next_store(four):
     assert all(isinstance(w, World) for w in out.values()), out
     assert {w.encode() for w in out.values()} == {out["a"].encode()}
     assert all(m.stores.index == 1 for m in four.nodes.values())
-    assert not any(len(n) < 4 for seen in four.seen.values() for _, _, n in seen)   # no world without c, d
+    old = four.world_on(0)
+    assert old is not None and old.version == four.start.version           # a and b never went on without c, d
+    assert not any(store == 0 and len(n) < 4 for seen in four.seen.values() for store, _, n in seen)
     assert not four.split(), four.split()
 
 
