@@ -15,7 +15,7 @@ import torch.distributed as dist
 from zb.config_schema import ElasticConfig
 from zb.elastic import keys
 from zb.elastic.heartbeat import Heartbeat, Liveness
-from zb.elastic.membership import Membership
+from zb.elastic.membership import Membership, roll_call_events_bound
 from zb.elastic.store_state import Finished, finished_without
 from zb.elastic.world import World
 from zb.errors import RunFinishedWithout
@@ -204,3 +204,18 @@ def test_only_a_node_of_an_older_world_of_the_same_run_is_late():
     assert not finished_without(done, World(version=2, nodes=["c"], run="r2"))   # another run on this store
     assert not finished_without(done, None) and not finished_without(None, World(version=1, run="r1"))
     assert not finished_without(done, World(version=1, nodes=["c"], run=""))     # no run yet
+
+
+def test_a_bumped_roll_call_counter_does_not_size_the_cleanup(members):
+    """keys.roll_call_events is an unsealed counter: one `add` of 10**9 by anyone who reaches the store made the
+    leader build and delete a billion key names (killed by the kernel at 22 GB). The cleanup stays bounded."""
+    start(members, ["a", "b"])
+    leader = members.nodes["a"]
+    client = members.client()
+    client.add(keys.roll_call_events(0), 10**9)
+    deleted: list[str] = []
+    real = leader.client.delete_key
+    leader.store = type("Counting", (), {"add": leader.client.add,
+                                         "delete_key": lambda self, k: deleted.append(k) or real(k)})()
+    leader._forget(0)
+    assert len(deleted) == 2 + roll_call_events_bound(2)

@@ -100,6 +100,12 @@ class RunStayed(Exception):
         self.index = index
 
 
+def roll_call_events_bound(members: int) -> int:
+    """The most events a roll call of a world of `members` can have: each member answers once per resolution it
+    takes part in, and every leader that writes the next world announces it (a few, racing), with room to spare."""
+    return 4 * members + 16
+
+
 LOOK_EVERY_S = 2.0   # how often a node looks at another store of elastic.addr while a partition decides its side
 
 
@@ -388,10 +394,13 @@ class Membership:
             self.client.append(keys.EVICTED, "")
 
     def _forget(self, resolution: int) -> None:
-        """Delete a finished roll call's keys (every member has moved past it)."""
+        """Delete a finished roll call's keys (every member has moved past it). Its events counter is unsealed (anyone
+        reaching the store can bump it), so the count of wake-up keys deleted is bounded by what a roll call of
+        this world can announce: an answer per member and a few worlds written; beyond that a bumped counter
+        names keys nobody wrote, which are left alone (deleting 10**9 of them hung the leader)."""
         events = keys.roll_call_events(resolution)
-        count = self.client.add(events, 0)
-        for key in [keys.roll_call(resolution), events, *(f"{events}/{n}" for n in range(1, count + 1))]:
+        count = max(0, min(self.client.add(events, 0), roll_call_events_bound(len(self.world.nodes) if self.world else 1)))
+        for key in (keys.roll_call(resolution), events, *(f"{events}/{n}" for n in range(1, count + 1))):
             self.client.delete_key(key)
 
     def _write(self, expected: bytes, new: World) -> bool:
