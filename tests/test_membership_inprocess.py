@@ -214,8 +214,26 @@ def test_a_bumped_roll_call_counter_does_not_size_the_cleanup(members):
     client = members.client()
     client.add(keys.roll_call_events(0), 10**9)
     deleted: list[str] = []
-    real = leader.client.delete_key
-    leader.store = type("Counting", (), {"add": leader.client.add,
-                                         "delete_key": lambda self, k: deleted.append(k) or real(k)})()
+    real = leader.client
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def delete_key(self, key):
+            deleted.append(key)
+            return real.delete_key(key)
+
+    leader.store = Counting()
     leader._forget(0)
     assert len(deleted) == 2 + roll_call_events_bound(2)
+
+
+def test_a_roll_call_counter_that_is_no_integer_does_not_break_the_cleanup(members):
+    """`add` on a value that is no integer makes the store drop the connection: the cleanup reads it instead."""
+    start(members, ["a", "b"])
+    members.client().set(keys.roll_call_events(0), b"x")
+    leader = members.nodes["a"]
+    leader._forget(0)
+    assert leader.client.check([keys.WORLD])       # the same client still answers
+    assert not members.client().check([keys.roll_call_events(0)])

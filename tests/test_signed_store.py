@@ -216,3 +216,15 @@ def test_a_node_without_the_secret_is_refused_by_a_failover_list_whose_first_sto
     stores = StoreList([StoreAddress("127.0.0.1", free_port()), StoreAddress("127.0.0.1", host.port)], 30.0)
     with pytest.raises(InvalidInput, match="admits only nodes that hold its secret"):
         stores.connect(5.0, 5.0)
+
+
+def test_a_deleted_marker_is_written_back_as_it_was(host):
+    """An outsider deleted the run marker (no secret needed); a node's client that connects again must not write a
+    fresh one: that re-keyed this node alone, every record of the others read as forged, and the run split in two."""
+    a = _node(host)
+    a.set("zb/world", "W1")
+    host.delete_key(MARKER)
+    b = _node(host, timeout_s=2.0)              # a client of the run's process, made again after a store error
+    assert b.get("zb/world") == b"W1"           # the same key: the others' records still open
+    b.set("zb/world", "W2")
+    assert a.get("zb/world") == b"W2"

@@ -11,7 +11,8 @@ wake-ups, never a decision.
 
 The run marker (MARKER, at the store's root) holds a random nonce and a proof that its writer held the
 secret. `zb store --secret-file` writes it; else the first node that holds a secret does; a command that
-only reads (`zb status`, the dashboard: `for_reading`) never does. A node with another secret, or with none,
+only reads (`zb status`, the dashboard: `for_reading`) never does. A node whose store lost the marker it has
+been using writes that same marker back, never a new one: a fresh nonce would re-key that node alone. A node with another secret, or with none,
 is refused in one line (InvalidInput, exit 2) before it writes anything.
 Records are keyed by the nonce too, so a record copied from another store (an old one, or a standby)
 never opens here.
@@ -47,6 +48,9 @@ _POLL_S = 0.05
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
+_used: dict[tuple[str, str], str] = {}   # the run marker this process's clients opened records with, per store
+                                        # address and secret (its digest)
+_used_lock = threading.Lock()
 
 
 def _as_bytes(value: str | bytes) -> bytes:
@@ -294,8 +298,20 @@ def authenticated(client: Any, secret: bytes | None, where: str, counters: Calla
     if secret is None:
         _refuse_without_secret(read_marker(client), where)
         return client
-    marker = client.compare_set(MARKER, "", marker_value(secret))   # the marker there, or ours if none was
-    return signed(client, record_key(secret, _nonce(marker, secret, where)), counters)
+    held = (where, hashlib.sha256(secret).hexdigest())
+    with _used_lock:
+        used = _used.get(held)
+    if used is not None and read_marker(client) is None:
+        # Gone while this process used it: an empty restarted store, or someone who reaches the store deleted it
+        # (an outsider who cannot write a valid one). A fresh nonce here would re-key this node alone, and every
+        # record of the others would read as forged: two runs. The marker goes back as it was, for every node.
+        log.warning("the run marker of the store at %s is missing: writing back the one this node has been using "
+                    "(the store restarted empty, or someone deleted it)", where)
+    marker = client.compare_set(MARKER, "", used or marker_value(secret))   # the marker there, or ours if none was
+    nonce = _nonce(marker, secret, where)
+    with _used_lock:
+        _used[held] = marker.decode()
+    return signed(client, record_key(secret, nonce), counters)
 
 
 def for_reading(client: Any, secret: bytes | None, where: str, counters: Callable[[str], bool]) -> Any:

@@ -41,7 +41,16 @@ from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.partition import FOLLOW, GO, DropVerdict, drop_verdict, may_go_back, needs_look, settle_s, stale_arrival
 from zb.elastic.ring import RingPlanner, apply_ring_order
-from zb.elastic.store_state import Finished, Snapshot, Stayed, encode_line, evicted_ids, finished_without, read_snapshot
+from zb.elastic.store_state import (
+    Finished,
+    Snapshot,
+    Stayed,
+    counter_value,
+    encode_line,
+    evicted_ids,
+    finished_without,
+    read_snapshot,
+)
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
 from zb.elastic.tcpstore import read_many, store_errors
 from zb.elastic.world import Observation, World, next_world
@@ -399,7 +408,10 @@ class Membership:
         this world can announce: an answer per member and a few worlds written; beyond that a bumped counter
         names keys nobody wrote, which are left alone (deleting 10**9 of them hung the leader)."""
         events = keys.roll_call_events(resolution)
-        count = max(0, min(self.client.add(events, 0), roll_call_events_bound(len(self.world.nodes) if self.world else 1)))
+        # Read, not `add(events, 0)`: on a value that is no integer the store drops the connection (it answered an
+        # outsider's one write by re-keying this node's client before the marker was kept: zb.signed_store).
+        written = counter_value(read_many(self.client, [events])[0])
+        count = max(0, min(written, roll_call_events_bound(len(self.world.nodes) if self.world else 1)))
         for key in (keys.roll_call(resolution), events, *(f"{events}/{n}" for n in range(1, count + 1))):
             self.client.delete_key(key)
 

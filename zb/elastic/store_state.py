@@ -125,8 +125,8 @@ def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
         names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
     raw = read_many(store, names)
     return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[7]) if len(raw) > 7 else [], events=_count(raw[8]) if len(raw) > 8 else 0,
-                    moved=_count(raw[3]) or None, evicted=evicted_ids(raw[4]), finished=Finished.decode(raw[5]),
+                    answers=_answers(raw[7]) if len(raw) > 7 else [], events=counter_value(raw[8]) if len(raw) > 8 else 0,
+                    moved=counter_value(raw[3]) or None, evicted=evicted_ids(raw[4]), finished=Finished.decode(raw[5]),
                     stayed=Stayed.decode(raw[6]))
 
 
@@ -141,7 +141,8 @@ def ended_world(store: StoreClient) -> World | None:
     return world
 
 
-def _count(raw: bytes) -> int:
+def counter_value(raw: bytes) -> int:
+    """A counter's value (the store's decimal text), 0 when absent or not one: anyone can write a counter key."""
     try:
         return int(raw or b"0")
     except ValueError:
