@@ -237,3 +237,17 @@ def test_a_roll_call_counter_that_is_no_integer_does_not_break_the_cleanup(membe
     leader._forget(0)
     assert leader.client.check([keys.WORLD])       # the same client still answers
     assert not members.client().check([keys.roll_call_events(0)])
+
+
+def test_a_heartbeat_counter_written_with_junk_does_not_eject_its_node(members):
+    """Anyone who reaches the store can write a node's heartbeat counter: a value that is no integer made the store
+    drop every `add` of it, so the node stopped beating and was evicted as "STORE UNREACHABLE". Its heartbeat now
+    starts the counter over, and the node stays in the world."""
+    worlds = start(members, ["a", "b"])
+    members.client().set(keys.heartbeat("b"), b"junk")
+    beats, deadline = members.beats["b"].beats, time.monotonic() + 30
+    while members.beats["b"].beats < beats + 1.5 * CFG.heartbeat_timeout / CFG.heartbeat_interval:   # past the timeout
+        assert time.monotonic() < deadline, "b's heartbeat never beat again"
+        time.sleep(CFG.heartbeat_interval)
+    after = members.together(["a", "b"], lambda m: m.resolve())
+    assert all(w.nodes == worlds["a"].nodes and w.version == worlds["a"].version for w in after.values()), after

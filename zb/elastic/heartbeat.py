@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from zb.elastic import keys
-from zb.elastic.tcpstore import read_many, store_errors
+from zb.elastic.tcpstore import bump, read_many, store_errors
 
 if TYPE_CHECKING:
     from zb.store_clients import StoreClient
@@ -118,7 +118,9 @@ class Heartbeat(threading.Thread):
             if self._store is None or self._index != self._store_index():   # none yet, or the run moved on
                 self._index = self._store_index()
                 self._store = self._connect()
-            self._store.add(keys.heartbeat(self.uid), 1)
+                bump(self._store, keys.heartbeat(self.uid), 1)   # a client made after a failure: junk there is why
+            else:
+                self._store.add(keys.heartbeat(self.uid), 1)
             now = time.monotonic()
             if self._last_beat is not None:
                 # A machine too busy to run this thread (or a store too slow to take the beat) shows here.

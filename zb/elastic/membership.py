@@ -52,7 +52,7 @@ from zb.elastic.store_state import (
     read_snapshot,
 )
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
-from zb.elastic.tcpstore import read_many, store_errors
+from zb.elastic.tcpstore import bump, read_many, store_errors
 from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
 from zb.store_clients import StoreUnreachable
@@ -482,7 +482,7 @@ class Membership:
 
     def _announce(self, resolution: int) -> None:
         """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
-        n = self.client.add(keys.roll_call_events(resolution), 1)
+        n = bump(self.client, keys.roll_call_events(resolution), 1)
         self.client.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
 
     def _wait_event(self, resolution: int, seen: int) -> None:

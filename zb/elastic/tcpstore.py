@@ -121,3 +121,19 @@ def read_lines(store: StoreClient, key: str) -> list[str]:
     """The entries of an append-only list key (see zb.elastic.keys)."""
     raw = read_many(store, [key])[0]
     return [line for line in raw.decode().split("\n") if line]
+
+
+def bump(store: StoreClient, key: str, amount: int) -> int:
+    """`add` to the counter `key`, which anyone who reaches the store can overwrite: a value that is no integer
+    makes the store drop the connection of every `add` after it, so such a value is deleted first (the counter
+    starts over; a counter is a liveness or wake-up signal, never a decision: zb.elastic.keys)."""
+    raw = read_many(store, [key])[0]
+    if raw and not _is_integer(raw):
+        log.warning("counter %s held %r, which is no integer (someone wrote it): starting it over", key, raw[:32])
+        store.delete_key(key)
+    return store.add(key, amount)
+
+
+def _is_integer(raw: bytes) -> bool:
+    text = raw.strip()
+    return 0 < len(text) <= 19 and text.lstrip(b"-").isdigit()
