@@ -228,3 +228,30 @@ def test_a_deleted_marker_is_written_back_as_it_was(host):
     assert b.get("zb/world") == b"W1"           # the same key: the others' records still open
     b.set("zb/world", "W2")
     assert a.get("zb/world") == b"W2"
+
+
+def test_a_secret_shorter_than_16_bytes_is_refused(tmp_path):
+    path = tmp_path / "short.secret"
+    path.write_text("password-is\n")
+    path.chmod(0o600)
+    with pytest.raises(InvalidInput, match="has only 11 bytes: at least 16") as e:
+        read_secret(path)
+    assert "\n" not in str(e.value)
+
+
+def test_a_guess_of_the_secret_costs_a_slow_derivation(host):
+    """The marker is readable by anyone who reaches the store: testing a guess against it must cost scrypt, not
+    one HMAC of the guess (a 16-byte human secret fell in 2 guesses, at ~528,000 a second)."""
+    import hashlib
+    import hmac
+    import json
+
+    from zb.secret import SCRYPT_N, stretched
+
+    _node(host)
+    doc = json.loads(host.get(MARKER))
+    plain = hmac.new(SECRET, b"zb run marker\x00" + doc["nonce"].encode(), hashlib.sha256).hexdigest()
+    assert doc["proof"] != plain
+    slow = hashlib.scrypt(SECRET, salt=b"zb run secret v1", n=SCRYPT_N, r=8, p=1, maxmem=64 << 20, dklen=32)
+    assert stretched(SECRET) == slow and SCRYPT_N >= 1 << 14
+    assert doc["proof"] == hmac.new(slow, b"zb run marker\x00" + doc["nonce"].encode(), hashlib.sha256).hexdigest()
