@@ -1,6 +1,8 @@
 """What the run secret (elastic.secret_file) costs per outer step (issue 27).
 
-Two measurements, each against the same thing without a secret in the same run:
+Three measurements, each against the same thing without a secret (or before scrypt) in the same run:
+- derive: the secret's scrypt (zb.secret.stretched: what a node pays once per process, and what each offline
+  guess of a secret now costs) against one HMAC-SHA256 (what a guess cost before), median of 5 fresh secrets.
 - ops: one process, a store on loopback; N rounds of set + check + get of a status-sized record (400 bytes)
   and an append + get of a join-list line, through a plain client and through a sealed one (zb.signed_store).
   Per-operation microseconds and the ratio.
@@ -56,6 +58,29 @@ def ops(rounds: int) -> dict:
     return out
 
 
+def derive(samples: int = 5) -> dict:
+    """Seconds of one scrypt of a fresh secret against one HMAC of it: the cost of a guess, then and now."""
+    import hashlib
+    import hmac
+    import os
+
+    from zb.secret import stretched
+
+    slow, fast = [], []
+    for _ in range(samples):
+        secret = os.urandom(32)
+        started = time.perf_counter()
+        stretched(secret)
+        slow.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        for _ in range(1000):
+            hmac.new(secret, b"zb run marker\x00nonce", hashlib.sha256).digest()
+        fast.append((time.perf_counter() - started) / 1000)
+    scrypt_s, hmac_s = statistics.median(slow), statistics.median(fast)
+    return {"scrypt_s": scrypt_s, "hmac_s": hmac_s, "guess_cost_ratio": scrypt_s / hmac_s,
+            "scrypt_spread_s": [min(slow), max(slow)]}
+
+
 def one_run(tmp: Path, nodes: int, steps: int, secret: bool) -> dict:
     env = {}
     if secret:
@@ -87,6 +112,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--op-rounds", type=int, default=2000)
     args = p.parse_args(argv)
+    if args.repeats < 0:
+        p.error("--repeats must be 0 or more (0: the store operations and the derivation only)")
+    dv = derive()
+    print(f"secret derivation: scrypt {dv['scrypt_s'] * 1e3:.0f} ms once per process "
+          f"({dv['scrypt_spread_s'][0] * 1e3:.0f}-{dv['scrypt_spread_s'][1] * 1e3:.0f}), one HMAC "
+          f"{dv['hmac_s'] * 1e6:.1f} us: an offline guess costs x{dv['guess_cost_ratio']:.0f} what it did")
     op = ops(args.op_rounds)
     pairs = []
     with tempfile.TemporaryDirectory(prefix="zb-secret-") as tmp:
@@ -108,10 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{i:6d} {a['resolve_s']:16.4f} {b['resolve_s']:8.4f} {a['boundary_s']:17.4f} {b['boundary_s']:8.4f} "
               f"{a['wall_s']:13.2f} {b['wall_s']:8.2f} {pair['wall_s']:10.3f}")
     summary = {f: {"median": statistics.median(p[f] for p in pairs), "min": min(p[f] for p in pairs),
-                   "max": max(p[f] for p in pairs)} for f in ("wall_s", "resolve_s", "boundary_s")}
-    print("ratios secret/plain (median, min-max): " + ", ".join(
-        f"{f} {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" for f, s in summary.items()))
-    print(json.dumps({"bench": "secret", "ops": op, "ratios": summary, "pairs": pairs}))
+                   "max": max(p[f] for p in pairs)} for f in ("wall_s", "resolve_s", "boundary_s")} if pairs else {}
+    if pairs:
+        print("ratios secret/plain (median, min-max): " + ", ".join(
+            f"{f} {s['median']:.3f} ({s['min']:.3f}-{s['max']:.3f})" for f, s in summary.items()))
+    print(json.dumps({"bench": "secret", "derive": dv, "ops": op, "ratios": summary, "pairs": pairs}))
     return 0
 
 
