@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import select
 import signal
@@ -74,6 +75,29 @@ def test_symlinks_cannot_escape(peer, tmp_path):
     assert http_get(h, "/files/step-000000099/model.safetensors")[0].status == 404
     response, body = http_get(h, "/manifest")  # neither the tampered nor the outside snapshot is offered
     assert response.status == 404 and b"step" not in body
+
+
+def test_hard_links_are_refused_and_logged(peer, tmp_path, caplog):
+    """Issue 40: a hard link in --dir was served. A file with more than one link may be a file outside the
+    directory (O_NOFOLLOW does not see it): refused with 403 and a warning naming it, as a symlink is refused
+    (404, also logged)."""
+    root, h = peer()
+    snap = root / "step-000000010"
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"S" * (snap / "inner.safetensors").stat().st_size)   # the size the manifest says
+    (snap / "inner.safetensors").unlink()
+    os.link(outside, snap / "inner.safetensors")
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt.serve"):
+        response, body = http_get(h, "/files/step-000000010/inner.safetensors")
+    assert response.status == 403 and b"SSS" not in body, (response.status, body[:100])
+    assert "step-000000010/inner.safetensors" in caplog.text and "2 hard links" in caplog.text, caplog.text
+    (snap / "outer.safetensors").unlink()
+    (snap / "outer.safetensors").symlink_to(outside)   # a symlink is refused and logged too
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="zb.ckpt.serve"):
+        assert http_get(h, "/files/step-000000010/outer.safetensors")[0].status == 404
+    assert "step-000000010/outer.safetensors" in caplog.text and "symlink" in caplog.text, caplog.text
+    assert http_get(h, "/files/step-000000010/model.safetensors")[0].status == 200   # the rest is still served
 
 
 def test_ranges(peer):

@@ -11,7 +11,8 @@ checked before anything else so an outsider learns nothing. A connection's first
 trickling or sending junk, hold none. Paths are never joined blindly: a
 request names a snapshot and a file, both must match strict name patterns after percent-decoding
 (no `/`, `..`, `%`, NUL), the snapshot must be committed, the file must be listed in its manifest,
-and it is opened with O_NOFOLLOW, so symlinks and traversal cannot reach outside the directory.
+and it is opened with O_NOFOLLOW and refused if it has more than one link, so symlinks, hard links and
+traversal cannot reach outside the directory.
 A file is streamed with sendfile from one open handle, so pruning it mid-transfer does not cut the
 download; the next request for a pruned snapshot gets 404 and the client moves on.
 """
@@ -267,12 +268,20 @@ class SnapshotServer(ThreadingHTTPServer):
             raise HttpError(404, f"no committed snapshot {name}") from None
 
     def open_file(self, name: str, file_name: str, size: int):
-        """Open a snapshot file without following symlinks; it must be regular and of manifest size."""
+        """Open a snapshot file without following symlinks; it must be regular, have one link (a hard link may
+        be a file outside the directory, which O_NOFOLLOW cannot tell) and be of manifest size."""
         try:
             fd = os.open(self.root / name / file_name, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                log.warning("not serving %s/%s: it is a symlink", name, file_name)
             raise HttpError(404, f"no file {file_name} in snapshot {name}") from None
         info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+            os.close(fd)
+            log.warning("not serving %s/%s: it has %d hard links, and another may be a file outside %s", name,
+                        file_name, info.st_nlink, self.root)
+            raise HttpError(403, f"{name}/{file_name} has more than one link")
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             os.close(fd)
             raise HttpError(409, f"{name}/{file_name} does not match its manifest")
