@@ -80,6 +80,78 @@ def test_status_with_a_secret_never_marks_a_store_and_a_fresh_secret_store_has_n
     assert "no node has joined it" in board["error"], board
 
 
+def _seal_a_run(port: int, secret: bytes) -> None:
+    """A run as a node holding the secret leaves it in the store: the world and its status record sealed, its
+    heartbeat counter, its line on the store's list of runs."""
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys, runs
+    from zb.elastic.world import World
+    from zb.signed_store import authenticated, holds_secret
+    from zb.status.record import encode
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, use_libuv=True, timeout=timedelta(seconds=30))
+    store = authenticated(client, secret, f"127.0.0.1:{port}", keys.is_counter)
+    store.set(keys.WORLD, World(version=2, resolution=1, nodes=["a"], tokens={"a": "t"}).encode())
+    store.append(keys.STATUS_INDEX, "a\n")
+    store.set(keys.status("a"), encode({"format": 1, "uid": "a", "state": "training", "step": 20, "outer_step": 4,
+                                        "loss": 1.5, "tokens_per_s": 100.0, "total_steps": 40,
+                                        "heartbeat_interval": 0.5, "heartbeat_timeout": 60.0}))
+    store.add(keys.heartbeat("a"), 1)
+    runs.root_of(store).append(keys.RUNS, runs.start_line("", secret=holds_secret(store), now=time.time()))
+
+
+def _store_items(port: int) -> dict[str, bytes]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, use_libuv=True, timeout=timedelta(seconds=30))
+    names = sorted(client.list_keys())
+    return dict(zip(names, client.multi_get(names)))
+
+
+def test_both_dashboards_read_a_sealed_run_with_the_secret_and_write_nothing(tmp_path):
+    """Issue 40: `zb store --http-port N --secret-file F` was reported to exit 2 (its dashboard opened the store
+    without the secret). With a run's records sealed in the store, `zb store`'s own dashboard and `zb status --serve
+    --secret-file` both show the node from its sealed records, and every key and value is as it was."""
+    from zb.secret import read_secret
+    from zb.testing.procs import wait_until
+
+    secret_file = tmp_path / "run.secret"
+    write_new_secret(secret_file)
+    store, info = _store("--secret-file", str(secret_file), "--http-port", "0")
+    served = None
+    try:
+        _seal_a_run(info["port"], read_secret(str(secret_file)))
+        before = _store_items(info["port"])
+        served = subprocess.Popen([sys.executable, "-m", "zb", "status", "--serve", "--http-port", "0", "--json",
+                                   "--store", f"127.0.0.1:{info['port']}", "--secret-file", str(secret_file)],
+                                  env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  cwd=REPO)
+        line = served.stdout.readline()
+        assert line, served.stderr.read()
+        for url in (info["dashboard"], json.loads(line)["url"]):
+            def shown(url=url):
+                with urllib.request.urlopen(url + "api/status", timeout=30) as r:
+                    doc = json.loads(r.read())
+                return doc if doc["nodes"] else None
+
+            doc = wait_until(shown, 60, f"the node on the dashboard at {url}", alive=[store, served])
+            assert [(n["uid"], n["step"], n["loss"]) for n in doc["nodes"]] == [("a", 20, 1.5)], doc
+            assert not doc.get("error") and not doc.get("warning"), doc
+        assert _store_items(info["port"]) == before, "a dashboard wrote to the store"
+    finally:
+        if served is not None:
+            served.terminate()
+            assert served.wait(30) == 0, served.stderr.read()
+        _stop(store)
+    assert store.returncode == 0
+
+
 def test_zb_store_refuses_to_overwrite_a_secret_or_take_two(tmp_path):
     secret = tmp_path / "run.secret"
     write_new_secret(secret)

@@ -41,7 +41,9 @@ Runs until SIGINT or SIGTERM. Exit 2: bad --dir, token or host name; exit 1: por
 @click.option("--client-timeout", type=FiniteFloatRange(min=0.1), default=30.0, show_default=True,
               help="Seconds a client may stall before its connection is dropped.")
 @click.option("--max-connections", type=click.IntRange(min=1, max=4096), default=64, show_default=True,
-              help="Connections served at once (a thread each); past it a connection gets HTTP 503 and Retry-After.")
+              help="Connections served at once (a thread each), counting only those whose request showed the token; "
+                   "past it one gets HTTP 503 and Retry-After. Connections yet to show it wait apart: at most 256, "
+                   "each at most 5 s (or --client-timeout) for its request head.")
 @click.option("--connect-timeout", type=FiniteFloatRange(min=0), default=10.0, show_default=True,
               help="Seconds to keep trying to reach the store of --publish.")
 @click.option("--json", "as_json", is_flag=True, help="Print {address, dir} as one JSON line on stdout once listening.")

@@ -1,10 +1,14 @@
-"""Request parsing for the sidecar: the route of a raw request target and single byte ranges.
+"""Request parsing for the sidecar: the token of a request head, the route of a raw request target and single
+byte ranges.
 
 Kept apart from the server so the rules that guard the filesystem are small and testable alone.
 """
 
 from __future__ import annotations
 
+import hmac
+import http.client
+import io
 import re
 from urllib.parse import unquote
 
@@ -21,6 +25,30 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.headers = status, headers or {}
+
+
+def head_end(head: bytes | bytearray) -> int | None:
+    """Where a request head ends (just past its empty line, CRLF or bare LF as http.server takes either), or
+    None while it has not."""
+    ends = [i + len(mark) for mark in (b"\n\r\n", b"\n\n") if (i := head.find(mark)) >= 0]
+    return min(ends) if ends else None
+
+
+def head_token(head: bytes) -> str:
+    """The Authorization header of a whole request head as http.server parses it ('' when absent or unparsable):
+    the sidecar's door checks the same value its handler does."""
+    _, _, lines = head.partition(b"\n")
+    try:
+        return http.client.parse_headers(io.BytesIO(lines)).get("Authorization", "")
+    except (http.client.HTTPException, ValueError):
+        return ""
+
+
+def token_matches(authorization: str, token: bytes) -> bool:
+    """`Bearer <token>`, compared in constant time."""
+    scheme, _, credential = authorization.partition(" ")
+    given = credential.strip().encode() if scheme.lower() == "bearer" else b""
+    return hmac.compare_digest(given, token)
 
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:

@@ -6,10 +6,13 @@
     HEAD                      the same headers without a body
 
 Every request needs `Authorization: Bearer <token>` (compared in constant time; 401 otherwise),
-checked before anything else so an outsider learns nothing. Paths are never joined blindly: a
+checked before anything else so an outsider learns nothing. A connection's first head is checked at the door
+(zb.ckpt.sidecar.gate) before the connection takes a transfer slot, so connections without the token, idle or
+trickling or sending junk, hold none. Paths are never joined blindly: a
 request names a snapshot and a file, both must match strict name patterns after percent-decoding
 (no `/`, `..`, `%`, NUL), the snapshot must be committed, the file must be listed in its manifest,
-and it is opened with O_NOFOLLOW, so symlinks and traversal cannot reach outside the directory.
+and it is opened with O_NOFOLLOW and refused if it has more than one link, so symlinks, hard links and
+traversal cannot reach outside the directory.
 A file is streamed with sendfile from one open handle, so pruning it mid-transfer does not cut the
 download; the next request for a pruned snapshot gets 404 and the client moves on.
 """
@@ -17,7 +20,6 @@ download; the next request for a pruned snapshot gets 404 and the client moves o
 from __future__ import annotations
 
 import errno
-import hmac
 import io
 import json
 import logging
@@ -31,11 +33,13 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs
 
 from zb.ckpt.format.catalog import check_quick, list_snapshots, read_committed
 from zb.ckpt.format.manifest import Manifest
-from zb.ckpt.sidecar.http import HttpError, parse_range, parse_step, route
+from zb.ckpt.sidecar.gate import Gate, answer_and_close
+from zb.ckpt.sidecar.http import HttpError, parse_range, parse_step, route, token_matches
 from zb.ckpt.sidecar.live_layout import served_dir
 from zb.dial import unresolvable
 from zb.errors import EnvironmentFailure, InvalidInput
@@ -43,10 +47,13 @@ from zb.errors import EnvironmentFailure, InvalidInput
 log = logging.getLogger("zb.ckpt.serve")
 
 RETRY_AFTER_S = 1
-# Connections served at once; past it a connection gets 503 at once. A joiner opens a few per peer
-# (recovery's conns_per_peer), so 64 serves several joiners together while bounding the threads and
-# descriptors idle or hostile clients can hold (each for at most --client-timeout when silent).
+# Connections that showed the token served at once (a thread each); past it one gets 503 at once. A joiner
+# opens a few per peer (recovery's conns_per_peer), so 64 serves several joiners together.
 MAX_CONNECTIONS = 64
+# Connections yet to show the token: how many may wait at the door at once (one more closes the longest
+# waiting) and for how long (or --client-timeout if shorter). A joiner sends its head with its connect.
+MAX_WAITING = 256
+HEAD_TIMEOUT_S = 5.0
 _BUSY_BODY = b'{"error": "too many connections; retry shortly"}'
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: "
          + str(RETRY_AFTER_S).encode() + b"\r\nConnection: close\r\nContent-Length: "
@@ -54,17 +61,21 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 
 
 class _HeadDeadline(io.RawIOBase):
-    """The handler's socket for reading, with one deadline for a whole request head. The socket's
-    timeout alone bounds each read, so a client sending a byte now and then (slowloris) would hold
-    its thread, and a connection slot, forever."""
+    """The handler's socket for reading, with one deadline for a whole request head, after the bytes the
+    door already read (`early`: the first head). The socket's timeout alone bounds each read, so a client
+    sending a byte now and then (slowloris) would hold its thread, and a connection slot, forever."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock, self.deadline = sock, float("inf")
+    def __init__(self, sock: socket.socket, early: bytes) -> None:
+        self.sock, self.early, self.deadline = sock, early, float("inf")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
+        if self.early:
+            n = min(len(buffer), len(self.early))
+            buffer[:n], self.early = self.early[:n], self.early[n:]
+            return n
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("the request head took longer than the client timeout")
@@ -78,13 +89,17 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     server: SnapshotServer
 
+    def __init__(self, request: socket.socket, client_address, server: SnapshotServer, head: bytes = b"") -> None:
+        self._early = head   # what the door read: the first request's head, and anything after it
+        super().__init__(request, client_address, server)
+
     def setup(self) -> None:
         # A stalled client cannot hold a thread forever. typeshed declares `timeout` a ClassVar, but
         # StreamRequestHandler.setup() reads it per instance, as set here.
         self.timeout = self.server.client_timeout  # type: ignore[misc]
         super().setup()
         self.rfile.close()  # the plain socket file: reads go through _HeadDeadline instead
-        self._head = _HeadDeadline(self.connection)
+        self._head = _HeadDeadline(self.connection, self._early)
         self.rfile = io.BufferedReader(self._head)  # requests have no body: the head is all it reads
 
     def handle_one_request(self) -> None:
@@ -119,10 +134,8 @@ class _Handler(BaseHTTPRequestHandler):
             log.debug("client %s went away: %s", self.address_string(), e)
             self.close_connection = True
 
-    def _authorized(self) -> bool:
-        scheme, _, credential = self.headers.get("Authorization", "").partition(" ")
-        given = credential.strip().encode() if scheme.lower() == "bearer" else b""
-        return hmac.compare_digest(given, self.server.token)
+    def _authorized(self) -> bool:   # the door checked the first head; a kept-alive connection's next ones too
+        return token_matches(self.headers.get("Authorization", ""), self.server.token)
 
     def _send_json(self, status: int, doc: dict, body: bool, headers: dict[str, str] | None = None) -> None:
         data = json.dumps(doc).encode()
@@ -164,7 +177,10 @@ class SnapshotServer(ThreadingHTTPServer):
     """Serves the committed snapshots under `root` to holders of `token`."""
 
     daemon_threads = True
-    request_queue_size = 64
+    # The kernel's queue of connections not yet accepted (capped by net.core.somaxconn). A burst of connects
+    # arrives faster than one thread accepts them; past this queue the kernel drops SYNs, and a joiner caught
+    # in a flood would wait a second or more to retry its connect (300 at once took 3 s with 64, 0.06 s with 1024).
+    request_queue_size = 1024
 
     def __init__(self, root: Path, token: str, address: tuple[str, int], client_timeout: float = 30.0,
                  max_connections: int = MAX_CONNECTIONS):
@@ -174,7 +190,9 @@ class SnapshotServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(max_connections)
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
+        self._gate: Gate | None = None   # a failed bind closes the server before the door opens
         super().__init__(address, _Handler)
+        self._gate = Gate(self.token, self._admit, min(HEAD_TIMEOUT_S, client_timeout), MAX_WAITING)
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind calls getfqdn(), which can stall for seconds on DNS: skip it.
@@ -182,33 +200,38 @@ class SnapshotServer(ThreadingHTTPServer):
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
 
     def process_request(self, request, client_address) -> None:
-        """Runs on the accept thread: a thread for the connection if a slot is free, else 503 and close."""
+        """Runs on the accept thread: to the door, which admits the connection once its head shows the token."""
+        assert self._gate is not None   # opened once bound, before anything is accepted
+        self._gate.put(request, client_address)
+
+    def _admit(self, request: socket.socket, client_address, head: bytes) -> None:
+        """Runs on the door's thread: a thread for the connection if a slot is free, else 503 and close."""
         if not self._slots.acquire(blocking=False):
             log.debug("refusing %s: %s", client_address[0], "all connection slots taken")
-            self._refuse(request)
+            answer_and_close(request, _BUSY)
             return
         try:
-            super().process_request(request, client_address)
-        except BaseException:
+            threading.Thread(target=self._serve, args=(request, client_address, head), daemon=True).start()
+        except RuntimeError as e:   # no thread to be had: refuse this one, keep the door open for the next
+            log.warning("refusing %s: cannot start a thread to serve it (%s)", client_address[0], e)
             self._slots.release()
-            raise
+            answer_and_close(request, _BUSY)
 
-    def process_request_thread(self, request, client_address) -> None:
+    def _serve(self, request: socket.socket, client_address, head: bytes) -> None:
+        """As ThreadingMixIn.process_request_thread, with the head the door read; gives the slot back."""
+        handler: Any = self.RequestHandlerClass   # a _Handler (tests put in subclasses), which takes the head
         try:
-            super().process_request_thread(request, client_address)
+            handler(request, client_address, self, head)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
-            self._slots.release()
-
-    def _refuse(self, request: socket.socket) -> None:
-        # Never blocks the accept thread: a fresh socket's send buffer takes the short answer whole.
-        try:
-            request.setblocking(False)
-            request.send(_BUSY)
-            request.recv(1 << 16)  # drop what the client already sent, so close() sends FIN, not RST
-        except OSError:
-            pass
-        finally:
+            self._slots.release()   # before the close: a client that saw the end may count on the slot
             self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        if self._gate is not None:
+            self._gate.close()
 
     def handle_error(self, request, client_address) -> None:
         """A client that resets or stalls its connection is routine (a joiner dropping a split
@@ -245,12 +268,20 @@ class SnapshotServer(ThreadingHTTPServer):
             raise HttpError(404, f"no committed snapshot {name}") from None
 
     def open_file(self, name: str, file_name: str, size: int):
-        """Open a snapshot file without following symlinks; it must be regular and of manifest size."""
+        """Open a snapshot file without following symlinks; it must be regular, have one link (a hard link may
+        be a file outside the directory, which O_NOFOLLOW cannot tell) and be of manifest size."""
         try:
             fd = os.open(self.root / name / file_name, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                log.warning("not serving %s/%s: it is a symlink", name, file_name)
             raise HttpError(404, f"no file {file_name} in snapshot {name}") from None
         info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+            os.close(fd)
+            log.warning("not serving %s/%s: it has %d hard links, and another may be a file outside %s", name,
+                        file_name, info.st_nlink, self.root)
+            raise HttpError(403, f"{name}/{file_name} has more than one link")
         if not stat.S_ISREG(info.st_mode) or info.st_size != size:
             os.close(fd)
             raise HttpError(409, f"{name}/{file_name} does not match its manifest")
