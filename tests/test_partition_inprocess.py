@@ -182,8 +182,8 @@ class Partitioned:
         assert not any(t.is_alive() for t in threads), "a member did not finish"
         return out
 
-    def outer_steps(self, until, bound: float = 40.0) -> dict:
-        """Every node resolves as at its outer steps (an unreachable store: it tries again, as a node that may
+    def outer_steps(self, until, bound: float = 40.0, uids=None) -> dict:
+        """Every node (of `uids`) resolves as at its outer steps (an unreachable store: it tries again, as a node that may
         not train on waits for it) until `until(world)` holds for the world it got, or `bound` s passed."""
         def steps(m: Membership):
             deadline = time.monotonic() + bound
@@ -198,7 +198,7 @@ class Partitioned:
                     return world
                 time.sleep(0.05)
             return TimeoutError(f"{m.uid}: no such world in {bound} s")
-        return self._together(list(self.nodes), steps)
+        return self._together(list(uids or self.nodes), steps)
 
     def heal_after(self, seconds: float, pairs) -> threading.Timer:
         timer = threading.Timer(seconds, lambda: [self.cut.set(uids, i, False) for uids, i in pairs])
@@ -294,4 +294,22 @@ def test_a_minority_that_went_on_sends_late_movers_back(four):
     assert all(m.stores.index == 0 for m in four.nodes.values())
     assert four.world_on(1) is None                                        # no second world at store 1
     assert any(set(n) == {"a", "b"} for _, _, n in four.seen["a"])          # a and b went on alone meanwhile
+    assert not four.split(), four.split()
+
+
+def test_two_drops_in_a_row_count_the_first_one(four):
+    """d loses store 0, then c: each drop alone keeps a majority of the world before it (3 of 4, then 2 of 3), but
+    c and d may meet at store 1 as a majority of the world d last knew. The second drop counts d too, so a and b,
+    half of it, look at store 1, find them and follow; and at store 1, d (not in c's last world) does not make
+    c a majority of it. One world, at store 1, never a, b training on alone at store 0."""
+    four.cut.set(["d"], 0, True)
+    out = four.outer_steps(lambda w: "d" not in w.nodes and len(w.nodes) == 3, uids=["a", "b", "c"])
+    assert all(isinstance(w, World) for w in out.values()), out
+    assert four.world_on(0).silent == {"d": four.start.version}
+    four.cut.set(["c"], 0, True)
+    out = four.outer_steps(_all_four, bound=60)
+    assert all(isinstance(w, World) for w in out.values()), out
+    assert {w.encode() for w in out.values()} == {out["a"].encode()}
+    assert all(m.stores.index == 1 for m in four.nodes.values())
+    assert not any(store == 0 and set(n) == {"a", "b"} for seen in four.seen.values() for store, _, n in seen)
     assert not four.split(), four.split()

@@ -73,15 +73,15 @@ def exclude(store: StoreClient, uids: list[str]) -> None:
             store.append(keys.EVICTED, uid + "\n")
 
 
-def _holds(snap: Snapshot | None, world: World, silent: set[str]) -> bool | None:
+def _holds(snap: Snapshot | None, world: World, silent: dict[str, int]) -> bool | None:
     """Whether a later store (its snapshot; None: no answer) holds this run: its world, not moved on, or a join
-    request from one of the members gone silent, naming this run and this world (an older request there, of a
-    node that went back, is not this partition's)."""
+    request from a node gone silent (`silent`: with the version of the last world it was in), naming this run
+    and that world or a later one (an older request there, of a node that went back, is not this partition's)."""
     if snap is None:
         return None
     if snap.world is not None and snap.world.run == world.run and not snap.moved:
         return True
-    return any(r.uid in silent and r.run == world.run and r.last_version >= world.version for r in snap.joins)
+    return any(r.uid in silent and r.run == world.run and r.last_version >= silent[r.uid] for r in snap.joins)
 
 
 def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
@@ -126,9 +126,11 @@ class Quorum:
     full: int
     least: int
     grace_at: float
+    members: frozenset[str] | None = None   # re-forming: only the last world's members count (None: anyone)
 
-    def met(self, live: int, now: float) -> bool:
-        return live >= self.full or (live >= self.least and now >= self.grace_at)
+    def met(self, live: set[str], now: float) -> bool:
+        count = len(live if self.members is None else live & self.members)
+        return count >= self.full or (count >= self.least and now >= self.grace_at)
 
 
 class Membership:
@@ -237,7 +239,10 @@ class Membership:
                                      f"run (run id {snap.world.run}, this run's is {my_run}): a standby store of "
                                      "elastic.addr must serve this run alone (or use another elastic.namespace)")
         size = len(last.nodes) if last else 1
-        quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout)
+        # Only the last world's members count: a node dropped from an earlier world arriving too must not make a
+        # majority of a world it was not in (the side left on the store may hold the majority of that world).
+        quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout,
+                        members=frozenset(last.nodes) if last else None)
         return self._join(quorum)
 
     def _go_back(self, stayed: RunStayed) -> None:
@@ -384,7 +389,7 @@ class Membership:
         if world is not None and not members_all_out(world, snap, self.liveness):
             return False
         live = {r.uid for r in admissible_joiners(world or World(stripes=self.stripes), snap, self.liveness)}
-        return quorum.met(len(live), time.monotonic())
+        return quorum.met(live, time.monotonic())
 
     def _seed(self, world: World | None, snap: Snapshot) -> None:
         # The run's id goes on from the newest world any joiner was in; a run's first world gets a new one.
@@ -474,10 +479,11 @@ class Membership:
             # Members that answered too: a leader can crash between its answer and its write.
             self.closed_ports.check(self.client, [m for m in world.nodes if m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
-            if (verdict.acting_leader == self.uid and verdict.settled
-                    and self._may_drop(world, snap, verdict.observation, time.monotonic() - t0)):
-                self._lead(world, snap, verdict.observation)
-                continue
+            if verdict.acting_leader == self.uid and verdict.settled:
+                silent = self._may_drop(world, snap, verdict.observation, time.monotonic() - t0)
+                if silent is not None:
+                    self._lead(world, snap, verdict.observation, silent)
+                    continue
             self._wait_event(world.resolution, snap.events)
 
     def _announce(self, resolution: int) -> None:
@@ -567,51 +573,61 @@ class Membership:
     def _in_ring_order(self, old: World, new: World) -> World:
         return apply_ring_order(old, new, self.ring.plan(self.client, new.nodes))
 
-    def _may_drop(self, world: World, snap: Snapshot, obs: Observation, since: float) -> bool:
-        """Whether this leader may write the next world now (zb.elastic.partition): always, unless it would drop
-        silent members while keeping no more than half of the world, with a later store they may have moved to.
-        Then it waits, follows the run to a later store (RunMoved), or claims the later stores and goes on."""
+    def _may_drop(self, world: World, snap: Snapshot, obs: Observation, since: float) -> dict[str, int] | None:
+        """Whether this leader may write the next world now (zb.elastic.partition), as the next world's record of
+        the members dropped for silence (World.silent); None: not now. It may, unless it would drop silent
+        members while keeping no more than half of the world and of those dropped for silence before, with a
+        later store they may have moved to. Then it waits, follows the run to a later store (RunMoved), or
+        claims the later stores and goes on (they are covered by the claim from then on: an empty record)."""
         stores = self.stores
         if stores is None or not stores.has_next:
-            return True
+            return {}
         proven = {m for m in world.nodes if (m, world.tokens.get(m, "")) in snap.gone or m in snap.evicted
                   or self.liveness.proven_dead(m)}
-        silent = [m for m in world.nodes if m in obs.excluded and m not in obs.answered and m not in proven
-                  and self.liveness.silent_for(m) > 2 * self.cfg.heartbeat_interval]
+        said_goodbye = {uid for uid, _ in snap.gone}
+        earlier = {m: v for m, v in world.silent.items()
+                   if m not in world.nodes and m not in said_goodbye and m not in snap.evicted}
+        now_silent = {m: world.version for m in world.nodes if m in obs.excluded and m not in obs.answered
+                      and m not in proven and self.liveness.silent_for(m) > 2 * self.cfg.heartbeat_interval}
+        silent = earlier | now_silent
         kept = [m for m in world.nodes if m not in obs.excluded and m not in proven]
-        counted = len(world.nodes) - len(proven)
-        if not needs_look(counted, len(kept), len(silent), has_later=True):
+        # Those dropped for silence earlier count too: a side that keeps a majority at each of two drops in a row
+        # (4 -> 3 -> 2) keeps only half of the world the first ones left, and they and the second may meet at a
+        # later store as a majority of that world.
+        counted = len(world.nodes) - len(proven) + len(earlier)
+        if not now_silent or not needs_look(counted, len(kept), len(silent), has_later=True):
             self._held_since, self._looked = None, None
-            return True
+            return silent
         verdict = self._look_later(world, silent, counted, len(kept), since)
         if verdict.action == FOLLOW:
             assert verdict.to is not None
             log.warning("%d of mesh version %d's %d nodes went silent and the run is on store %s: following it",
-                        len(silent), world.version, len(world.nodes), stores.addresses[verdict.to])
+                        len(now_silent), world.version, len(world.nodes), stores.addresses[verdict.to])
             self.client.set(keys.MOVED, str(verdict.to))   # the others here follow too, at their next read
             raise RunMoved(verdict.to)
         if verdict.action == GO and self._claim_later(world):
             log.warning("%d of mesh version %d's %d nodes went silent and no later store of elastic.addr holds the "
                         "run: training on without them (they are gone, or cut off from every store)",
-                        len(silent), world.version, len(world.nodes))
+                        len(now_silent), world.version, len(world.nodes))
             self._held_since, self._looked = None, None
-            return True
+            return {}
         now = time.monotonic()
         if self._held_since is None:
             self._held_since = now
             log.warning("keeping mesh version %d: %d of its %d nodes (%s) went silent, and with %d left this side is "
-                        "no majority; they may have moved to a later store of elastic.addr, so it waits for %s before "
-                        "training on without them (up to elastic.store_timeout)", world.version, len(silent),
-                        len(world.nodes), ", ".join(sorted(silent)), len(kept), verdict.why or "the later stores")
+                        "no majority of the %d it counts; they may have moved to a later store of elastic.addr, so it "
+                        "waits for %s before training on without them (up to elastic.store_timeout)", world.version,
+                        len(now_silent), len(world.nodes), ", ".join(sorted(now_silent)), len(kept), counted,
+                        verdict.why or "the later stores")
         elif now - self._held_since > self.cfg.store_timeout:
-            raise EnvironmentFailure(f"{len(silent)} of mesh version {world.version}'s {len(world.nodes)} nodes went "
-                                     "silent, leaving no majority here, and for elastic.store_timeout "
+            raise EnvironmentFailure(f"{len(now_silent)} of mesh version {world.version}'s {len(world.nodes)} nodes "
+                                     "went silent, leaving no majority here, and for elastic.store_timeout "
                                      f"({self.cfg.store_timeout:g} s) the later stores of elastic.addr could not tell "
                                      "whether they went on there: this node stops (its checkpoints stay) rather than "
                                      "train apart; start it again once the stores answer")
-        return False
+        return None
 
-    def _look_later(self, world: World, silent: list[str], counted: int, kept: int, since: float) -> DropVerdict:
+    def _look_later(self, world: World, silent: dict[str, int], counted: int, kept: int, since: float) -> DropVerdict:
         """What the later stores show of this run (at most every LOOK_EVERY_S): its world there, or a join
         request of one of the silent members."""
         now = time.monotonic()
@@ -622,7 +638,7 @@ class Membership:
         need_silence, need_since = settle_s(stores.failover_s, self.cfg.sync_deadline, self.cfg.heartbeat_timeout)
         settled = min(self.liveness.silent_for(m) for m in silent) >= need_silence and since >= need_since
         first = stores.index + 1
-        later = [_holds(stores.peek(i, self.cfg.namespace), world, set(silent))
+        later = [_holds(stores.peek(i, self.cfg.namespace), world, silent)
                  for i in range(first, len(stores.addresses))]
         verdict = drop_verdict(counted, kept, len(silent), settled, later, first)
         self._looked = (time.monotonic(), verdict)
@@ -636,8 +652,9 @@ class Membership:
         record = Stayed(world.run, stores.index, world.version + 1).encode()
         return all(stores.claim(i, self.cfg.namespace, record) for i in range(stores.index + 1, len(stores.addresses)))
 
-    def _lead(self, world: World, snap: Snapshot, obs: Observation) -> None:
+    def _lead(self, world: World, snap: Snapshot, obs: Observation, silent: dict[str, int]) -> None:
         new = self._in_ring_order(world, next_world(world, obs))
+        new.silent = {m: v for m, v in sorted(silent.items()) if m not in new.nodes}   # back: no longer silent
         if self._write(snap.raw_world, new):
             self._announce(world.resolution)
             if world.resolution >= 2:

@@ -10,8 +10,10 @@ store decides. The shapes of a partition and who goes on:
   whole last world still works, and otherwise waits for the store (zb.elastic.stores.may_train_on).
 - **Some nodes cut from the store, with a failover list.** The cut side takes the store's silence for its
   death and moves to the next store (after elastic.store_failover_s), where it re-forms only with more than
-  half of the last world (zb.elastic.stores.reform_quorum). The side left on the store drops the silent
-  ones and goes on at once when it keeps more than half of the last world. A smaller side cannot tell a
+  half of the last world, counting only that world's members (zb.elastic.stores.reform_quorum). The side
+  left on the store drops the silent ones and goes on at once when it keeps more than half of the last
+  world and of the nodes it dropped for silence before (World.silent): two drops in a row that each keep
+  a majority (4 -> 3 -> 2) would otherwise leave only half of the world the first ones left. A smaller side cannot tell a
   dead majority from one that moved (`drop_verdict`): it waits until the silent ones would have moved and
   their join requests landed, then asks every later store. This run there (its world, or a join request
   naming it): it follows. A later store that does not answer: it waits, since it cannot tell. Every later

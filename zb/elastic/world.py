@@ -26,6 +26,9 @@ class World:
     died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
     ring_mbps: float | None = None         # slowest hop of the ring when nodes are in measured ring order (zb.elastic.ring)
     run: str = ""                          # the run's id: set by its first world, kept through store failovers
+    # Nodes dropped for silence (not proven out) -> the version of the last world they were in: with a failover
+    # list they may have moved to a later store, and a side that drops more counts them (zb.elastic.partition)
+    silent: dict[str, int] = field(default_factory=dict)
 
     @property
     def leader(self) -> str | None:
@@ -45,9 +48,13 @@ class World:
         """None for an empty value (a fresh store) or anything that is not a world record."""
         try:
             data = json.loads(raw or "null")
-            return World(**data) if isinstance(data, dict) else None
+            world = World(**data) if isinstance(data, dict) else None
         except (ValueError, TypeError):
             return None
+        if world is not None and not (isinstance(world.silent, dict) and all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in world.silent.values())):
+            return None
+        return world
 
 
 @dataclass
@@ -96,7 +103,7 @@ def next_world(old: World, obs: Observation) -> World:
     changed = nodes != old.nodes or tokens != old.tokens or obs.failure or newest > old.version
     return World(version=newest + 1 if changed else old.version, resolution=old.resolution + 1, nodes=nodes,
                  tokens=tokens, join_cursor=obs.join_end, stripes=old.stripes, run=old.run,
-                 joined=_needs_state(keep, admitted), left=left, died=died)
+                 joined=_needs_state(keep, admitted), left=left, died=died, silent=dict(old.silent))
 
 
 def _admissible(requests: list[JoinRequest], gone: set[tuple[str, str]]) -> list[JoinRequest]:
