@@ -18,8 +18,8 @@ leader, stays with store A):
 
 Measured from the nodes' own metrics (wall-clock times of the outer steps they applied, with mesh version and
 world size; scripts/_partition_report.py), outside zb's decisions: per side, the time from the cut to its next
-applied outer step and the longest time without one; the time from the heal (silent-a: from the cut) to one
-world of all 4; whether two worlds ever applied outer steps at overlapping times (must be never); whether the
+applied outer step and the longest time without one; the time from the cut and from the heal (silent-a: never
+healed) to one world of all 4 (it may come before the heal: the run moved to store B whole); whether two worlds ever applied outer steps at overlapping times (must be never); whether the
 nodes that reached the last outer step hold one params_hash.
 
     sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_partition.py                   # every shape once
@@ -192,14 +192,15 @@ def measure(shape: Shape, evs: dict[str, list[dict]], cut_at: float, heal_at: fl
              for name, nodes in shape.sides().items()]
     return {"shape": shape.name, "settings": settings(shape, args.failover_s), "cut_s": round(heal_at - cut_at, 1) if heal_at else None,
             "round_s": round(statistics.median(b - a for a, b in zip(before, before[1:])), 2) if len(before) > 1 else None,
-            "sides": sides, "one_world_s": round(whole[0] - (heal_at or cut_at), 2) if whole else None,
-            "one_world_from": "heal" if heal_at else "cut", "one_world_version": whole[1][0] if whole else None,
+            "sides": sides, "one_world_after_cut_s": round(whole[0] - cut_at, 2) if whole else None,
+            "one_world_s": round(whole[0] - heal_at, 2) if whole and heal_at else None,
+            "one_world_version": whole[1][0] if whole else None,
             "two_worlds": two_worlds(worlds), **last_agreement(worlds)}
 
 
 def failed(row: dict) -> list[str]:
     out = [*row["two_worlds"]]
-    if row["one_world_s"] is None:
+    if row["one_world_after_cut_s"] is None:
         out.append(f"no one world of all 4 within the bound (exited: {row['exited_early'] or 'none'})")
     elif row["exited_early"]:
         out.append(f"nodes exited on their own: {row['exited_early']}")
@@ -214,16 +215,20 @@ def _s(x) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
+    """One line per side; the run's columns on its first side's line. "one world" is the first time all 4 had
+    applied an outer step in one world of 4 formed after the cut, from the cut and from the heal (negative: whole
+    again before the heal)."""
     print(f"{'shape':9s} {'stores':24s} {'side':6s} {'nodes':12s} {'round s':>7s} {'next s':>7s} {'gap s':>7s} "
-          f"{'steps in cut':>12s} {'one world s':>12s} {'two worlds':>10s} {'same hash':>9s}")
+          f"{'steps in cut':>12s} {'cut->one world s':>16s} {'heal->one world s':>17s} {'two worlds':>10s} "
+          f"{'same hash':>9s}")
     for row in rows:
         for i, side in enumerate(row["sides"]):
-            whole = "" if i else f"{_s(row['one_world_s'])}" + (" (cut)" if row["one_world_from"] == "cut" else "")
-            print(f"{row['shape'] if not i else '':9s} {row['settings'] if not i else '':24s} {side['side']:6s} "
-                  f"{','.join(side['nodes']):12s} {_s(row['round_s']) if not i else '':>7s} {_s(side['next_s']):>7s} "
-                  f"{_s(side['gap_s']):>7s} {side['during']:12d} {whole:>12s} "
-                  f"{('' if i else ('YES' if row['two_worlds'] else 'never')):>10s} "
-                  f"{('' if i else ('yes' if row['same_hash'] else 'NO')):>9s}")
+            run = ["", "", "", "", "", "", ""] if i else [
+                row["shape"], row["settings"], _s(row["round_s"]), _s(row["one_world_after_cut_s"]),
+                _s(row["one_world_s"]), "YES" if row["two_worlds"] else "never", "yes" if row["same_hash"] else "NO"]
+            print(f"{run[0]:9s} {run[1]:24s} {side['side']:6s} {','.join(side['nodes']):12s} {run[2]:>7s} "
+                  f"{_s(side['next_s']):>7s} {_s(side['gap_s']):>7s} {side['during']:12d} {run[3]:>16s} {run[4]:>17s} "
+                  f"{run[5]:>10s} {run[6]:>9s}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
