@@ -19,8 +19,9 @@ leader, stays with store A):
 Measured from the nodes' own metrics (wall-clock times of the outer steps they applied, with mesh version and
 world size; scripts/_partition_report.py), outside zb's decisions: per side, the time from the cut to its next
 applied outer step and the longest time without one; the time from the cut and from the heal (silent-a: never
-healed) to one world of all 4 (it may come before the heal: the run moved to store B whole); whether two worlds ever applied outer steps at overlapping times (must be never); whether the
-nodes that reached the last outer step hold one params_hash.
+healed) to one world of all 4 (it may come before the heal: the run moved to store B whole); whether two
+worlds ever applied outer steps at overlapping times (must be never); whether the nodes that reached the last
+outer step hold one params_hash.
 
     sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_partition.py                   # every shape once
     sudo PYTHONPATH=$PWD .venv/bin/python scripts/bench_partition.py --shapes cut1,groups --repeats 2 --keep /tmp/p
