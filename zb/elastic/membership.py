@@ -39,12 +39,12 @@ from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
 from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
-from zb.elastic.partition import FOLLOW, GO, DropVerdict, drop_verdict, may_go_back, needs_look, settle_s, stale_arrival
+from zb.elastic.partition import stale_arrival
+from zb.elastic.partition_watch import PartitionWatch, RunMoved, RunStayed
 from zb.elastic.ring import RingPlanner, apply_ring_order
 from zb.elastic.store_state import (
     Finished,
     Snapshot,
-    Stayed,
     counter_value,
     encode_line,
     evicted_ids,
@@ -73,17 +73,6 @@ def exclude(store: StoreClient, uids: list[str]) -> None:
             store.append(keys.EVICTED, uid + "\n")
 
 
-def _holds(snap: Snapshot | None, world: World, silent: dict[str, int]) -> bool | None:
-    """Whether a later store (its snapshot; None: no answer) holds this run: its world, not moved on, or a join
-    request from a node gone silent (`silent`: with the version of the last world it was in), naming this run
-    and that world or a later one (an older request there, of a node that went back, is not this partition's)."""
-    if snap is None:
-        return None
-    if snap.world is not None and snap.world.run == world.run and not snap.moved:
-        return True
-    return any(r.uid in silent and r.run == world.run and r.last_version >= silent[r.uid] for r in snap.joins)
-
-
 def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
     """A node whose id the run excluded (keys.EVICTED) is refused by it: one line, exit 2."""
     if uid in evicted:
@@ -92,30 +81,10 @@ def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
                            "logs for why")
 
 
-class RunMoved(Exception):
-    """The store read says the run moved on to a later store of elastic.addr (keys.MOVED): follow it."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(f"the run moved on to store {index + 1} of elastic.addr")
-        self.index = index
-
-
-class RunStayed(Exception):
-    """The run went on at an earlier store of elastic.addr without this node, which moved on (keys.STAYED, or
-    the store it left answering with a newer world): go back there and rejoin (zb.elastic.partition)."""
-
-    def __init__(self, index: int, why: str) -> None:
-        super().__init__(why)
-        self.index = index
-
-
 def roll_call_events_bound(members: int) -> int:
     """The most events a roll call of a world of `members` can have: each member answers once per resolution it
     takes part in, and every leader that writes the next world announces it (a few, racing), with room to spare."""
     return 4 * members + 16
-
-
-LOOK_EVERY_S = 2.0   # how often a node looks at another store of elastic.addr while a partition decides its side
 
 
 @dataclass
@@ -151,9 +120,7 @@ class Membership:
         self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
         self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
-        self._held_since: float | None = None      # a leader keeping a world a silent majority may have left
-        self._looked: tuple[float, DropVerdict] | None = None   # the last look at the later stores, and its verdict
-        self._looked_back = 0.0                    # when a mover last looked at the store it left
+        self.partition = PartitionWatch(cfg, stores, liveness)   # which side of a partition this node is on
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self) -> StoreClient:
@@ -207,7 +174,7 @@ class Membership:
                 self.store, attempt, moved_on = None, self._reform, True
                 continue
             except RunStayed as stayed:
-                self._go_back(stayed)
+                self.partition.go_back(stayed, self.world.run if self.world else "")
                 self.store, moved_on = None, False
                 attempt = lambda: self._join(Quorum(full=1, least=1, grace_at=time.monotonic()))  # noqa: E731
                 continue
@@ -244,23 +211,6 @@ class Membership:
         quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout,
                         members=frozenset(last.nodes) if last else None)
         return self._join(quorum)
-
-    def _go_back(self, stayed: RunStayed) -> None:
-        """Back to the earlier store the run went on at without this node, once it answers with the run's world
-        (up to elastic.store_timeout: then exit 1, the checkpoints kept)."""
-        stores, run = self.stores, self.world.run if self.world else ""
-        assert stores is not None   # RunStayed comes from a failover list's stores
-        give_up = time.monotonic() + self.cfg.store_timeout
-        while True:
-            snap = stores.peek(stayed.index, self.cfg.namespace)
-            if snap is not None and snap.world is not None and snap.world.run == run:
-                stores.back(stayed.index, str(stayed))
-                return
-            if time.monotonic() >= give_up:
-                raise EnvironmentFailure(f"{stayed}, and store {stores.addresses[stayed.index]} has not answered this "
-                                         f"node for elastic.store_timeout ({self.cfg.store_timeout:g} s): it stops "
-                                         "(its checkpoints stay); start it again to rejoin the run")
-            time.sleep(LOOK_EVERY_S)
 
     # -- joining -----------------------------------------------------------------------------
     def join(self, quorum: int, quorum_timeout: float) -> World:
@@ -349,7 +299,7 @@ class Membership:
                                          f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
             self._observe(snap, world)
             if world is None and quorum.least > 1:
-                self._look_back()
+                self.partition.look_back(self.world)
             if self._may_seed(world, snap, quorum):
                 self._seed(world, snap)
             elif not waiting_said and quorum.least > 1 and time.monotonic() >= quorum.grace_at:
@@ -360,23 +310,6 @@ class Membership:
             time.sleep(self.cfg.polling_interval)
         raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
                                  "member resolved the world (are the other nodes running and reaching the store?)")
-
-    def _look_back(self) -> None:
-        """A mover waiting for a majority at the store it moved to: when the store it left answers with the run's
-        world grown past the one it left, the others went on there without it (it was the one cut off): it
-        goes back instead of waiting here for nodes that never come (zb.elastic.partition.may_go_back)."""
-        stores, last = self.stores, self.world
-        left = stores.left if stores is not None else None
-        if stores is None or left is None or last is None or time.monotonic() - self._looked_back < LOOK_EVERY_S:
-            return
-        self._looked_back = time.monotonic()
-        snap = stores.peek(left, self.cfg.namespace)
-        if snap is None or snap.world is None:
-            return
-        if may_go_back(last.run, last.version, snap.world.run, snap.world.version,
-                       snap.moved is not None and snap.moved > left):
-            raise RunStayed(left, f"the run went on at store {stores.addresses[left]} without this node (mesh version "
-                                  f"{snap.world.version}; this node left version {last.version})")
 
     def _observe(self, snap: Snapshot, world: World | None) -> None:
         cursor = world.join_cursor if world else 0
@@ -480,7 +413,7 @@ class Membership:
             self.closed_ports.check(self.client, [m for m in world.nodes if m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
             if verdict.acting_leader == self.uid and verdict.settled:
-                silent = self._may_drop(world, snap, verdict.observation, time.monotonic() - t0)
+                silent = self.partition.may_drop(self.client, world, snap, verdict.observation, time.monotonic() - t0)
                 if silent is not None:
                     self._lead(world, snap, verdict.observation, silent)
                     continue
@@ -572,85 +505,6 @@ class Membership:
 
     def _in_ring_order(self, old: World, new: World) -> World:
         return apply_ring_order(old, new, self.ring.plan(self.client, new.nodes))
-
-    def _may_drop(self, world: World, snap: Snapshot, obs: Observation, since: float) -> dict[str, int] | None:
-        """Whether this leader may write the next world now (zb.elastic.partition), as the next world's record of
-        the members dropped for silence (World.silent); None: not now. It may, unless it would drop silent
-        members while keeping no more than half of the world and of those dropped for silence before, with a
-        later store they may have moved to. Then it waits, follows the run to a later store (RunMoved), or
-        claims the later stores and goes on (they are covered by the claim from then on: an empty record)."""
-        stores = self.stores
-        if stores is None or not stores.has_next:
-            return {}
-        proven = {m for m in world.nodes if (m, world.tokens.get(m, "")) in snap.gone or m in snap.evicted
-                  or self.liveness.proven_dead(m)}
-        said_goodbye = {uid for uid, _ in snap.gone}
-        earlier = {m: v for m, v in world.silent.items()
-                   if m not in world.nodes and m not in said_goodbye and m not in snap.evicted}
-        now_silent = {m: world.version for m in world.nodes if m in obs.excluded and m not in obs.answered
-                      and m not in proven and self.liveness.silent_for(m) > 2 * self.cfg.heartbeat_interval}
-        silent = earlier | now_silent
-        kept = [m for m in world.nodes if m not in obs.excluded and m not in proven]
-        # Those dropped for silence earlier count too: a side that keeps a majority at each of two drops in a row
-        # (4 -> 3 -> 2) keeps only half of the world the first ones left, and they and the second may meet at a
-        # later store as a majority of that world.
-        counted = len(world.nodes) - len(proven) + len(earlier)
-        if not now_silent or not needs_look(counted, len(kept), len(silent), has_later=True):
-            self._held_since, self._looked = None, None
-            return silent
-        verdict = self._look_later(world, silent, counted, len(kept), since)
-        if verdict.action == FOLLOW:
-            assert verdict.to is not None
-            log.warning("%d of mesh version %d's %d nodes went silent and the run is on store %s: following it",
-                        len(now_silent), world.version, len(world.nodes), stores.addresses[verdict.to])
-            self.client.set(keys.MOVED, str(verdict.to))   # the others here follow too, at their next read
-            raise RunMoved(verdict.to)
-        if verdict.action == GO and self._claim_later(world):
-            log.warning("%d of mesh version %d's %d nodes went silent and no later store of elastic.addr holds the "
-                        "run: training on without them (they are gone, or cut off from every store)",
-                        len(now_silent), world.version, len(world.nodes))
-            self._held_since, self._looked = None, None
-            return {}
-        now = time.monotonic()
-        if self._held_since is None:
-            self._held_since = now
-            log.warning("keeping mesh version %d: %d of its %d nodes (%s) went silent, and with %d left this side is "
-                        "no majority of the %d it counts; they may have moved to a later store of elastic.addr, so it "
-                        "waits for %s before training on without them (up to elastic.store_timeout)", world.version,
-                        len(now_silent), len(world.nodes), ", ".join(sorted(now_silent)), len(kept), counted,
-                        verdict.why or "the later stores")
-        elif now - self._held_since > self.cfg.store_timeout:
-            raise EnvironmentFailure(f"{len(now_silent)} of mesh version {world.version}'s {len(world.nodes)} nodes "
-                                     "went silent, leaving no majority here, and for elastic.store_timeout "
-                                     f"({self.cfg.store_timeout:g} s) the later stores of elastic.addr could not tell "
-                                     "whether they went on there: this node stops (its checkpoints stay) rather than "
-                                     "train apart; start it again once the stores answer")
-        return None
-
-    def _look_later(self, world: World, silent: dict[str, int], counted: int, kept: int, since: float) -> DropVerdict:
-        """What the later stores show of this run (at most every LOOK_EVERY_S): its world there, or a join
-        request of one of the silent members."""
-        now = time.monotonic()
-        if self._looked is not None and now - self._looked[0] < LOOK_EVERY_S:
-            return self._looked[1]
-        stores = self.stores
-        assert stores is not None   # _may_drop looks only with later stores
-        need_silence, need_since = settle_s(stores.failover_s, self.cfg.sync_deadline, self.cfg.heartbeat_timeout)
-        settled = min(self.liveness.silent_for(m) for m in silent) >= need_silence and since >= need_since
-        first = stores.index + 1
-        later = [_holds(stores.peek(i, self.cfg.namespace), world, silent)
-                 for i in range(first, len(stores.addresses))]
-        verdict = drop_verdict(counted, kept, len(silent), settled, later, first)
-        self._looked = (time.monotonic(), verdict)
-        return verdict
-
-    def _claim_later(self, world: World) -> bool:
-        """keys.STAYED on every later store, before the world without the silent members is written: one of them
-        arriving there later goes back instead of re-forming apart. False when a store did not take it."""
-        stores = self.stores
-        assert stores is not None
-        record = Stayed(world.run, stores.index, world.version + 1).encode()
-        return all(stores.claim(i, self.cfg.namespace, record) for i in range(stores.index + 1, len(stores.addresses)))
 
     def _lead(self, world: World, snap: Snapshot, obs: Observation, silent: dict[str, int]) -> None:
         new = self._in_ring_order(world, next_world(world, obs))
