@@ -213,12 +213,12 @@ class Chaos:
 
     def check_agreement(self) -> int:
         outer = {u: t.events("outer_step") for u, t in self.tails.items()}
+        split = split_runs(outer)           # first: two runs also differ in params_hash, their cause is the split
+        if split:
+            raise Failure(f"two runs at once: {split[:3]}")
         compared, bad = agreement_failures(outer)
         if bad:
             raise Failure(f"params_hash differs at {len(bad)} outer step(s): {bad[:3]}")
-        split = split_runs(outer)
-        if split:
-            raise Failure(f"two runs at once: {split[:3]}")
         membership = {u: t.events("membership") for u, t in self.tails.items()}
         wrong = false_evictions(membership, self.signalled)
         if wrong:
