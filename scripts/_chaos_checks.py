@@ -131,6 +131,8 @@ def split_runs(outer_by_uid: dict[str, list[dict]]) -> list[str]:
             span[3].add(e["global_world_size"])
     out = [f"mesh v{v} applied with world sizes {sorted(s[3])} by {sorted(s[2])}"
            for v, s in sorted(spans.items()) if len(s[3]) > 1]
+    out += [f"mesh v{v} applied by {len(s[2])} nodes {sorted(s[2])} in a world of {max(s[3])}"
+            for v, s in sorted(spans.items()) if len(s[3]) == 1 and len(s[2]) > max(s[3])]
     versions = sorted(spans)
     for i, v in enumerate(versions):
         for w in versions[i + 1:]:
@@ -139,6 +141,41 @@ def split_runs(outer_by_uid: dict[str, list[dict]]) -> list[str]:
                 out.append(f"mesh v{v} ({sorted(a[2])}) and v{w} ({sorted(b[2])}) applied outer steps at the same "
                            f"time ({max(a[0], b[0]):.1f}-{min(a[1], b[1]):.1f})")
     return out
+
+
+def split_sides(outer_by_uid: dict[str, list[dict]], sides: list[list[str]], start: float,
+                end: float) -> tuple[list[str], list[int]]:
+    """Two sides of a cut training apart: outer steps applied between `start` and `end` (unix times) by nodes of
+    two sides in worlds of their own at overlapping times. A world is a (mesh version, world size); one applied
+    by nodes of both sides, no more of them than its size, is one world (its all-reduce needs every member), not a
+    split. Two stores can each form a world under one version number (a failover), so the number alone does not
+    name a world. split_runs finds the same over the whole run; this names the sides of one event's cut. Returns
+    the splits and, per side, the outer steps it applied in worlds of its own in that time."""
+    applied = {u: [e for e in outer_by_uid.get(u, []) if e.get("applied")] for side in sides for u in side}
+    side_of = {u: i for i, side in enumerate(sides) for u in side}
+    members: dict[tuple[int, int], set] = {}
+    for u, events in applied.items():
+        for e in events:
+            members.setdefault((e["mesh_version"], e["global_world_size"]), set()).add(u)
+    shared = {w for w, nodes in members.items() if len({side_of[u] for u in nodes}) > 1 and len(nodes) <= w[1]}
+    spans: dict[tuple[int, tuple[int, int]], list] = {}    # (side, world) -> [first time, last time, nodes, steps]
+    for u, events in applied.items():
+        for e in events:
+            world = (e["mesh_version"], e["global_world_size"])
+            if start <= e["time"] <= end and world not in shared:
+                span = spans.setdefault((side_of[u], world), [e["time"], e["time"], set(), set()])
+                span[0], span[1] = min(span[0], e["time"]), max(span[1], e["time"])
+                span[2].add(u)
+                span[3].add(e["outer_step"])
+    out = []
+    for (i, (v, n)), a in sorted(spans.items()):
+        for (j, (w, m)), b in sorted(spans.items()):
+            if i < j and a[0] <= b[1] and b[0] <= a[1]:
+                both = f"{max(a[0], b[0]) - start:.1f}-{min(a[1], b[1]) - start:.1f} s after the event began"
+                out.append(f"side {sorted(a[2])} applied mesh v{v} (world of {n}) and side {sorted(b[2])} mesh v{w} "
+                           f"(world of {m}) at the same time ({both})")
+    own = [sum(len(span[3]) for (i, _), span in spans.items() if i == k) for k in range(len(sides))]
+    return out, own
 
 
 def one_world(outer_by_uid: dict[str, list[dict]], live: list[str], after: float = 0.0) -> int | None:

@@ -22,11 +22,23 @@ stepping and agree), poison (a joiner whose pseudo-gradient is multiplied by 100
 picks, through scripts/_hostile_node.py, SIGKILLed once it contributed to 3 outer steps: the survivors
 keep agreeing, their loss stays finite, and for x1000 every survivor's log reports it clipped; blocking
 DiLoCo only). With --netns (root, iproute2, nft; zb.net.netns builds one namespace and veth per node and
-one for the store) also: link-down (a node's link down for a while, then up: past the heartbeat timeout it is evicted and must rejoin with
-the run's state) and partition (every packet between two nodes dropped both ways while both reach the
-store: one of them is dropped, the others keep applying outer steps, both are back in one world after
-the heal). Killed nodes are replaced by joiners so the run keeps `--nodes` nodes. At the end every node
-gets SIGTERM, no child process and no partition rule may be left, and a survivor's newest checkpoint
+one for the store) also: link-down (a node's link down for a while, then up: past the heartbeat timeout it is
+evicted and must rejoin with the run's state), partition (every packet between two nodes dropped both ways while
+both reach the store: one of them is dropped, the others keep applying outer steps, both are back in one world
+after the heal), store-cut (nft drops every packet, no reset, between one to all but one nodes and the store,
+while they still reach each other) and three silent failures, nft dropping every packet with no reset:
+host-silent (a node's host silent to everyone, store and peers, for less than the heartbeat timeout, then back
+in one world; or for good: the others must form a world without it within SILENT_BOUND, then the harness
+SIGKILLs it, lifts its host's rules and starts a replacement; the row gives the others' longest gap without
+an applied outer step), group-partition (the live nodes split into two groups of drawn sizes that drop every
+packet between them while both reach the store, short or past PARTITION_BOUND: at most one side may apply outer
+steps in a world of its own at a time, then one world of all) and store-silent (the current store's host silent
+for good: every node moves to the standby `zb store`, on a host of its own and second in every node's
+elastic.addr, with elastic.store_failover_s 10 s, and the run re-forms there; the row gives the time from the
+silence to the first outer step on the standby; the standby is there only when the kinds include store-silent,
+default included). After every network event the sides it cut must not have applied outer steps in worlds of
+their own at the same time. Killed nodes are replaced by joiners so the run keeps `--nodes` nodes. At the end
+every node gets SIGTERM, no child process and no partition rule may be left, and a survivor's newest checkpoint
 must resume. Prints a table of events and one JSON line {seed, events, survived, failures}; exits 1 on
 any failed check (the seed and the replay command are in the message), 2 on a bad invocation.
 Nodes are `zb/testing/cluster.py`'s TrainCluster (tiny debug model, short-timeout profile). Every run has a
@@ -63,6 +75,7 @@ from _chaos_checks import (
     resume_check,
     rogues_admitted,
     split_runs,
+    split_sides,
     tcp_sockets,
 )
 
@@ -79,7 +92,12 @@ LOOPBACK_KINDS = ["store-loss"]            # the namespaced cluster has one stor
 # starts), so a restart mostly keeps the run where it is; one that takes longer moves it on, which is fine too.
 FAILOVER_S = 10.0
 STANDBYS = 3                               # stores after the first in elastic.addr: at most this many store-losses
-NETNS_KINDS = ["link-down", "partition", "store-cut"]   # only with --netns: faults of the network between hosts
+# Only with --netns: faults of the network between hosts. The last three drop packets with no reset, as a machine
+# that vanishes does (a reclaimed spot instance, a closed laptop lid): nothing tells the others, only deadlines do.
+NETNS_KINDS = ["link-down", "partition", "store-cut", "host-silent", "group-partition", "store-silent"]
+# Kinds that need a standby store in every node's elastic.addr: the namespaced cluster gets one (on a host of
+# its own) and every node elastic.store_failover_s FAILOVER_S when the run may draw them.
+STANDBY_KINDS = ["store-silent"]
 # diloco.clip of every node with --overlap none. Not 1: the round's median is a contributor's own norm, so at 1
 # every honest node above it (about half of them, every outer step) is scaled down and reported as "clipped in
 # N outer steps in a row" (honest norms here lie within a few % of the median); 2 leaves honest nodes alone
@@ -106,7 +124,18 @@ STORE_TIMEOUT = float(PROFILE["ZERO_BAND_GLOBAL_STORE_TIMEOUT_SECONDS"])
 # rebuild without one of the two (pg timeout), the blamed node's grace, and 10 s of slack for busy cores.
 PARTITION_BOUND = (2 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"])
                    + float(PROFILE["ZERO_BAND_EDM_HEARTBEAT_INTERVAL_SECONDS"]) + 10)
+# How long the others may take to form a world without a node whose host went silent for good: the silence
+# found by the heartbeat timeout (between outer steps) or after the sync deadline (mid all-reduce), a failed
+# attempt and the rebuild without it (two pg timeouts), a silent leader passed over by the judge's stuck rule
+# (two sync deadlines and the heartbeat timeout), a round of inner steps, and 30 s of slack for 2 busy cores.
+SILENT_BOUND = (2 * HEARTBEAT_TIMEOUT + 3 * float(PROFILE["ZB_ELASTIC_SYNC_DEADLINE"])
+                + 2 * float(PROFILE["ZERO_BAND_GLOBAL_PG_TIMEOUT_SECONDS"]) + 30)
 GRACE = 30
+
+
+def needs_standby(kinds: list[str] | None) -> bool:
+    """Whether a --netns run with these --kinds (None: all) hosts a standby store."""
+    return kinds is None or bool(set(kinds) & set(STANDBY_KINDS))
 
 
 class Chaos:
@@ -127,11 +156,14 @@ class Chaos:
         else:
             from _chaos_netns import NetnsCluster
 
-            self.cluster = NetnsCluster(tmp, nodes, net, **{SECRET_ENV: str(secret)})
+            standby = needs_standby(kinds)
+            failover = {"ZB_ELASTIC_STORE_FAILOVER_S": str(FAILOVER_S)} if standby else {}
+            self.cluster = NetnsCluster(tmp, nodes, net, standby=standby, **failover, **{SECRET_ENV: str(secret)})
         self.store_port = self.cluster.port   # the run's current store
         self.kinds = kinds or [k for k in KINDS if (net is None or k not in LOOPBACK_KINDS)
                                and (overlap == "none" or k not in BLOCKING_KINDS)] + \
             (NETNS_KINDS if net is not None else [])
+        self.silent_hosts: list = []         # --netns: hosts silent for good (store-silent), lifted at the end
         self.tails: dict[str, Tail] = {}
         self.live: list[str] = []
         self.gone: dict[str, int] = {}       # uid -> expected exit code (None: any)
@@ -178,7 +210,7 @@ class Chaos:
 
     def log(self, event: str, node: str, outcome: str) -> None:
         self.rows.append((time.monotonic() - self.t0, event, node, outcome))
-        print(f"[chaos seed {self.seed}] {time.monotonic() - self.t0:6.1f}s {event:13s} {node:8s} {outcome}",
+        print(f"[chaos seed {self.seed}] {time.monotonic() - self.t0:6.1f}s {event:15s} {node:8s} {outcome}",
               file=sys.stderr, flush=True)
 
     # -- waits ---------------------------------------------------------------------------------
@@ -213,12 +245,12 @@ class Chaos:
 
     def check_agreement(self) -> int:
         outer = {u: t.events("outer_step") for u, t in self.tails.items()}
+        split = split_runs(outer)           # first: two runs also differ in params_hash, their cause is the split
+        if split:
+            raise Failure(f"two runs at once: {split[:3]}")
         compared, bad = agreement_failures(outer)
         if bad:
             raise Failure(f"params_hash differs at {len(bad)} outer step(s): {bad[:3]}")
-        split = split_runs(outer)
-        if split:
-            raise Failure(f"two runs at once: {split[:3]}")
         membership = {u: t.events("membership") for u, t in self.tails.items()}
         wrong = false_evictions(membership, self.signalled)
         if wrong:
@@ -229,22 +261,25 @@ class Chaos:
         return compared
 
     # -- events --------------------------------------------------------------------------------
-    def wait_one_world(self, what: str, bound: float = HANG_BOUND) -> int:
-        """Until every live node applied an outer step in one world of exactly the live nodes (a cut-off
-        node back in the run, not training apart), from now on; returns that mesh version."""
-        start, now = time.monotonic(), time.time()
+    def wait_one_world(self, what: str, bound: float = HANG_BOUND, nodes: list[str] | None = None,
+                       since: float | None = None) -> int:
+        """Until every one of `nodes` (default: the live nodes) applied an outer step in one world of exactly
+        them (a cut-off node back in the run, not training apart; or the others without a node gone silent),
+        from `since` (unix time; default now) on; returns that mesh version."""
+        nodes = self.live if nodes is None else nodes
+        start, now = time.monotonic(), time.time() if since is None else since
         while True:
-            version = one_world({u: self.tails[u].events("outer_step") for u in self.live}, self.live, now)
+            version = one_world({u: self.tails[u].events("outer_step") for u in nodes}, nodes, now)
             if version is not None:
                 return version
-            for u in self.live:
+            for u in nodes:
                 code = self.cluster.procs[u].poll()
                 if code is not None:
                     raise Failure(f"{u} exited with {code} after {what}:\n{self.cluster.log(u)}")
             if time.monotonic() - start > bound:
                 sizes = {u: [(e["mesh_version"], e["global_world_size"])
-                             for e in self.tails[u].events("outer_step")][-3:] for u in self.live}
-                raise Failure(f"hang: {self.live} not in one world of {len(self.live)} within {bound:.0f} s after "
+                             for e in self.tails[u].events("outer_step")][-3:] for u in nodes}
+                raise Failure(f"hang: {nodes} not in one world of {len(nodes)} within {bound:.0f} s after "
                               f"{what} (last (mesh version, world size) per node: {sizes})")
             time.sleep(0.2)
 
@@ -253,6 +288,7 @@ class Chaos:
         joins = ("join", "join-live", "donor-leave", "poison")
         allowed = [k for k in self.kinds if not (k in joins and len(self.live) >= self.max_nodes)
                    and not (k == "store-loss" and self.store_port == self.cluster.standby_ports[-1])
+                   and not (k == "store-silent" and self.store_port != self.cluster.port)
                    and not (k in BLOCKING_KINDS and self.overlap != "none")]
         return self.rng.choice(allowed)
 
@@ -509,23 +545,23 @@ class Chaos:
 
     def _start_outsider(self, uid: str, env: dict[str, str | None]) -> None:
         """A `zb train` with the run's arguments but `env` changed (the secret), never one of the run's nodes.
-        With --netns it runs on the store's host: it only has to reach the store, and every node host may be
-        busy."""
+        With --netns it runs on the current store's host: it only has to reach the store, and every node host may
+        be busy."""
         args, rank = self.node_args(uid), len(self.live)
         if self.net is None:
             self.cluster.start_train(uid, *args, rank=rank, env=env)
         else:
             TrainCluster.start_train(self.cluster, uid, *args, rank=rank, env=env,
-                                     prefix=tuple(self.cluster.store_host.command([])))
+                                     prefix=tuple(self.cluster.store_host_at(self.store_port).command([])))
 
     def _forge(self, uid: str, refused: list[str]) -> list[str]:
         """forge_join on the run's current store: in this process, or with --netns from the store's host (this
         process's namespace has no route to the emulated hosts). Returns what the refused nodes left there."""
         if self.net is None:
             return forge_join("127.0.0.1", self.store_port, uid, refused)["left_by_refused"]
-        done = self.cluster.store_host.run([sys.executable, str(Path(__file__).resolve().parent / "_chaos_checks.py"),
-                                            "forge", self.cluster.store_host.addr, str(self.store_port), uid,
-                                            *refused], env=self.cluster.env, cwd=REPO)
+        host = self.cluster.store_host_at(self.store_port)
+        done = host.run([sys.executable, str(Path(__file__).resolve().parent / "_chaos_checks.py"), "forge",
+                         host.addr, str(self.store_port), uid, *refused], env=self.cluster.env, cwd=REPO)
         if done.returncode != 0:
             raise Failure(f"the raw store client failed on the store's host:\n{done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])["left_by_refused"]
@@ -588,7 +624,7 @@ class Chaos:
         finally:
             host.set_link(up=True)
         self._after_network_event(f"link-down of {uid} for {down:.1f} s", counts, "link-down", uid,
-                                  f"down {down:.1f} s", since)
+                                  f"down {down:.1f} s", since, sides=[[uid], [u for u in self.live if u != uid]])
 
     def ev_partition(self) -> None:
         """Two nodes stop hearing each other (every packet between their hosts dropped, both ways) while
@@ -616,12 +652,12 @@ class Chaos:
                           f"(a node that cannot reach a peer must be dropped, not retried forever)")
         self._after_network_event(f"partition {a}|{b} for {cut:.1f} s", counts, "partition", f"{a}|{b}",
                                   f"cut {cut:.1f} s" + (f", {during} outer steps applied during it" if long else ""),
-                                  since)
+                                  since, sides=[[a], [b]])
 
     def ev_store_cut(self) -> None:
         """Some nodes (one to all but one) stop hearing the store: every packet between their hosts and the
-        store's host dropped, no reset, while they still reach each other; then it heals. The side that keeps
-        the store goes on; the cut nodes must not train apart (issue 39: without the store only the whole world
+        current store's host dropped, no reset, while they still reach each other; then it heals. The side that
+        keeps the store goes on; the cut nodes must not train apart (issue 39: without the store only the whole world
         trains on) and come back as one run with the others. Long cuts outlast the heartbeat timeout, so the
         store's side drops them and they return as joiners; none outlasts the store timeout."""
         from _chaos_netns import set_partition
@@ -631,16 +667,117 @@ class Chaos:
         held = self.rng.uniform(HEARTBEAT_TIMEOUT + 2, STORE_TIMEOUT - 4) if long else self.rng.uniform(2.0, 8.0)
         counts, since = self.outer_counts(self.live), time.time()
         self.signalled.update(cut)               # they may rightly be declared dead
-        hosts = [self.cluster.host_of[u] for u in cut]
+        hosts, store = [self.cluster.host_of[u] for u in cut], self.cluster.store_host_at(self.store_port)
         for host in hosts:
-            set_partition(host, self.cluster.store_host, True)
+            set_partition(host, store, True)
         try:
             time.sleep(held)
         finally:
             for host in hosts:
-                set_partition(host, self.cluster.store_host, False)
+                set_partition(host, store, False)
         self._after_network_event(f"store-cut of {sorted(cut)} for {held:.1f} s", counts, "store-cut",
-                                  "|".join(sorted(cut)), f"cut {held:.1f} s", since)
+                                  "|".join(sorted(cut)), f"cut {held:.1f} s", since,
+                                  sides=[sorted(cut), sorted(set(self.live) - set(cut))])
+
+    def ev_host_silent(self) -> None:
+        """A node's host drops every packet, to and from everyone (store and peers), with no reset: a reclaimed
+        spot instance, a closed laptop lid. Short (below the heartbeat timeout), then it speaks again and must be
+        back in one world with the others; or for good: the others must drop it and form a world of their own
+        within the run's deadlines, and the harness then takes the node for dead (SIGKILL, its host's rules
+        lifted as for a new machine at that address, a replacement joins). The row gives the others' longest
+        gap without an applied outer step."""
+        from _chaos_netns import set_silent
+
+        uid = self.rng.choice(self.live)
+        for_good = self.rng.random() < 0.5
+        held = self.rng.uniform(1.0, HEARTBEAT_TIMEOUT - 1)
+        others = [u for u in self.live if u != uid]
+        counts, since = self.outer_counts(self.live), time.time()
+        self.signalled.add(uid)                 # it may rightly be declared dead
+        host = self.cluster.host_of[uid]
+        set_silent(host, True)
+        if not for_good:
+            try:
+                time.sleep(held)
+            finally:
+                set_silent(host, False)
+            self._after_network_event(f"host-silent of {uid} for {held:.1f} s", counts, "host-silent", uid,
+                                      f"silent {held:.1f} s", since, sides=[[uid], others], gap_of=others)
+            return
+        try:
+            what = f"host-silent of {uid} for good"
+            version = self.wait_one_world(what, SILENT_BOUND, nodes=others, since=since)
+            dropped = time.time() - since
+            self.wait_progress({u: counts[u] for u in others}, what)
+            apart = self._apart([[uid], others], since, what)
+            gap = self._gap(others, since)
+            if self.cluster.procs[uid].poll() is None:
+                self.signal(uid, signal.SIGKILL)
+            self.remove(uid, None)
+            outcome = self.reap(uid, None)
+        finally:
+            set_silent(host, False)
+        replaced = self.replace()
+        self.log("host-silent", uid, f"for good: the others formed a world of {len(others)} without it at mesh "
+                 f"v{version} {dropped:.1f} s after the silence, their longest gap without an applied outer step "
+                 f"{gap:.1f} s; {apart}; taken for dead: {outcome}" + replaced)
+
+    def ev_group_partition(self) -> None:
+        """The live nodes split into two groups (sizes drawn, each at least one node) that drop every packet
+        between them, no reset, while both still reach the store; short (2-8 s) or long (past PARTITION_BOUND,
+        below the store timeout, as partition's long cuts). At most one side may apply outer steps in a world
+        of its own while they are cut (two would be two runs); after the heal all are one world again."""
+        from _chaos_netns import set_partition
+
+        nodes = self.rng.sample(self.live, len(self.live))
+        k = self.rng.randint(1, len(nodes) - 1)
+        sides = [sorted(nodes[:k]), sorted(nodes[k:])]
+        long = self.rng.random() < 0.5
+        held = self.rng.uniform(PARTITION_BOUND + 2, STORE_TIMEOUT - 4) if long else self.rng.uniform(2.0, 8.0)
+        counts, since = self.outer_counts(self.live), time.time()
+        self.signalled.update(self.live)         # either side may rightly be dropped
+        near, far = [self.cluster.host_of[u] for u in sides[0]], [self.cluster.host_of[u] for u in sides[1]]
+        try:
+            for host in near:
+                set_partition(host, far, True)
+            time.sleep(held)
+        finally:
+            for host in near:
+                set_partition(host, far, False)
+        name = f"{','.join(sides[0])}|{','.join(sides[1])}"
+        self._after_network_event(f"group-partition {name} for {held:.1f} s", counts, "group-partition",
+                                  name, f"{'long' if long else 'short'} cut {held:.1f} s",
+                                  since, sides=sides)
+
+    def ev_store_silent(self) -> None:
+        """The current store's host drops every packet for good, no reset (only with the standby store in every
+        node's elastic.addr, on a host of its own): every node must notice the silence within
+        elastic.store_failover_s, move to the standby and re-form the run there. The row gives the time from
+        the silence to the first outer step applied on the standby. The host stays silent until the run ends."""
+        from _chaos_netns import set_silent
+
+        before_version, lost = self._newest_version(), self.store_port
+        host, since = self.cluster.store_host_at(lost), time.time()
+        set_silent(host, True)
+        self.silent_hosts.append(host)
+        self.store_port = self.cluster.standby_ports[0]
+        there = self.live[:]
+        took, formed = self._wait_reformed(before_version, "the store's host going silent", HANG_BOUND + FAILOVER_S)
+        to = f":{self.store_port}"
+        moves = {u: [e for e in self.tails[u].events("store_failover") if e["to_store"].endswith(to)]
+                 for u in there if u in self.live}
+        silent = [u for u, m in moves.items() if not m]
+        if silent:
+            raise Failure(f"{silent} re-formed without a store_failover event to port {self.store_port}")
+        first = min((e["time"] for u, m in moves.items() for e in self.tails[u].events("outer_step")
+                     if e.get("applied") and e["mesh_version"] >= m[0]["mesh_version"] and e["time"] >= since),
+                    default=None)
+        if first is None:
+            raise Failure(f"no outer step applied on the standby :{self.store_port} after the silence of :{lost}")
+        waited = sorted(m[0]["silent_s"] for m in moves.values())
+        self.log("store-silent", "store", f"host of :{lost} silent for good, run on :{self.store_port}: nodes moved "
+                 f"after {waited[0]:.1f}-{waited[-1]:.1f} s of silence, first outer step on the standby "
+                 f"{first - since:.1f} s after it; every node stepped in {took:.1f} s, new mesh after {formed:.1f} s")
 
     def _synced_during(self, after: float, size: int) -> int:
         """Outer steps applied since `after` (unix time) in a world of at least `size` nodes."""
@@ -648,15 +785,45 @@ class Chaos:
                     if e.get("applied") and e["time"] >= after and e["global_world_size"] >= size})
 
     def _after_network_event(self, what: str, counts: dict[str, int], kind: str, node: str, detail: str,
-                             since: float) -> None:
+                             since: float, sides: list[list[str]], gap_of: list[str] | None = None) -> None:
+        """After the heal: the whole run in one world again, everyone stepping, and the two `sides` of the cut
+        never applying outer steps in worlds of their own at the same time. `gap_of`: nodes whose longest time
+        without an applied outer step (since the event began) the row gives."""
         healed = time.monotonic()
-        version = self.wait_one_world(what)       # after the heal: the whole run in one world again
+        version = self.wait_one_world(what)
         took = time.monotonic() - healed
         self.wait_progress(counts, what)
+        apart = self._apart(sides, since, what)
         evicted = sorted({d for u in self.live for e in self.tails[u].events("membership") for d in e.get("died", [])
-                          if d in node.split("|") and e["time"] >= since})
-        self.log(kind, node, f"{detail}; one world of all {len(self.live)} at mesh v{version} {took:.1f} s after "
-                 f"the heal" + (f" (evicted and rejoined: {evicted})" if evicted else ""))
+                          if d in node.replace(",", "|").split("|") and e["time"] >= since})
+        gap = f"; the others' longest gap without an applied outer step {self._gap(gap_of, since):.1f} s" \
+            if gap_of else ""
+        moved, self.store_port = self.store_port, self._store_now()   # a cut past elastic.store_failover_s moves it
+        where = f"; the run moved on to the store at :{self.store_port}" if moved != self.store_port else ""
+        self.log(kind, node, f"{detail}{gap}; {apart}; one world of all {len(self.live)} at mesh v{version} "
+                 f"{took:.1f} s after the heal" + (f" (evicted and rejoined: {evicted})" if evicted else "") + where)
+
+    def _apart(self, sides: list[list[str]], since: float, what: str) -> str:
+        """Raises Failure when the sides of a cut applied outer steps in worlds of their own at the same time (two
+        runs); else says which side applied outer steps in a world of its own since `since`."""
+        outer = {u: self.tails[u].events("outer_step") for side in sides for u in side}
+        split, own = split_sides(outer, sides, since, time.time())
+        if split:
+            raise Failure(f"two runs at once during {what}: {split[:3]}")
+        went_on = [f"{','.join(side)} {n}" for side, n in zip(sides, own) if n]
+        return f"outer steps in worlds without the other side: {'; '.join(went_on) if went_on else 'none'}"
+
+    def _gap(self, uids: list[str], since: float) -> float:
+        """The longest any of `uids` went without applying an outer step, from its last one before `since` (unix
+        time) to now."""
+        worst, now = 0.0, time.time()
+        for u in uids:
+            times = sorted(e["time"] for e in self.tails[u].events("outer_step") if e.get("applied"))
+            before = [t for t in times if t <= since]
+            prev = before[-1] if before else since
+            for t in [t for t in times if t > since] + [now]:
+                worst, prev = max(worst, t - prev), t
+        return worst
 
     # -- the end -------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -673,8 +840,10 @@ class Chaos:
             raise Failure(f"orphan processes after the run: {left}")
         self.log("orphans", "-", "none")
         if self.net is not None:
-            from _chaos_netns import partitioned
+            from _chaos_netns import partitioned, set_silent
 
+            for host in self.silent_hosts:       # silent for good (store-silent) until the run ended
+                set_silent(host, False)
             left = [h.name for h in self.net.hosts if partitioned(h)]
             if left:
                 raise Failure(f"partition rules left behind in {left}")
@@ -688,7 +857,8 @@ def run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap: 
         return _run(seed, events, nodes, max_nodes, tmp, overlap, None, kinds, compression)
     from zb.net.netns import emulated_hosts
 
-    with emulated_hosts(max_nodes + 1) as net:     # the store's host and one per node at most
+    # the store's host, the standby store's when the kinds need one, and one per node at most
+    with emulated_hosts(max_nodes + 1 + needs_standby(kinds)) as net:
         return _run(seed, events, nodes, max_nodes, tmp, overlap, net, kinds, compression)
 
 
@@ -719,9 +889,9 @@ def _run(seed: int, events: int, nodes: int, max_nodes: int, tmp: Path, overlap:
 
 
 def print_table(rows) -> None:
-    print(f"{'time':>7}  {'event':13s} {'node':10s} outcome")
+    print(f"{'time':>7}  {'event':15s} {'node':10s} outcome")
     for t, event, node, outcome in rows:
-        print(f"{t:6.1f}s  {event:13s} {node:10s} {outcome}")
+        print(f"{t:6.1f}s  {event:15s} {node:10s} {outcome}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -741,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="diloco.compression of every node (int4 and int2 with error feedback, their default)")
     p.add_argument("--netns", action="store_true",
                    help="every node on an emulated host of its own (network namespaces; root and nft), the store "
-                        "on another; adds the link-down and partition events")
+                        f"on another (and a standby store on a third when {', '.join(STANDBY_KINDS)} may be drawn); "
+                        f"adds the {', '.join(NETNS_KINDS)} events")
     p.add_argument("--kinds", default=None, metavar="K1,K2",
                    help=f"draw events only from these, comma-separated (default: all; {', '.join(NETNS_KINDS)} with "
                         f"--netns only, {', '.join(LOOPBACK_KINDS)} without it, {', '.join(BLOCKING_KINDS)} with "
@@ -756,6 +927,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.overlap != "none" and set(kinds or ()) & set(BLOCKING_KINDS):
         p.error(f"--kinds: {', '.join(BLOCKING_KINDS)} needs --overlap none (diloco.clip, which zb refuses with an "
                 f"overlapped all-reduce)")
+    if kinds and set(kinds) <= set(STANDBY_KINDS) and args.events > 1:
+        p.error(f"--kinds: {', '.join(STANDBY_KINDS)} can happen once a run (one standby store); pass --events 1 or "
+                f"more kinds")
     if args.netns and set(kinds or ()) & set(LOOPBACK_KINDS):
         p.error(f"--kinds: {', '.join(LOOPBACK_KINDS)} cannot run with --netns (one store there)")
     if args.netns:
