@@ -255,3 +255,13 @@ def test_a_guess_of_the_secret_costs_a_slow_derivation(host):
     slow = hashlib.scrypt(SECRET, salt=b"zb run secret v1", n=SCRYPT_N, r=8, p=1, maxmem=64 << 20, dklen=32)
     assert stretched(SECRET) == slow and SCRYPT_N >= 1 << 14
     assert doc["proof"] == hmac.new(slow, b"zb run marker\x00" + doc["nonce"].encode(), hashlib.sha256).hexdigest()
+
+
+def test_an_empty_record_is_replaced_by_compare_set_expecting_nothing(host):
+    """A seeded world makes every key a resolution reads exist (an empty record), so a snapshot is one round
+    trip; the run's end record (keys.FINISHED) is still written once over it, first writer wins."""
+    a, b = _node(host), _node(host)
+    a.append("zb/finished", "")
+    assert a.compare_set("zb/finished", "", "R1") == b"R1"
+    assert b.compare_set("zb/finished", "", "R2") == b"R1"
+    assert b.get("zb/finished") == b"R1"

@@ -336,9 +336,8 @@ class Membership:
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
             # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
             # each read of the snapshot down the slow path of read_many, a round trip per key.
-            self.client.append(keys.GONE, "")
-            self.client.append(keys.MOVED, "")
-            self.client.append(keys.EVICTED, "")
+            for key in (keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED):
+                self.client.append(key, "")
 
     def _forget(self, resolution: int) -> None:
         """Delete a finished roll call's keys (every member has moved past it). Its events counter is unsealed (anyone

@@ -119,15 +119,21 @@ class Snapshot:
 
 
 def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
-    """World, goodbyes, evicted ids and joins, plus the answers to the roll call of `resolution` (none when None)."""
-    names = [keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
-    if resolution is not None:
-        names += [keys.roll_call(resolution), keys.roll_call_events(resolution)]
-    raw = read_many(store, names)
-    return Snapshot(raw_world=raw[0], world=World.decode(raw[0]), gone=_gone(raw[1]), joins=_joins(raw[2]),
-                    answers=_answers(raw[7]) if len(raw) > 7 else [], events=counter_value(raw[8]) if len(raw) > 8 else 0,
-                    moved=counter_value(raw[3]) or None, evicted=evicted_ids(raw[4]), finished=Finished.decode(raw[5]),
-                    stayed=Stayed.decode(raw[6]))
+    """World, goodbyes, evicted ids and joins, plus the answers to the roll call of `resolution` (none when None).
+
+    One round trip when every key exists (a seeded world creates them all: zb.elastic.membership). Otherwise
+    read_many reads them one at a time, so the roll call's events come first: a world written between two
+    reads then shows up with its wake-up still ahead of the events read, never behind it (read after the
+    world, an events count that already included the next world's wake-up left a waiter waiting for one
+    more event that never came)."""
+    call = [keys.roll_call_events(resolution), keys.roll_call(resolution)] if resolution is not None else []
+    names = [*call, keys.WORLD, keys.GONE, keys.JOINS, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
+    raw = dict(zip(names, read_many(store, names)))
+    world = raw[keys.WORLD]
+    return Snapshot(raw_world=world, world=World.decode(world), gone=_gone(raw[keys.GONE]), joins=_joins(raw[keys.JOINS]),
+                    answers=_answers(raw[call[1]]) if call else [], events=counter_value(raw[call[0]]) if call else 0,
+                    moved=counter_value(raw[keys.MOVED]) or None, evicted=evicted_ids(raw[keys.EVICTED]),
+                    finished=Finished.decode(raw[keys.FINISHED]), stayed=Stayed.decode(raw[keys.STAYED]))
 
 
 def ended_world(store: StoreClient) -> World | None:
