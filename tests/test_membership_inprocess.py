@@ -5,6 +5,7 @@ tests (tests/test_elastic_mesh.py) keep what needs processes: signals, the death
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -251,3 +252,33 @@ def test_a_heartbeat_counter_written_with_junk_does_not_eject_its_node(members):
         time.sleep(CFG.heartbeat_interval)
     after = members.together(["a", "b"], lambda m: m.resolve())
     assert all(w.nodes == worlds["a"].nodes and w.version == worlds["a"].version for w in after.values()), after
+
+
+def test_a_replayed_join_request_is_not_admitted(members):
+    """Anyone who reaches the store can append: a copy of a node's old (sealed) join request appended again, with its
+    heartbeat counter bumped so the node looks alive, admitted a dead node and stalled the run for the sync
+    deadline at every outer step. A request is admissible for JOIN_FRESH resolutions only."""
+    from zb.elastic.world import JOIN_FRESH
+
+    start(members, ["a", "b"])
+    members.add("d")
+    members.together(["a", "b", "d"], lambda m: m.join(quorum=1, quorum_timeout=10.0)
+                     if m.uid == "d" else outer_steps_until_admitted(m, "d"))
+    raw = members.client()
+    request = [line for line in raw.get(keys.JOINS).decode().splitlines() if json.loads(line).get("uid") == "d"][-1]
+    members.freeze("d")                                   # d is gone: the others drop it
+    for _ in range(JOIN_FRESH + 2):
+        world = members.together(["a", "b"], lambda m: m.resolve())["a"]
+    assert sorted(world.nodes) == ["a", "b"]
+    raw.append(keys.JOINS, request + "\n")                # the replay, and d's counter kept moving by the attacker
+    for _ in range(3):
+        raw.add(keys.heartbeat("d"), 1)
+        world = members.together(["a", "b"], lambda m: m.resolve())["a"]
+        assert sorted(world.nodes) == ["a", "b"], world
+
+
+def test_a_join_request_is_fresh_for_a_few_resolutions():
+    from zb.elastic.world import JOIN_FRESH, JoinRequest
+
+    request = JoinRequest("d", "tok-d", 0, seen=5)
+    assert request.fresh(5) and request.fresh(5 + JOIN_FRESH) and not request.fresh(6 + JOIN_FRESH)

@@ -107,9 +107,11 @@ def split_unreachable(world: World, lines: list[Answer]) -> set[str]:
 
 
 def admissible_joiners(world: World, snap: Snapshot, liveness: Liveness) -> list[JoinRequest]:
-    """Requests past the cursor from live nodes with the run's local world size, and an id the run did not evict."""
+    """Requests past the cursor from live nodes with the run's local world size, an id the run did not evict,
+    made in the last few resolutions (JoinRequest.fresh: a replayed old request is not)."""
     return [r for r in snap.joins[world.join_cursor:]
-            if r.uid and r.stripes == world.stripes and not liveness.is_dead(r.uid) and r.uid not in snap.evicted]
+            if r.uid and r.stripes == world.stripes and not liveness.is_dead(r.uid) and r.uid not in snap.evicted
+            and r.fresh(world.resolution)]
 
 
 def renewed_members(world: World, snap: Snapshot) -> set[str]:

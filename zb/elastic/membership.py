@@ -53,7 +53,7 @@ from zb.elastic.store_state import (
 )
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
 from zb.elastic.tcpstore import bump, read_many, store_errors
-from zb.elastic.world import Observation, World, next_world
+from zb.elastic.world import JoinRequest, Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
 from zb.store_clients import StoreUnreachable
 
@@ -229,20 +229,27 @@ class Membership:
             self._check_snapshot(snap)
             if snap.world is not None and self._before_join is not None:
                 self._reachable_before_join(store, snap)
-            last = self.world
             # The counter moves before the request names this node: on a store it reaches through a new client
             # (the next one of the list, or one restarted) its heartbeat thread may not have beaten yet, and a
             # counter the leader has read as missing for elastic.heartbeat_timeout is a dead node's.
-            store.add(keys.heartbeat(self.uid), 1)
-            store.append(keys.JOINS, encode_line({
-                "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
-                "last_version": last.version if last else 0,
-                "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes,
-                "run": last.run if last else ""}))
-            self.world = self._wait_admitted(quorum)
+            bump(store, keys.heartbeat(self.uid), 1)
+            self.world = self._wait_admitted(quorum, self._ask_to_join(store))
             return self.world
         except store_errors() as e:
             raise self._drop_store(e) from None
+
+    def _ask_to_join(self, store: StoreClient) -> int:
+        """Append this node's join request; returns the resolution it names (JoinRequest.seen: the request is
+        admissible for JOIN_FRESH resolutions from it, so the node asks again when it grew older)."""
+        seen = World.decode(read_many(store, [keys.WORLD])[0])
+        last = self.world
+        resolution = seen.resolution if seen else 0
+        store.append(keys.JOINS, encode_line({
+            "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
+            "last_version": last.version if last else 0,
+            "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes,
+            "run": last.run if last else "", "seen": resolution}))
+        return resolution
 
     def check_same_stores(self, store: StoreClient) -> None:
         """Every node of a run names the same stores in the same order: else they would fail over apart. Checked
@@ -282,7 +289,7 @@ class Membership:
             if snap.world is None:
                 return
 
-    def _wait_admitted(self, quorum: Quorum) -> World:
+    def _wait_admitted(self, quorum: Quorum, seen: int) -> World:
         # Never before the quorum's grace has passed (elastic.start_timeout can exceed elastic.store_timeout):
         # a first node whose peers start slowly seeds with those present then, as start_timeout promises.
         give_up = max(time.monotonic() + self.cfg.store_timeout, quorum.grace_at + self.cfg.heartbeat_timeout)
@@ -294,6 +301,8 @@ class Membership:
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
                 return world
+            if world is not None and not JoinRequest(self.uid, self.token, 0, seen=seen).fresh(world.resolution):
+                seen = self._ask_to_join(self.client)   # grown too old to be admitted: ask again
             if world is not None and world.stripes != self.stripes:
                 raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
                                          f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")

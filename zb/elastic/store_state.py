@@ -192,7 +192,8 @@ def _joins(raw: bytes) -> list[JoinRequest]:
                                    pref_rank=int(data.get("pref_rank", 0)),
                                    last_version=int(data.get("last_version", 0)),
                                    last_rank=int(data.get("last_rank", 0)),
-                                   stripes=int(data.get("stripes", 1)), run=str(data.get("run", ""))))
+                                   stripes=int(data.get("stripes", 1)), run=str(data.get("run", "")),
+                                   seen=int(data.get("seen", 0))))
         except (TypeError, KeyError, ValueError):
             out.append(JoinRequest(uid="", token="", index=index))   # keeps the cursor counting lines
     return out

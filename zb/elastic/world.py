@@ -57,6 +57,11 @@ class World:
         return world
 
 
+# Resolutions a join request stays admissible: its node asks again after that (zb.elastic.membership), and a
+# sealed request copied and appended again later (a replay: anyone who reaches the store can append) is refused.
+JOIN_FRESH = 4
+
+
 @dataclass
 class JoinRequest:
     uid: str
@@ -67,6 +72,12 @@ class JoinRequest:
     last_rank: int = 0         # its rank there
     stripes: int = 1
     run: str = ""              # id of the run of the last world this node was in ("" for a new node)
+    seen: int = 0              # resolution of the world the node read as it asked (0: none): a request is fresh
+                               # for JOIN_FRESH resolutions, so a copy of an old one appended again is not admitted
+
+    def fresh(self, resolution: int) -> bool:
+        """Whether this request may still be admitted in the roll call of `resolution` (zb.elastic.judge)."""
+        return self.seen >= resolution - JOIN_FRESH
 
     def sort_key(self) -> tuple[int, int, int, int]:
         # Nodes of the newest world first, in their old order (a store restart keeps ranks),
