@@ -473,12 +473,45 @@ def test_a_beat_that_comes_late_is_measured_and_explains_an_eviction():
     while store.calls < 6 and time.monotonic() < deadline:
         time.sleep(0.02)
     beat.stop(5)
-    gap = beat.take_worst_gap()
-    assert gap >= 0.6 and beat.take_worst_gap() < 0.5     # forgotten: what is left is the silence since the stop
+    gap, outage = beat.take_worst_gap()
+    assert gap >= 0.6 and outage == 0.0 and beat.take_worst_gap()[0] < 0.5   # forgotten: the silence since the stop
     time.sleep(0.7)     # frozen: no beat since; a node woken now asks before its thread beats again
-    assert beat.take_worst_gap() >= 0.7
+    assert beat.take_worst_gap()[0] >= 0.7
     assert "up to" in stall_hint(gap, 1.0) and "raise elastic.heartbeat_timeout" in stall_hint(gap, 1.0)
     assert stall_hint(0.1, 1.0) == ""
+
+
+def test_a_store_that_did_not_answer_is_named_instead_of_the_machine():
+    """A node cut from the store (its beats fail) was told its machine was too busy to beat: the gap was the
+    store's. The heartbeat tells an outage from a slow beat, and the hint names the store."""
+    import time
+
+    from zb.elastic.heartbeat import Heartbeat, stall_hint
+    from zb.store_clients import StoreUnreachable
+
+    class CutOnce:
+        def __init__(self):
+            self.calls = 0
+
+        def add(self, key, n):
+            self.calls += 1
+            if self.calls in (3, 4, 5, 6):
+                raise StoreUnreachable("cut")
+
+        def check(self, keys):
+            return False
+
+    store = CutOnce()
+    beat = Heartbeat("me", 0.1, Liveness(1.0), lambda: store, lambda: [])
+    beat.start()
+    deadline = time.monotonic() + 30
+    while beat.beats < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    beat.stop(5)
+    gap, outage = beat.take_worst_gap()
+    assert outage >= 0.4 and gap >= outage
+    hint = stall_hint(gap, 0.6, outage)
+    assert "the store did not answer" in hint and "too busy" not in hint
 
 
 def test_a_roll_call_ends_when_its_last_answer_lands_not_at_the_next_poll():

@@ -99,6 +99,7 @@ class Heartbeat(threading.Thread):
         self.outage_since: float | None = None
         self._last_beat: float | None = None
         self.worst_gap_s = 0.0   # the longest time between two beats that reached the store, on this clock
+        self.worst_outage_s = 0.0   # ... of those gaps, the longest in which the store failed to answer a beat
 
     def run(self) -> None:
         while not self._stop_event.is_set():
@@ -106,12 +107,14 @@ class Heartbeat(threading.Thread):
             self._beat()
             self._stop_event.wait(max(0.0, self.interval - (time.monotonic() - started)))
 
-    def take_worst_gap(self) -> float:
-        """The longest gap between this node's beats since the last call (then forgotten), the silence
-        since the last beat included: a node woken from a freeze may ask before this thread beats again."""
+    def take_worst_gap(self) -> tuple[float, float]:
+        """The longest gap between this node's beats since the last call, and the longest in which the store
+        did not answer (both then forgotten), the silence since the last beat included: a node woken from a
+        freeze may ask before this thread beats again. A gap the store caused is not the machine's."""
         silent = time.monotonic() - self._last_beat if self._last_beat is not None else 0.0
-        gap, self.worst_gap_s = max(self.worst_gap_s, silent), 0.0
-        return gap
+        outage = max(self.worst_outage_s, silent if self.outage_since is not None else 0.0)
+        gap, self.worst_gap_s, self.worst_outage_s = max(self.worst_gap_s, silent), 0.0, 0.0
+        return gap, outage
 
     def _beat(self) -> None:
         try:
@@ -123,8 +126,11 @@ class Heartbeat(threading.Thread):
                 self._store.add(keys.heartbeat(self.uid), 1)
             now = time.monotonic()
             if self._last_beat is not None:
-                # A machine too busy to run this thread (or a store too slow to take the beat) shows here.
+                # A machine too busy to run this thread (or a store too slow to take the beat) shows here; a store
+                # that did not answer at all (a cut, its host silent) shows as an outage.
                 self.worst_gap_s = max(self.worst_gap_s, now - self._last_beat)
+                if self.outage_since is not None:
+                    self.worst_outage_s = max(self.worst_outage_s, now - self._last_beat)
             self._last_beat = now
             self._answered()
             observe_counters(self._store, self.liveness, self._watch())
@@ -146,8 +152,13 @@ class Heartbeat(threading.Thread):
             self.join(timeout)
 
 
-def stall_hint(worst_gap_s: float, timeout_s: float) -> str:
-    """Why the others may have taken this node for dead, when its own beats say so; else ""."""
+def stall_hint(worst_gap_s: float, timeout_s: float, outage_s: float = 0.0) -> str:
+    """Why the others may have taken this node for dead, when its own beats say so; else "". A store that did not
+    answer the beats (`outage_s`) is named before the machine: a cut is not a busy CPU."""
+    if outage_s >= timeout_s / 2:
+        return (f"; the store did not answer this node's heartbeats for up to {outage_s:.1f} s (elastic.heartbeat_timeout "
+                f"is {timeout_s:g} s): the others could not see it beat (a cut between it and the store, or the "
+                "store's host)")
     if worst_gap_s < timeout_s / 2:
         return ""
     return (f"; this node's own heartbeats were up to {worst_gap_s:.1f} s apart (elastic.heartbeat_timeout is "

@@ -395,8 +395,10 @@ class Membership:
             raise self._drop_store(e) from None
 
     def _rejoin(self, why: str) -> World:
-        hint = stall_hint(self.heartbeat.take_worst_gap(), self.cfg.heartbeat_timeout) \
-            if self.heartbeat is not None and "evicted" in why else ""
+        hint = ""
+        if self.heartbeat is not None and "evicted" in why:
+            gap, outage = self.heartbeat.take_worst_gap()
+            hint = stall_hint(gap, self.cfg.heartbeat_timeout, outage)
         log.warning("rejoining (%s); last mesh version %d%s", why, self.world.version if self.world else 0, hint)
         quorum = len(self.world.nodes) if self.world else 1
         # With a failover list a store revived at its address is seeded by a majority of the world, as a new one

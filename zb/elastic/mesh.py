@@ -163,6 +163,13 @@ class ElasticDeviceMesh:
     def _connect(self) -> StoreClient:
         return self.stores.connect(self._connect_timeout, self.cfg.store_timeout, self.cfg.namespace)
 
+    def _connect_beating(self) -> StoreClient:
+        """The heartbeat thread's client: an operation waits at most elastic.heartbeat_timeout, since a beat that
+        late tells nothing, and a store that stopped answering (a cut, its host silent) is then said in the
+        node's log within that time instead of after elastic.store_timeout."""
+        return self.stores.connect(self._connect_timeout, min(self.cfg.store_timeout, self.cfg.heartbeat_timeout),
+                                   self.cfg.namespace)
+
     def _start_head(self) -> dict[str, Any]:
         cfg = self.cfg
         uid, token = cfg.unique_id or new_uid(), new_token()
@@ -196,7 +203,7 @@ class ElasticDeviceMesh:
         self._probe.start()
         store.set(keys.probe(uid), self._probe.endpoint)
         members = lambda: list(self._head.world.nodes) if self._head.world else []  # noqa: E731
-        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect, members,
+        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect_beating, members,
                                     answered=self.stores.answered, store_index=lambda: self.stores.index)
         self._head.heartbeat = self._heartbeat
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it
