@@ -6,7 +6,6 @@ a thread, over two in-process stores; the first is shut down for good and the ru
 from __future__ import annotations
 
 import dataclasses
-import threading
 from datetime import timedelta
 
 import pytest
@@ -20,6 +19,7 @@ from zb.elastic.membership import Membership
 from zb.elastic.stores import StoreList
 from zb.elastic.world import World
 from zb.errors import EnvironmentFailure
+from zb.testing.threads import each_at_once
 
 # A live member beats 25 times per timeout: a busy machine (the suite's two workers) does not make it look dead.
 CFG = ElasticConfig(store_timeout=30, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.2,
@@ -53,21 +53,7 @@ class Run:
         return m
 
     def together(self, uids: list[str], fn) -> dict[str, World | BaseException]:
-        out: dict[str, World | BaseException] = {}
-
-        def run(uid: str) -> None:
-            try:
-                out[uid] = fn(self.nodes[uid])
-            except BaseException as e:  # noqa: BLE001 - returned to the test
-                out[uid] = e
-
-        threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in uids]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.cfg.store_timeout + 30)
-        assert not any(t.is_alive() for t in threads), "a member did not finish"
-        return out
+        return each_at_once(self.nodes, uids, fn, self.cfg.store_timeout + 30)
 
     def start(self, uids: list[str]) -> dict[str, World]:
         for uid in uids:

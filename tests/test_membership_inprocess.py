@@ -6,7 +6,6 @@ tests (tests/test_elastic_mesh.py) keep what needs processes: signals, the death
 from __future__ import annotations
 
 import json
-import threading
 import time
 from datetime import timedelta
 
@@ -22,6 +21,7 @@ from zb.elastic.world import World
 from zb.errors import RunFinishedWithout
 from zb.signed_store import prefixed
 from zb.swarm.registry import stage_namespace
+from zb.testing.threads import each_at_once
 
 # A live member beats 15 times per timeout: a busy machine does not make it look dead.
 CFG = ElasticConfig(store_timeout=60, polling_interval=0.02, sync_deadline=5, heartbeat_interval=0.2,
@@ -61,21 +61,8 @@ class Members:
         self.beats[uid].stop()
 
     def together(self, uids: list[str], fn) -> dict[str, World]:
-        out: dict[str, World] = {}
-        errors: list[BaseException] = []
-
-        def run(uid: str) -> None:
-            try:
-                out[uid] = fn(self.nodes[uid])
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in uids]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(CFG.store_timeout)
-        assert not any(t.is_alive() for t in threads), "a member did not finish"
+        out = each_at_once(self.nodes, uids, fn, CFG.store_timeout)
+        errors = [e for e in out.values() if isinstance(e, BaseException)]
         if errors:
             raise errors[0]
         return out

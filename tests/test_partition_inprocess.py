@@ -24,6 +24,7 @@ from zb.elastic.stores import StoreList
 from zb.elastic.tcpstore import host
 from zb.elastic.world import World
 from zb.store_clients import StoreUnreachable
+from zb.testing.threads import each_at_once
 
 # A live member beats 25 times per timeout: a busy machine (the suite's two workers) does not make it look dead.
 CFG = ElasticConfig(store_timeout=40, polling_interval=0.02, sync_deadline=2.5, heartbeat_interval=0.1,
@@ -166,21 +167,7 @@ class Partitioned:
         self.beats.append(hb)
 
     def _together(self, uids, fn) -> dict:
-        out: dict = {}
-
-        def run(uid: str) -> None:
-            try:
-                out[uid] = fn(self.nodes[uid])
-            except BaseException as e:  # noqa: BLE001 - returned to the test
-                out[uid] = e
-
-        threads = [threading.Thread(target=run, args=(u,), daemon=True) for u in uids]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(CFG.store_timeout + 30)
-        assert not any(t.is_alive() for t in threads), "a member did not finish"
-        return out
+        return each_at_once(self.nodes, uids, fn, CFG.store_timeout + 30)
 
     def outer_steps(self, until, bound: float = 40.0, uids=None) -> dict:
         """Every node (of `uids`) resolves as at its outer steps (an unreachable store: it tries again, as a node that may

@@ -53,25 +53,17 @@ class Finished:
     @staticmethod
     def decode(raw: bytes) -> Finished | None:
         """None for an absent or malformed record: each field of its type and range, or nothing."""
-        try:
-            doc = json.loads(raw) if raw else None
-        except ValueError:
+        doc = _record(raw, ("version", "outer_step", "step"))
+        when = doc.get("time") if doc else None
+        if doc is None or not (isinstance(when, (int, float)) and not isinstance(when, bool) and 0 <= when < 1e11):
             return None
-        if not isinstance(doc, dict):
-            return None
-        run, when = doc.get("run"), doc.get("time")
-        counts = [doc.get(k) for k in ("version", "outer_step", "step")]
-        ints = [v for v in counts if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62]
-        if not (isinstance(run, str) and 0 < len(run) <= 64 and len(ints) == 3 and isinstance(when, (int, float))
-                and not isinstance(when, bool) and 0 <= when < 1e11):
-            return None
-        return Finished(run, ints[0], ints[1], ints[2], float(when))
+        return Finished(doc["run"], doc["version"], doc["outer_step"], doc["step"], float(when))
 
 
 @dataclass(frozen=True)
 class Stayed:
-    """keys.STAYED on a later store (zb.elastic.partition): run `run` went on at store `index` of elastic.addr in world `version`,
-    without members that had gone silent."""
+    """keys.STAYED on a later store (zb.elastic.partition): run `run` went on at store `index` of elastic.addr in
+    world `version`, without members that had gone silent."""
 
     run: str
     index: int
@@ -83,17 +75,25 @@ class Stayed:
     @staticmethod
     def decode(raw: bytes) -> Stayed | None:
         """None for an absent or malformed record: each field of its type and range, or nothing."""
-        try:
-            doc = json.loads(raw) if raw else None
-        except ValueError:
-            return None
-        if not isinstance(doc, dict):
-            return None
-        run, index, version = doc.get("run"), doc.get("index"), doc.get("version")
-        ints = [v for v in (index, version) if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62]
-        if not (isinstance(run, str) and 0 < len(run) <= 64 and len(ints) == 2):
-            return None
-        return Stayed(run, ints[0], ints[1])
+        doc = _record(raw, ("index", "version"))
+        return None if doc is None else Stayed(doc["run"], doc["index"], doc["version"])
+
+
+def _record(raw: bytes, counts: tuple[str, ...]) -> dict[str, Any] | None:
+    """A run's JSON record from the store: an object whose "run" is a run id and whose `counts` are integers in
+    [0, 2**62); None for anything else (an absent key, or bytes nobody should act on)."""
+    try:
+        doc = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    run = doc.get("run")
+    ints = [doc.get(k) for k in counts]
+    if not (isinstance(run, str) and 0 < len(run) <= 64
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in ints)):
+        return None
+    return doc
 
 
 def finished_without(finished: Finished | None, world: World | None) -> bool:
