@@ -63,7 +63,7 @@ def test_the_judge_leaves_an_evicted_member_out_at_once_and_never_admits_its_id(
     assert v.acting_leader == "b" and "a" in v.observation.excluded
     v = judge(W, snap([Answer("a", "ta")], evicted={"a"}), "a", live, 0.1, DL)    # itself: not the leader either
     assert v.acting_leader == "b" and "a" in v.observation.excluded
-    requests = [JoinRequest("b", "tb2", 0), JoinRequest("d", "td", 1)]
+    requests = [JoinRequest("b", "tb2", 0, seen=W.resolution), JoinRequest("d", "td", 1, seen=W.resolution)]
     assert [r.uid for r in admissible_joiners(W, snap(evicted={"b"}, joins=requests), live)] == ["d"]
     assert members_all_out(World(nodes=["b"], tokens={"b": "tb"}), snap(evicted={"b"}), live)
 
