@@ -269,3 +269,12 @@ def test_a_join_request_is_fresh_for_a_few_resolutions():
 
     request = JoinRequest("d", "tok-d", 0, seen=5)
     assert request.fresh(5) and request.fresh(5 + JOIN_FRESH) and not request.fresh(6 + JOIN_FRESH)
+
+
+def test_a_roll_call_counter_written_with_junk_costs_one_attempt_not_the_run(members):
+    """The current roll call's wake-up counter overwritten with junk: the `add` that answers it loses its connection,
+    and the client made again starts that counter over, so the resolution still ends with every member."""
+    worlds = start(members, ["a", "b"])
+    members.client().set(keys.roll_call_events(worlds["a"].resolution), b"junk")
+    after = members.together(["a", "b"], lambda m: m.resolve())
+    assert all(sorted(w.nodes) == ["a", "b"] for w in after.values()), after

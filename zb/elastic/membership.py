@@ -39,7 +39,6 @@ from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
 from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
-from zb.elastic.partition import stale_arrival
 from zb.elastic.partition_watch import PartitionWatch, RunMoved, RunStayed
 from zb.elastic.ring import RingPlanner, apply_ring_order
 from zb.elastic.store_state import (
@@ -52,8 +51,8 @@ from zb.elastic.store_state import (
     read_snapshot,
 )
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
-from zb.elastic.tcpstore import bump, read_many, store_errors
-from zb.elastic.world import JoinRequest, Observation, World, next_world
+from zb.elastic.tcpstore import bump, read_many, reset_if_junk, store_errors
+from zb.elastic.world import Observation, World, join_fresh, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
 from zb.store_clients import StoreUnreachable
 
@@ -128,6 +127,10 @@ class Membership:
             self.store = self._connect()
             self.store_epoch += 1
             self.liveness.forget_all()
+            if self.world is not None:
+                # A client made after a failure: an `add` to a roll-call counter someone overwrote with junk makes
+                # the store drop the connection, so the current one starts over before this client adds to it.
+                reset_if_junk(self.store, keys.roll_call_events(self.world.resolution))
         return self.store
 
     @property
@@ -301,7 +304,7 @@ class Membership:
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
                 return world
-            if world is not None and not JoinRequest(self.uid, self.token, 0, seen=seen).fresh(world.resolution):
+            if world is not None and not join_fresh(seen, world.resolution):
                 seen = self._ask_to_join(self.client)   # grown too old to be admitted: ask again
             if world is not None and world.stripes != self.stripes:
                 raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
@@ -431,7 +434,7 @@ class Membership:
 
     def _announce(self, resolution: int) -> None:
         """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
-        n = bump(self.client, keys.roll_call_events(resolution), 1)
+        n = self.client.add(keys.roll_call_events(resolution), 1)
         self.client.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
 
     def _wait_event(self, resolution: int, seen: int) -> None:
@@ -468,13 +471,7 @@ class Membership:
         self._check_finished(snap.finished)
         if snap.moved is not None and self.stores is not None and snap.moved > self.stores.index:
             raise RunMoved(snap.moved)
-        last = self.world
-        if self.stores is not None and last is not None and stale_arrival(snap.stayed, last.run, last.version,
-                                                                           self.stores.index):
-            assert snap.stayed is not None   # stale_arrival holds only for a record
-            raise RunStayed(snap.stayed.index, f"the run went on at store {self.stores.addresses[snap.stayed.index]} "
-                                               f"without this node (mesh version {snap.stayed.version}; this node "
-                                               f"left version {last.version})")
+        self.partition.check_arrival(snap, self.world)
 
     def check_finished(self) -> None:
         """What every snapshot read checks of the run's end (keys.FINISHED), read alone: for a node that cannot reach

@@ -1,9 +1,10 @@
 """Which side of a partition this node is on, as its membership meets one (the rule: zb.elastic.partition).
 
-Three moments, each a method of `PartitionWatch`, the one per node that keeps what they need between calls:
+Four moments, each a method of `PartitionWatch`, the one per node that keeps what they need between calls:
 - `may_drop`: the leader of the current store is about to write a world without members that went silent:
   it goes on, or, keeping no majority with a later store in elastic.addr, waits, follows the run to a
   later store (RunMoved) or claims the later stores and goes on;
+- `check_arrival`: every snapshot read; a store claimed for a newer world sends a mover back (RunStayed);
 - `look_back`: a mover waiting at the store it moved to for a majority that does not come looks at the
   store it left (RunStayed when the run went on there without it);
 - `go_back`: back to that store once it answers.
@@ -18,7 +19,16 @@ import time
 from typing import TYPE_CHECKING
 
 from zb.elastic import keys
-from zb.elastic.partition import FOLLOW, GO, DropVerdict, drop_verdict, may_go_back, needs_look, settle_s
+from zb.elastic.partition import (
+    FOLLOW,
+    GO,
+    DropVerdict,
+    drop_verdict,
+    may_go_back,
+    needs_look,
+    settle_s,
+    stale_arrival,
+)
 from zb.elastic.store_state import Snapshot, Stayed
 from zb.errors import EnvironmentFailure
 
@@ -157,6 +167,19 @@ class PartitionWatch:
         return all(stores.claim(i, self.cfg.namespace, record) for i in range(stores.index + 1, len(stores.addresses)))
 
     # -- a mover ----------------------------------------------------------------------------------------------
+    def check_arrival(self, snap: Snapshot, last: World | None) -> None:
+        """At every snapshot read: RunStayed when this store holds a claim (keys.STAYED) that the run went on at an
+        earlier store in a newer world than `last`, the one this node left (zb.elastic.partition.stale_arrival)."""
+        stores, stayed = self.stores, snap.stayed
+        if stores is not None and last is not None and stayed is not None and stale_arrival(
+                stayed, last.run, last.version, stores.index):
+            raise self._stayed(stayed.index, stayed.version, last)
+
+    def _stayed(self, index: int, version: int, last: World) -> RunStayed:
+        assert self.stores is not None
+        return RunStayed(index, f"the run went on at store {self.stores.addresses[index]} without this node (mesh "
+                                f"version {version}; this node left version {last.version})")
+
     def look_back(self, last: World | None) -> None:
         """A mover waiting for a majority at the store it moved to (`last`: the world it left): when the store it
         left answers with the run's world grown past that one, the others went on there without it (it was the
@@ -172,8 +195,7 @@ class PartitionWatch:
             return
         if may_go_back(last.run, last.version, snap.world.run, snap.world.version,
                        snap.moved is not None and snap.moved > left):
-            raise RunStayed(left, f"the run went on at store {stores.addresses[left]} without this node (mesh version "
-                                  f"{snap.world.version}; this node left version {last.version})")
+            raise self._stayed(left, snap.world.version, last)
 
     def go_back(self, stayed: RunStayed, run: str) -> None:
         """Back to the earlier store the run (`run`) went on at without this node, once it answers with the run's

@@ -123,14 +123,20 @@ def read_lines(store: StoreClient, key: str) -> list[str]:
     return [line for line in raw.decode().split("\n") if line]
 
 
-def bump(store: StoreClient, key: str, amount: int) -> int:
-    """`add` to the counter `key`, which anyone who reaches the store can overwrite: a value that is no integer
-    makes the store drop the connection of every `add` after it, so such a value is deleted first (the counter
-    starts over; a counter is a liveness or wake-up signal, never a decision: zb.elastic.keys)."""
+def reset_if_junk(store: StoreClient, key: str) -> None:
+    """Delete the counter `key` when it holds no integer: anyone who reaches the store can overwrite a counter, and
+    the store drops the connection of every `add` to such a value (the counter starts over; a counter is a
+    liveness or wake-up signal, never a decision: zb.elastic.keys). Two round trips: for a client just made
+    (after a failure), not before every `add`."""
     raw = read_many(store, [key])[0]
     if raw and not _is_integer(raw):
         log.warning("counter %s held %r, which is no integer (someone wrote it): starting it over", key, raw[:32])
         store.delete_key(key)
+
+
+def bump(store: StoreClient, key: str, amount: int) -> int:
+    """`add` to the counter `key` after `reset_if_junk`."""
+    reset_if_junk(store, key)
     return store.add(key, amount)
 
 

@@ -62,6 +62,11 @@ class World:
 JOIN_FRESH = 4
 
 
+def join_fresh(seen: int, resolution: int) -> bool:
+    """Whether a join request naming resolution `seen` may be admitted in the roll call of `resolution`."""
+    return seen >= resolution - JOIN_FRESH
+
+
 @dataclass
 class JoinRequest:
     uid: str
@@ -77,7 +82,7 @@ class JoinRequest:
 
     def fresh(self, resolution: int) -> bool:
         """Whether this request may still be admitted in the roll call of `resolution` (zb.elastic.judge)."""
-        return self.seen >= resolution - JOIN_FRESH
+        return join_fresh(self.seen, resolution)
 
     def sort_key(self) -> tuple[int, int, int, int]:
         # Nodes of the newest world first, in their old order (a store restart keeps ranks),
