@@ -52,3 +52,31 @@ def test_clip_is_refused_where_it_cannot_act():
     with pytest.raises(InvalidInput, match="diloco.clip.*at least 1"):
         load_config([], {"diloco.clip": "0.5"}, environ={})
     assert load_config([], {"diloco.clip": "3"}, environ={}).diloco.clip == 3.0
+
+
+def test_a_non_finite_norm_leaves_its_node_out_of_the_average_but_applying_it():
+    """Issue 40: NaN every round skipped every outer step. With diloco.clip the node is left out at the check-in
+    (it applies the others' average and restarts from it) and is discredited; without clip the norm is not sent."""
+    plan = make_plan([0, 0, 0], [5, 5, 5], norms=[1.0, math.nan, 1.2], clip=2.0)
+    assert plan.contributors == [0, 2] and plan.appliers == [0, 1, 2] and plan.receivers == []
+    assert plan.non_finite == [1] and plan.discredited() == [1]
+    assert make_plan([0, 0, 0], [5, 5, 5], norms=[1.0, math.nan, 1.2]).contributors == [0, 1, 2]
+
+
+def test_a_rounds_token_count_is_bounded_like_a_norm():
+    """Issue 40: tokens x1000 gave the honest nodes a weight of 0.000998. With diloco.clip = 2 a claim counts at
+    most 2 x the median; one over clip.OUTSIZED x the median is discredited."""
+    plan = make_plan([0, 0, 0], [5, 5, 5], round_tokens=[100, 100_000, 120], clip=2.0)
+    assert plan.round_tokens == [100, 240, 120] and plan.overweight == [1] and plan.discredited() == [1]
+    honest = make_plan([0, 0, 0], [5, 5, 5], round_tokens=[100, 190, 120], clip=2.0)
+    assert honest.round_tokens == [100, 190, 120] and honest.discredited() == []
+    assert make_plan([0, 0, 0], [5, 5, 5], round_tokens=[100, 100_000, 120]).round_tokens == [100, 100_000, 120]
+
+
+def test_a_stated_residual_widens_the_check_by_at_most_k_times_the_median():
+    from zb.diloco.verify import credible_residuals, passes, slack
+
+    assert credible_residuals([0.1, 1e30, 0.2], 2.0) == [0.1, 0.4, 0.2]
+    assert credible_residuals([0.1, 1e30], None) == [0.1, 1e30]
+    assert not passes(math.nan, 1.0, 1.0) and passes(1.0, 1.0, 1.0) and not passes(4.0, 1.0, 1.5)
+    assert slack("none", 3) < 1.001 < slack("int8", 3) < slack("int4", 3) < slack("int2", 3)

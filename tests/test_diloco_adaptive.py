@@ -18,8 +18,9 @@ from torch import nn
 
 from zb.config import load_config
 from zb.config_schema import DilocoConfig
+from zb.diloco.checkin import run_step
 from zb.diloco.outer import OuterState
-from zb.diloco.rounds import RoundClock, run_step, token_weight, weighted_average
+from zb.diloco.rounds import RoundClock, token_weight, weighted_average
 from zb.diloco.sync import sync_pseudo_gradient
 from zb.errors import InvalidInput
 from zb.testing.cluster import TrainCluster
@@ -87,7 +88,13 @@ def test_weights_and_run_step():
     assert token_weight([300, 100, 50], [0, 1], 2) == 0.0          # not a contributor: sends zeros
     assert token_weight([0, 0], [0, 1], 0) == 0.0                  # nobody trained: no update
     assert weighted_average([torch.ones(2)], [0]) is None
-    assert run_step([120, 107, 95], [1, 2]) == 107                 # the furthest contributor's
+    # Every contributor started the round at step 80: the furthest one's steps move the run.
+    assert run_step([120, 107, 95], [40, 27, 15], [1, 2], None, []) == 107
+    # Issue 40: a node that claims 180 more steps than it trained is not believed (named as ahead)...
+    ahead: list[int] = []
+    assert run_step([300, 107, 95], [40, 27, 15], [0, 1, 2], None, ahead) == 107 and ahead == [0]
+    # ... nor, with diloco.clip = 2, a round claimed over 2 x the median round (its start is right).
+    assert run_step([260, 107, 95], [180, 27, 15], [0, 1, 2], 2.0, []) == 80 + 54
 
 
 # -- the round clock ----------------------------------------------------------------------------------

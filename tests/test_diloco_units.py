@@ -56,12 +56,33 @@ def test_plan_without_contributors():
 
 
 def test_plan_contributor_behind_the_run_receives_the_state():
-    # Frozen past the heartbeat timeout, evicted, admitted again at its own old outer step 11.
-    plan = make_plan([Role.CONTRIBUTOR, Role.CONTRIBUTOR], [20, 11], [200, 110])
-    assert plan.contributors == [0] and plan.receivers == [1] and plan.donor == 0
-    assert (plan.run_outer_step, plan.run_step) == (20, 200)
-    # Even when the stale node has the lowest rank, the run's position is the newest.
+    # Frozen past the heartbeat timeout and back at its own old outer step 11 while two others went on.
+    plan = make_plan([Role.CONTRIBUTOR] * 3, [20, 11, 20], [200, 110, 200])
+    assert plan.contributors == [0, 2] and plan.receivers == [1] and plan.donor == 0
+    assert (plan.run_outer_step, plan.run_step) == (20, 200) and plan.discredited() == []
+    # Even when the stale node has the lowest rank, the run's position is the majority's.
     assert make_plan([Role.CONTRIBUTOR, Role.CONTRIBUTOR, Role.CONTRIBUTOR], [11, 20, 20]).receivers == [0]
+
+
+def test_plan_a_claim_of_being_ahead_never_outvotes_the_others():
+    """Issue 40: an insider that says it is 1000 outer steps ahead was the donor of every round and the honest
+    nodes took its state. Now the run stands where most contributors stand; the one ahead receives that
+    state and its claim is discredited (it counts toward eviction)."""
+    liar = make_plan([Role.CONTRIBUTOR] * 3, [1007, 7, 7], [10070, 70, 70])
+    assert liar.contributors == [1, 2] and liar.donor == 1 and liar.receivers == [0]
+    assert (liar.run_outer_step, liar.run_step) == (7, 70) and liar.ahead == [0] and liar.discredited() == [0]
+    # Two nodes: neither outvotes the other, and the older position is kept (a claim of being ahead is what a
+    # liar makes; on a whole-run restart from checkpoints of different steps the newer one loses its extra).
+    pair = make_plan([Role.CONTRIBUTOR] * 2, [20, 11], [200, 110])
+    assert pair.contributors == [1] and pair.receivers == [0] and pair.run_outer_step == 11
+    # Four nodes, two ahead: an even split keeps the older; three of four ahead move the run.
+    assert make_plan([Role.CONTRIBUTOR] * 4, [9, 9, 8, 8]).run_outer_step == 8
+    assert make_plan([Role.CONTRIBUTOR] * 4, [9, 9, 9, 8]).run_outer_step == 9
+
+
+def test_plan_the_run_step_is_the_contributors_median_not_the_first_ones():
+    plan = make_plan([Role.CONTRIBUTOR] * 3, [7, 7, 7], [250, 70, 70])
+    assert plan.run_step == 70 and plan.donor is None
 
 
 def test_plan_contributor_with_other_params_receives_from_the_majority():

@@ -805,7 +805,7 @@ def test_clip_bounds_an_outsized_pseudo_gradient_as_the_single_process_math(capl
     clean = blocking_reference(start, [[m if i != 1 else m / 1000 for i, m in enumerate(r)] for r in moves])
     poisoned = blocking_reference(start, moves)
     assert float((poisoned - clean).norm()) > 100 * float((expected - clean).norm())
-    assert "node b was clipped in 3 outer steps in a row" in caplog.text
+    assert "node b was discredited in 3 outer steps in a row" in caplog.text
 
 
 def evicting_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], k: float, evicted: int,
@@ -859,10 +859,10 @@ def test_evict_clipped_takes_a_node_clipped_3_outer_steps_in_a_row_out_of_the_ru
     if evict:
         expected = evicting_reference(start, moves, 2.0, evicted=1, after=3)
         (error,) = refusals
-        assert error.exit_code == 2 and "(b) was evicted by diloco.evict_clipped after 3 clipped outer steps" in str(error)
+        assert error.exit_code == 2 and "(b) was evicted by diloco.evict_clipped after 3 discredited outer steps" in str(error)
         assert evicted_ids(read_many(world.store, [keys.EVICTED])[0]) == {"b"}
         assert caplog.text.count("diloco.evict_clipped: node b is evicted from the run") == 3   # once on every node
-        assert "node b was clipped in 3 outer steps in a row" not in caplog.text   # the eviction line says it
+        assert "node b was discredited in 3 outer steps in a row" not in caplog.text   # the eviction line says it
         with pytest.raises(InvalidInput, match="the run evicted node id 'b'"):
             b.diloco.mesh.resolve()    # b, had it ignored its eviction: the run refuses it
     else:

@@ -92,10 +92,12 @@ class CheckInResult:
     def report(self) -> OuterReport:
         """The outer step's report as far as the check-in knows it."""
         clipped = [self.view.nodes[r] for r in self.plan.clipped()] if self.plan and self.stats else []
+        unbacked = [self.view.nodes[r] for r in self.plan.discredited() if r not in self.plan.outsized()] \
+            if self.plan else []
         return OuterReport(mesh_version=self.view.mesh_version, global_world_size=self.view.global_world_size,
                            num_peers=len(self.plan.contributors) if self.plan else 0, attempts=self.attempts,
                            resolve_s=round(self.resolve_s, 4), checkin_s=round(self.checkin_s, 4),
-                           clipped=clipped or None)
+                           clipped=clipped or None, discredited=unbacked or None)
 
 
 @dataclass
@@ -248,11 +250,10 @@ def warn_non_finite_own() -> None:
 
 
 def adaptive_plan(clock: RoundClock | None, plan: Plan, position: RunPosition) -> tuple[Plan, RunPosition]:
-    """diloco.round_seconds: the run's step after a round is the furthest contributor's (zb.diloco.rounds),
-    and a joiner receives that step, not the donor's."""
+    """diloco.round_seconds: the run's step after a round is the furthest credible contributor's
+    (zb.diloco.checkin.run_step), and a joiner receives that step, not the donor's."""
     if clock is None or not plan.contributors:
         return plan, position
-    plan = replace(plan, run_step=rounds.run_step(plan.steps, plan.contributors))
     return plan, replace(position, step=plan.run_step)
 
 
@@ -267,7 +268,7 @@ def end_round(clock: RoundClock | None, report: OuterReport, view: WorldView, pl
         report.round_tokens = sum(plan.round_tokens[r] for r in plan.contributors)
         report.round_weight = round(rounds.token_weight(plan.round_tokens, plan.contributors, view.global_rank), 6)
     furthest = max((plan.round_steps[r] for r in plan.contributors), default=0) if plan is not None else 0
-    clock.start(plan.run_step if plan is not None else None, furthest)
+    clock.start(plan.run_step if plan is not None else None, furthest, carry=plan is None)
 
 
 def share_weight(ctx: NodeContext, plan: Plan, rank: int) -> float | None:

@@ -11,6 +11,10 @@ With diloco.evict_clipped, a node clipped in a few outer steps in a row (zb.dilo
 evicted: `clipped_in_a_row` and `to_evict` are the decision, a pure function of the check-in tables every
 node saw, so every node that saw them takes it alike.
 
+A round's token count (the weight of a node's update under diloco.round_seconds) is a claim too, bounded
+the same way (`bounded_tokens`). The norm a node states is checked against what its contribution does
+to the sum (zb.diloco.verify).
+
 What it does not stop: an update of normal size that points the wrong way (a sign flip) is averaged in
 like any other and moves the average by at most 2/M of one update (M contributors); nor several hostile
 nodes that are the majority of a round.
@@ -26,7 +30,7 @@ from collections.abc import Collection, Iterable
 
 def clip_scales(norms: list[float], contributors: list[int], k: float | None) -> list[float]:
     """Per rank, the factor its pseudo-gradient is scaled by (1.0: as it is). Non-finite norms are left alone:
-    the non-finite skip (every node skips the outer step) takes such a round."""
+    such a node does not contribute (zb.diloco.checkin leaves it out of the contributors)."""
     scales = [1.0] * len(norms)
     finite = [norms[r] for r in contributors if math.isfinite(norms[r])]
     if k is None or len(finite) < 2:
@@ -51,6 +55,20 @@ def outsized(norms: list[float], contributors: list[int]) -> list[int]:
         return []
     bound = OUTSIZED * statistics.median_low(finite)
     return [r for r in contributors if math.isfinite(norms[r]) and norms[r] > bound > 0]
+
+
+def bounded_tokens(tokens: list[int], contributors: list[int], k: float | None) -> tuple[list[int], list[int]]:
+    """diloco.clip with a weighted average (diloco.round_seconds): a round's token count is what the node says it
+    trained, and its weight in the average follows it, so it is bounded as a norm is: at most k times the
+    contributors' (lower) median. Returns the counts the average weighs by, and the contributors whose claim
+    was over OUTSIZED x that median (they count toward eviction, as an outsized norm does)."""
+    positive = [tokens[r] for r in contributors if tokens[r] > 0]
+    if k is None or len(positive) < 2:
+        return list(tokens), []
+    median = statistics.median_low(positive)
+    bound = int(k * median)
+    bounded = [min(t, bound) if r in contributors else t for r, t in enumerate(tokens)]
+    return bounded, [r for r in contributors if tokens[r] > OUTSIZED * median and tokens[r] > bound]
 
 
 def clipped_in_a_row(previous: dict[str, int], clipped: Iterable[str]) -> dict[str, int]:

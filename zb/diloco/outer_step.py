@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import time
@@ -141,7 +142,7 @@ class OuterSteps:
         """Resolve the world and check in (with the algorithm's exchange), retried without the failed peers."""
         digest = checkin.digest_value(self._node_digest()) if self.dcfg.drift_guard else checkin.UNKNOWN_DIGEST
         work = self.work()   # this node's steps and tokens of the round (the weights of the average, when weighted)
-        norm = self._norm()
+        norm, residual = self._norm(), self._residual_norm()
         view: WorldView | None = None
         plan: Plan | None = None
         stats: SyncStats | None = None
@@ -161,10 +162,10 @@ class OuterSteps:
                                             self.roles.role, outer_step=position.outer_step, step=position.step,
                                             deadline_s=max(5.0, self.cfg.elastic.sync_deadline), digest=digest,
                                             arrived=arrived, round_steps=work.steps, round_tokens=work.tokens,
-                                            norm=norm, clip=self.dcfg.clip, evicted=self.trust.evicted_ranks(view))
+                                            norm=norm, clip=self.dcfg.clip, evicted=self.trust.evicted_ranks(view),
+                                            residual=residual)
                     checkin_s += time.perf_counter() - t0
                     self._note_lagging(view, plan, position.outer_step)
-                    self.trust.note(view, plan, position.outer_step)
                     stats = self.algorithm.exchange(view, plan)
                 elif self.algorithm.exchanges:
                     stats = SyncStats()          # a rank with no stripe sends nothing
@@ -175,9 +176,14 @@ class OuterSteps:
                 log.warning("outer step attempt %d failed: %s", attempts, e)
                 self.mesh.report_failure(e.rank)
                 ok = False
+            failed = self._failed_on_any_stripe(stats)
             if not self.layout.identity:
                 plan = self._plan_of_head(plan)
             if localsync.all_ok(self.local_group, ok):
+                if plan is not None:
+                    plan = dataclasses.replace(plan, failed_check=failed)
+                    if self.layout.owner:
+                        self.trust.note(view, plan, position.outer_step)
                 return CheckInResult(view, plan, stats, attempts, True, resolve_s, checkin_s)
             stats = None
         assert view is not None  # at least one attempt
@@ -214,6 +220,23 @@ class OuterSteps:
         if not self.algorithm.exchanges or self.dcfg.clip is None or not self.roles.contributing:
             return 0.0
         return math.sqrt(localsync.sum_float(self.local_group, self.outer.pseudo_gradient_sq()))
+
+    def _residual_norm(self) -> float:
+        """diloco.clip with error feedback: the norm of what this node's rings add besides its pseudo-gradient (the
+        checked average's bound counts it; zb.diloco.verify), summed over its local ranks."""
+        feedback = self.algorithm.feedback
+        if not self.algorithm.exchanges or self.dcfg.clip is None or feedback is None:
+            return 0.0
+        return math.sqrt(localsync.sum_float(self.local_group, float(feedback.residual.double().square().sum())))
+
+    def _failed_on_any_stripe(self, stats: SyncStats | None) -> list[int]:
+        """The ranks the checked average left out on any of this node's stripes (each stripe's group checks its
+        own sum): one list on every local rank, so every stripe's trust counts them alike."""
+        mine = stats.failed if stats is not None else []
+        if self.local.world_size == 1:
+            return list(mine)
+        lists = localsync.all_gather_bytes(self.local_group, json.dumps(mine).encode())
+        return sorted({r for data in lists for r in json.loads(data)})
 
     def _fill(self) -> float:
         """Rows move inside the node (zb.diloco.stripes): the blocking pseudo-gradient is filled on every local

@@ -77,14 +77,17 @@ class RoundClock:
         self.overruns = 0                  # consecutive rounds whose budget did not hold their shortest round
         self._warned = False
 
-    def start(self, run_step: int | None = None, last_max_steps: int = 0) -> None:
+    def start(self, run_step: int | None = None, last_max_steps: int = 0, *, carry: bool = False) -> None:
         """A round starts now (the loop begins, or an outer step just ended at `run_step`, the furthest
         node having trained `last_max_steps` steps in the round that ended). When the run's end is nearer
         than the furthest node's last round, the budget shrinks in proportion, on every node alike (the
         inputs come from the check-in): else the node that reaches the last step ends its round early
-        and the others train on to the full budget while it waits."""
+        and the others train on to the full budget while it waits. `carry`: the outer step was skipped, so the
+        next one's pseudo-gradient covers this round's steps too: they keep counting (the round's work, and
+        where the node started it, stay what the check-in compares)."""
         self.started = self.last = self.clock()
-        self.steps = 0
+        if not carry:
+            self.steps = 0
         self.round_budget_s = self.part_s
         if run_step is not None and last_max_steps > 0 and run_step + last_max_steps > self.total_steps:
             self.round_budget_s = self.part_s * max(0, self.total_steps - run_step) / last_max_steps
@@ -169,9 +172,3 @@ def weighted_average(deltas: list[torch.Tensor], tokens: list[int]) -> torch.Ten
     for delta, t in zip(deltas, tokens):
         out = out + delta * (t / total)
     return out
-
-
-def run_step(steps: list[int], contributors: list[int]) -> int:
-    """The run's step after an adaptive round: the furthest contributor's (every node's LR schedule
-    and checkpoint steps follow the fastest node; optim.total_steps counts its steps)."""
-    return max(steps[r] for r in contributors)

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ class SyncStats:
     # Where `seconds` went (the two overlap: buckets are reduced while later ones are copied):
     d2h_s: float = 0.0        # the caller filling pseudo-gradients: device-to-host copy and subtraction
     reduce_s: float = 0.0     # the worker inside all_reduce calls (quantize, wire, dequantize)
+    failed: list[int] = field(default_factory=list)   # diloco.clip: ranks the checked average left out (zb.diloco.verify)
 
     @property
     def mbps(self) -> float:
