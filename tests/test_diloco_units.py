@@ -69,7 +69,7 @@ def test_plan_a_claim_of_being_ahead_never_outvotes_the_others():
     nodes took its state. Now the run stands where most contributors stand; the one ahead receives that
     state and its claim is discredited (it counts toward eviction)."""
     liar = make_plan([Role.CONTRIBUTOR] * 3, [1007, 7, 7], [10070, 70, 70])
-    assert liar.contributors == [1, 2] and liar.donor == 1 and liar.receivers == [0]
+    assert liar.contributors == [1, 2] and liar.donor == 2 and liar.receivers == [0]   # in turn: 7 % 2
     assert (liar.run_outer_step, liar.run_step) == (7, 70) and liar.ahead == [0] and liar.discredited() == [0]
     # Two nodes: neither outvotes the other, and the older position is kept (a claim of being ahead is what a
     # liar makes; on a whole-run restart from checkpoints of different steps the newer one loses its extra).
@@ -87,7 +87,9 @@ def test_plan_the_run_step_is_the_contributors_median_not_the_first_ones():
 
 def test_plan_contributor_with_other_params_receives_from_the_majority():
     plan = make_plan([Role.CONTRIBUTOR] * 3, [7, 7, 7], [70, 70, 70], [5, 9, 5])
-    assert plan.contributors == [0, 2] and plan.receivers == [1] and plan.donor == 0
+    assert plan.contributors == [0, 2] and plan.receivers == [1] and plan.donor == 2   # in turn: 7 % 2
+    # The donor is taken in turn by outer step: one that lies about its params is not the donor twice in a row.
+    assert make_plan([Role.CONTRIBUTOR] * 3, [8, 8, 8], [80, 80, 80], [5, 9, 5]).donor == 0
     tie = make_plan([Role.CONTRIBUTOR] * 2, [7, 7], [70, 70], [9, 5])
     assert tie.contributors == [0] and tie.receivers == [1], "a tie goes to the lowest rank's params"
     unknown = make_plan([Role.CONTRIBUTOR] * 2, [7, 7], [70, 70], [0, 5])

@@ -40,7 +40,7 @@ def test_the_plan_leaves_evicted_ranks_out_of_every_role():
     contributor, joiner = Role.CONTRIBUTOR, Role.NEEDS_STATE
     plan = make_plan([contributor, contributor, contributor, joiner], [5, 5, 5, 0], norms=[1.0, 1000.0, 1.2, 0.0],
                      clip=2.0, evicted=[0])
-    assert plan.contributors == [1, 2] and plan.appliers == [1, 2] and plan.receivers == [3] and plan.donor == 1
+    assert plan.contributors == [1, 2] and plan.appliers == [1, 2] and plan.receivers == [3] and plan.donor == 2
     assert plan.scales[0] == 1.0 and plan.clipped() == [1]     # the median is over the contributors left
     assert make_plan([contributor] * 3, [5] * 3).contributors == [0, 1, 2]
 

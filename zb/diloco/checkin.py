@@ -59,7 +59,8 @@ class Plan:
     contributors: list[int]     # ranks whose pseudo-gradients are averaged
     appliers: list[int]         # ranks that apply the averaged update to their outer params
     receivers: list[int]        # ranks that receive the state from `donor` after the step
-    donor: int | None
+    donor: int | None           # a contributor, in turn by outer step: a donor that lies about its params is not
+                                # the donor again at the next outer step, when its receiver's digest gives it away
     run_outer_step: int = 0     # the run's position (the first contributor's counters)
     run_step: int = 0
     average_ok: bool = False    # overlap: every contributor holds the whole average launched last boundary
@@ -125,7 +126,8 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     average_ok = all(arrived[r] == Arrived.OK for r in contributors)
     tokens, overweight = bounded_tokens(list(round_tokens or [0] * n), contributors, clip)
     return Plan(contributors=contributors, appliers=appliers, receivers=receivers,
-                donor=first if receivers else None, run_outer_step=run_outer_step,
+                donor=contributors[run_outer_step % len(contributors)] if receivers else None,
+                run_outer_step=run_outer_step,
                 run_step=run_step(steps, list(round_steps or [0] * n), contributors, clip, ahead),
                 average_ok=average_ok, steps=list(steps), round_steps=list(round_steps or [0] * n),
                 round_tokens=tokens, norms=norms, scales=clip_scales(norms, contributors, clip),
