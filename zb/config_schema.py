@@ -302,6 +302,11 @@ class ElasticConfig:
                                         "one error after it).", check="positive")
     start_timeout: float = knob(60.0, "Seconds the first outer step waits for the initial quorum.", check="positive")
     sync_deadline: float = knob(60.0, "Seconds a node may be late for the check-in at an outer step before it is dropped (it rejoins later).", check="positive")
+    peer_filter: bool = knob(True, "gloo's listener admits only the world's members' gloo addresses (a kernel socket "
+                             "filter set before each world's groups are built), so a connection flood from any other "
+                             "host cannot exhaust this node's file descriptors. Off where members connect from another "
+                             "address than the one they publish (NAT between nodes, several interfaces without "
+                             "GLOO_SOCKET_IFNAME). Linux only.")
     link_matrix: Optional[str] = knob(None, "A `zb iperf-mesh --json` file: order the ring by its measured links (maximize "
                                       "the slowest hop). Its rows are matched to nodes by id (iperf-mesh --node-id) or "
                                       "gloo address; a file without this node is an error.")

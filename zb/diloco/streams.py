@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from zb.collectives import PeerFailure
 from zb.elastic import keys
+from zb.elastic.listener_guard import options
+from zb.elastic.probe import gloo_address
 from zb.rendezvous_store import patient
 from zb.signed_store import prefixed
 
@@ -51,7 +53,8 @@ class StreamGroups:
             prefix = keys.mesh_prefix(view.mesh_version, self.local_rank)
             try:
                 self.groups = [dist.ProcessGroupGloo(patient(prefixed(store, f"{prefix}/{self.tag}{j}"), self.wait_s),
-                                                     view.global_rank, view.global_world_size, self.timeout)
+                                                     view.global_rank, view.global_world_size,
+                                                     options(gloo_address(), self.timeout))
                                for j in range(self.first, self.first + self.extra)]
             except RuntimeError as e:
                 raise PeerFailure(f"building {self.tag} groups for mesh v{view.mesh_version} failed: "

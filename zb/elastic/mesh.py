@@ -22,6 +22,7 @@ from zb.elastic.deathrattle import Deathrattle
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.identity import ensure_unique, new_token, new_uid
 from zb.elastic.judge import renewed_members
+from zb.elastic.listener_guard import PeerFilter, host_of, options, raise_descriptor_limit
 from zb.elastic.membership import Membership
 from zb.elastic.probe import ProbeListener, check_peers, gloo_address, reachable, unreachable_peers
 from zb.elastic.ring import check_link_matrix, publish_link_matrix
@@ -80,6 +81,7 @@ class ElasticDeviceMesh:
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
         self._hosted: TCPStore | None = None   # the store when this node hosts it (elastic.host_store)
+        self._filter = PeerFilter(cfg.peer_filter)   # what gloo's listener admits (zb.elastic.listener_guard)
         self.stores = shared_stores(cfg)  # elastic.addr: the run's store, or the list it fails over along
         self._failovers_told = 0       # store_failover events emitted
         self._endpoints_epoch = 1      # the head's store client epoch that holds its probe endpoint and link rows
@@ -104,6 +106,9 @@ class ElasticDeviceMesh:
     def start(self) -> WorldView:
         """Connect, check the id, heartbeat, join (waiting for the quorum up to elastic.start_timeout),
         build the global groups. Raises ZbError (one clear line) on an expected failure."""
+        before, after = raise_descriptor_limit()   # what a flood gets past elastic.peer_filter meets the largest limit
+        if after != before:
+            log.debug("open files: soft limit raised from %d to %d", before, after)
         payload = self._guarded(self._start_head) if self.local_rank == 0 else None
         view = self._follow(payload)
         if not self._built:              # a peer did not arrive at the first group: resolve again
@@ -253,18 +258,38 @@ class ElasticDeviceMesh:
                             store_index=self.stores.index)
         return view.to_dict()
 
-    def _unreachable_members(self, world: World | WorldView | None) -> set[str]:
-        """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
-        down): probed after a failed collective, for the answer to the next roll call (the judge keeps no
-        two such nodes in one world), and before building the groups."""
+    def _member_endpoints(self, world: World | WorldView | None) -> dict[str, str] | None:
+        """The probe endpoints (gloo address:port) the other members of `world` published; None when the store
+        cannot say."""
         if world is None or self._membership is None or self._membership.store is None:
-            return set()
+            return None
         peers = [u for u in world.nodes if u != self._membership.uid]
         try:
             raw = read_many(self._membership.store, [keys.probe(u) for u in peers])
         except store_errors():
+            return None
+        return {u: e.decode() for u, e in zip(peers, raw) if e}
+
+    def _member_hosts(self, view: WorldView) -> list[str] | None:
+        """The gloo addresses of every member of `view`, this node's included: what its listener admits (None:
+        one is unknown, and the listener admits every host rather than shut a member out)."""
+        endpoints = self._member_endpoints(view)
+        if endpoints is None or len(endpoints) != view.global_world_size - 1:
+            return None
+        hosts = [host_of(e) for e in endpoints.values()] + [host_of(self._head_probe_endpoint())]
+        return None if None in hosts else sorted({h for h in hosts if h is not None})
+
+    def _head_probe_endpoint(self) -> str:
+        assert self._probe is not None  # local rank 0 listens from its start
+        return self._probe.endpoint
+
+    def _unreachable_members(self, world: World | WorldView | None) -> set[str]:
+        """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
+        down): probed after a failed collective, for the answer to the next roll call (the judge keeps no
+        two such nodes in one world), and before building the groups."""
+        endpoints = self._member_endpoints(world)
+        if not endpoints:
             return set()
-        endpoints = {u: e.decode() for u, e in zip(peers, raw) if e}
         cut = unreachable_peers(endpoints, timeout=min(2.0, self.cfg.heartbeat_timeout / 2))
         if cut:
             log.warning("cannot connect to %s on the gloo interface: reported in its answer", sorted(cut))
@@ -349,6 +374,9 @@ class ElasticDeviceMesh:
             self.global_pg, self._built, self._failed = None, False, True
             self.rebuild_s = time.monotonic() - started
             return
+        # Only the members' hosts may reach gloo's listener (elastic.peer_filter), set before they connect.
+        hosts = self._member_hosts(view) if self.local_rank == 0 and self.cfg.peer_filter else None
+        self._filter.admit(localsync.broadcast_json(self.local_group, self.local_rank, {"hosts": hosts})["hosts"])
         store = self._head.store if self.local_rank == 0 else self._store
         pg, ok = None, True
         if self.replica is not None:
@@ -358,7 +386,7 @@ class ElasticDeviceMesh:
                 prefix = patient(prefixed(store, keys.mesh_prefix(view.mesh_version, self.replica)),
                                  self.cfg.store_timeout)
                 pg = dist.ProcessGroupGloo(prefix, view.global_rank, view.global_world_size,
-                                           timedelta(seconds=self.cfg.pg_timeout))
+                                           options(gloo_address(), timedelta(seconds=self.cfg.pg_timeout)))
             except (RuntimeError,) + store_errors() as e:
                 log.warning("building global group v%d failed: %s", view.mesh_version, str(e).splitlines()[0][:160])
                 ok = False
