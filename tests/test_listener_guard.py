@@ -128,7 +128,8 @@ def test_the_peer_filter_follows_the_world_and_admits_all_when_a_member_is_unkno
     device, fd, port = _gloo_listener()
     inode = next(i for i, f in ipv4_listeners().items() if f == fd)
     monkeypatch.setattr(listener_guard, "_listeners", [inode])
-    guard = PeerFilter(True)
+    monkeypatch.setattr(listener_guard, "_device", device)
+    guard = PeerFilter(True, "127.0.0.1")
     guard.admit(["127.0.0.2"])
     assert guard.admitted == {"127.0.0.2"} and not connects(port, "127.0.0.1")
     guard.admit(["127.0.0.1", "127.0.0.2"])
@@ -136,7 +137,7 @@ def test_the_peer_filter_follows_the_world_and_admits_all_when_a_member_is_unkno
     guard.admit(["127.0.0.2"])
     guard.admit(None)       # a member without a published address: nobody is shut out
     assert guard.admitted is None and connects(port, "127.0.0.1")
-    off = PeerFilter(False)
+    off = PeerFilter(False, "127.0.0.1")
     off.admit(["127.0.0.2"])
     assert off.admitted is None and connects(port, "127.0.0.1")
     del device

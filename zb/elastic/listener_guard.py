@@ -14,6 +14,8 @@ tested collectives). Instead the kernel keeps junk from reaching the listener:
   addresses their probe listeners publish, zb.elastic.probe). A dropped SYN is never accepted, so an outsider's
   connections cost the node nothing; established connections are separate sockets, untouched. The list is set
   again before each new world's groups are built (a joiner's first SYN that arrives before it is retransmitted).
+- `only_this_host` does the same for the listeners of torch's groups over a node's local ranks, once they are
+  connected: only this host's addresses.
 - `raise_descriptor_limit` lifts the soft limit on open files to the hard one (often 1,024 against 524,288), so
   what gets through (a member's own host misbehaving) meets the largest limit the system allows.
 
@@ -31,7 +33,8 @@ import os
 import socket
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 log = logging.getLogger("zb.elastic")
@@ -138,8 +141,8 @@ def options(address: str, timeout: Any) -> Any:
 class PeerFilter:
     """What the device's listener admits: the world's members' gloo addresses (elastic.peer_filter)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, address: str):
+        self.enabled, self.address = enabled, address   # address: the gloo address the device binds
         self.admitted: set[str] | None = None    # None: every host (no filter attached)
         self._warned = False
 
@@ -148,6 +151,7 @@ class PeerFilter:
         wanted = None if addresses is None else set(addresses)
         if not self.enabled or wanted == self.admitted:
             return
+        device(self.address)   # the listener to filter exists before anyone connects to it
         if sys.platform != "linux" or not _listeners:
             self._warn("elastic.peer_filter: this platform offers no socket filter (Linux only) or gloo's listener "
                        "was not found: its port admits every host")
@@ -168,6 +172,32 @@ class PeerFilter:
         if not self._warned:
             self._warned = True
             log.warning("%s", line)
+
+
+def own_addresses() -> list[str]:
+    """Every IPv4 address of this host (what a local rank's connection to another can come from)."""
+    import psutil
+
+    found = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+    return sorted(found | {"127.0.0.1"})
+
+
+@contextmanager
+def only_this_host(enabled: bool) -> Iterator[None]:
+    """The listeners opened inside the block (torch's groups over a node's local ranks) admit only this host's
+    addresses once it ends: the local ranks are connected by then, and nothing else has a reason to connect."""
+    if not enabled or sys.platform != "linux":
+        yield
+        return
+    before = set(ipv4_listeners())
+    yield
+    listeners = ipv4_listeners()
+    try:
+        for inode in set(listeners) - before:
+            attach(listeners[inode], own_addresses())
+    except (OSError, ValueError) as e:
+        log.warning("elastic.peer_filter: could not filter the local group's listener (%s): its port admits every "
+                    "host", e)
 
 
 def raise_descriptor_limit() -> tuple[int, int]:

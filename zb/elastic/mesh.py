@@ -81,7 +81,7 @@ class ElasticDeviceMesh:
         self._membership: Membership | None = None
         self._connect_timeout = cfg.connect_timeout
         self._hosted: TCPStore | None = None   # the store when this node hosts it (elastic.host_store)
-        self._filter = PeerFilter(cfg.peer_filter)   # what gloo's listener admits (zb.elastic.listener_guard)
+        self._filter: PeerFilter | None = None   # what gloo's listener admits (zb.elastic.listener_guard)
         self.stores = shared_stores(cfg)  # elastic.addr: the run's store, or the list it fails over along
         self._failovers_told = 0       # store_failover events emitted
         self._endpoints_epoch = 1      # the head's store client epoch that holds its probe endpoint and link rows
@@ -376,6 +376,7 @@ class ElasticDeviceMesh:
             return
         # Only the members' hosts may reach gloo's listener (elastic.peer_filter), set before they connect.
         hosts = self._member_hosts(view) if self.local_rank == 0 and self.cfg.peer_filter else None
+        self._filter = self._filter or PeerFilter(self.cfg.peer_filter, gloo_address())
         self._filter.admit(localsync.broadcast_json(self.local_group, self.local_rank, {"hosts": hosts})["hosts"])
         store = self._head.store if self.local_rank == 0 else self._store
         pg, ok = None, True

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from zb import stop_signals
 from zb.config import non_default_settings, to_dict
 from zb.config_schema import Config
+from zb.elastic.listener_guard import only_this_host
 from zb.errors import InvalidInput, LeavingRun
 from zb.events import Refused, emit
 from zb.fingerprint import fingerprint
@@ -59,7 +60,8 @@ def run(cfg: Config) -> Ended:
             log.debug("setting %s = %r (%s)", key, value, source)
     with stop_signals.when(BEFORE_TRAINING):
         placement = preflight(cfg, local)
-        init_local_group(local, placement)
+        with only_this_host(cfg.elastic.peer_filter):
+            init_local_group(local, placement)
     try:
         with stop_signals.when(BEFORE_TRAINING):   # the loop's own stop takes over in execute()
             training = TrainingRun(cfg, local, placement)
@@ -107,7 +109,8 @@ class TrainingRun:
         self.model = build_model(cfg, self.tokenizer.vocab_size, placement)
         from zb.models import count_params
 
-        init_control_group(control_timeout_s(cfg, count_params(self.model)))
+        with only_this_host(cfg.elastic.peer_filter):
+            init_control_group(control_timeout_s(cfg, count_params(self.model)))
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim)
         self.trainer = Trainer(self.model, self.optimizer, self.scheduler, placement, cfg.optim.grad_clip,
