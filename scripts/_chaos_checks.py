@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -264,6 +265,68 @@ def forge_join(host: str, port: int, uid: str, refused: list[str] = ()) -> dict:
     return {"left_by_refused": left}
 
 
+def tamper(host: str, port: int, victim: str) -> dict:
+    """What issue 40's outsider did to the store without the run secret, through a raw TCPStore client: delete the
+    run marker, write junk into the roll-call counters of the two resolutions before the current one (the split),
+    bump the next two by 10**9 (the counter that sized a leader's cleanup and OOM-killed it), and write junk into
+    `victim`'s heartbeat counter (which ejected it). Returns {"marker": the marker before, as hex}."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.elastic import keys
+    from zb.signed_store import MARKER
+
+    raw = dist.TCPStore(host, port, is_master=False, use_libuv=True, timeout=timedelta(seconds=30))
+    marker = raw.get(MARKER) if raw.check([MARKER]) else b""
+    world = raw.get(keys.WORLD) if raw.check([keys.WORLD]) else b""
+    start = world.find(b"{")
+    resolution = int(json.loads(world[start:]).get("resolution", 0)) if start >= 0 else 0
+    raw.delete_key(MARKER)
+    for r in (resolution - 2, resolution - 1):
+        if r >= 0:
+            raw.set(keys.roll_call_events(r), b"x")
+    for r in (resolution + 1, resolution + 2):
+        raw.add(keys.roll_call_events(r), 10**9)
+    raw.set(keys.heartbeat(victim), b"not a number")
+    return {"marker": marker.hex(), "resolution": resolution}
+
+
+def marker_now(host: str, port: int) -> str:
+    """The store's run marker as hex ("" when absent), read by a raw client."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zb.signed_store import MARKER
+
+    raw = dist.TCPStore(host, port, is_master=False, use_libuv=True, timeout=timedelta(seconds=30))
+    return (raw.get(MARKER) if raw.check([MARKER]) else b"").hex()
+
+
+def flood(host: str, ports: list[int], connections: int, source: str | None = None) -> dict:
+    """`connections` connect-and-reset loops against each of `ports` on `host` (non-blocking: a SYN the node's
+    filter drops costs no wait), from `source` when given (loopback: another address than the nodes')."""
+    import socket
+    import struct
+
+    reset = struct.pack("ii", 1, 0)
+    started = time.monotonic()
+    for port in ports:
+        for _ in range(connections):
+            s = socket.socket()
+            s.setblocking(False)
+            if source is not None:
+                s.bind((source, 0))
+            try:
+                s.connect((host, port))
+            except (BlockingIOError, OSError):
+                pass
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, reset)
+            s.close()
+    return {"seconds": round(time.monotonic() - started, 2)}
+
+
 def non_finite_losses(steps_by_uid: dict[str, list[dict]], after: float) -> list[str]:
     """Inner steps logged at or after `after` (unix time) whose loss is not finite."""
     return [f"{uid} at step {e['step']}: loss {e['loss']}" for uid, events in steps_by_uid.items() for e in events
@@ -272,3 +335,9 @@ def non_finite_losses(steps_by_uid: dict[str, list[dict]], after: float) -> list
 
 if __name__ == "__main__" and sys.argv[1:2] == ["forge"]:
     print(json.dumps(forge_join(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5:])))
+elif __name__ == "__main__" and sys.argv[1:2] == ["tamper"]:
+    print(json.dumps(tamper(sys.argv[2], int(sys.argv[3]), sys.argv[4])))
+elif __name__ == "__main__" and sys.argv[1:2] == ["marker"]:
+    print(json.dumps({"marker": marker_now(sys.argv[2], int(sys.argv[3]))}))
+elif __name__ == "__main__" and sys.argv[1:2] == ["flood"]:
+    print(json.dumps(flood(sys.argv[2], [int(p) for p in sys.argv[4:]], int(sys.argv[3]))))

@@ -21,7 +21,13 @@ for a made-up node and sets its address: no membership may ever name any of the 
 stepping and agree), poison (a joiner whose pseudo-gradient is multiplied by 1000 or by -1, the seed
 picks, through scripts/_hostile_node.py, SIGKILLed once it contributed to 3 outer steps: the survivors
 keep agreeing, their loss stays finite, and for x1000 every survivor's log reports it clipped; blocking
-DiLoCo only). With --netns (root, iproute2, nft; zb.net.netns builds one namespace and veth per node and
+DiLoCo only), liar (a joiner that lies in its check-in, the seed picks how: 1000 outer steps ahead, 30x its
+update under its honest norm, or NaN under a small one; SIGKILLed after 3 check-ins: the survivors must apply
+every outer step meanwhile and each log its claim as not holding; blocking DiLoCo only), store-tamper (a raw
+store client without the secret deletes the run marker, writes junk into roll-call counters, bumps the next
+ones by 10**9 and writes junk into a node's heartbeat counter: every node stays alive in one run and the marker
+is back as it was), flood (20,000 connect-and-reset loops against every port a node listens on, from a host
+that is not a member: the node stays alive with its descriptor count flat). With --netns (root, iproute2, nft; zb.net.netns builds one namespace and veth per node and
 one for the store) also: link-down (a node's link down for a while, then up: past the heartbeat timeout it is
 evicted and must rejoin with the run's state), partition (every packet between two nodes dropped both ways while
 both reach the store: one of them is dropped, the others keep applying outer steps, both are back in one world
@@ -62,6 +68,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 from _chaos_checks import (
     Failure,
     Tail,
@@ -85,8 +92,8 @@ from zb.testing.cluster import PROFILE, TrainCluster
 from zb.testing.procs import REPO
 
 KINDS = ["sigkill", "sigterm", "sigstop", "join", "join-live", "kill-leader", "store-restart", "store-loss",
-         "donor-leave", "rogue-join", "poison"]
-BLOCKING_KINDS = ["poison"]                # only with --overlap none: diloco.clip is what it tests
+         "donor-leave", "rogue-join", "poison", "liar", "store-tamper", "flood"]
+BLOCKING_KINDS = ["poison", "liar"]        # only with --overlap none: diloco.clip is what they test
 LOOPBACK_KINDS = ["store-loss"]            # the namespaced cluster has one store, on a host of its own
 # elastic.store_failover_s of every node: longer than most store-restarts take (down 0.5-4 s, then `zb store`
 # starts), so a restart mostly keeps the run where it is; one that takes longer moves it on, which is fine too.
@@ -106,6 +113,13 @@ CLIP = "2"
 HOSTILE = Path(__file__).resolve().parent / "_hostile_node.py"
 HOSTILE_FACTORS = (1000.0, -1.0)           # poison: an outsized update, or a sign flip
 POISON_ROUNDS = 3                          # outer steps the poisoner contributes to before it is killed
+LIES = ("ahead", "quiet:30", "nan")        # liar: what it claims (scripts/_hostile_node.py)
+LIAR_ROUNDS = 3                            # outer steps the liar checks in at before it is killed
+# What every survivor logs of a liar (zb.diloco.trust, zb.diloco.blocking), per lie; {uid}: the liar's id
+LIAR_LINES = {"ahead": "node {uid} claims an outer step past the run's", "quiet:30": "{uid} left out",
+              "nan": "{uid} left out"}
+FLOOD_CONNECTIONS = 20_000                 # flood: connect-and-reset loops against each port of the node
+FLOOD_DESCRIPTORS = 500                    # the most a flooded node's descriptor count may grow
 INNER = 5
 HEARTBEAT_TIMEOUT = float(PROFILE["ZERO_BAND_EDM_HEARTBEAT_TIMEOUT_SECONDS"])
 # The longest a healthy survivor may take for one more outer step after an event: a dead peer is
@@ -285,7 +299,7 @@ class Chaos:
 
     def choose(self) -> str:
         # donor-leave starts a joiner before a donor leaves, poison a joiner it kills later
-        joins = ("join", "join-live", "donor-leave", "poison")
+        joins = ("join", "join-live", "donor-leave", "poison", "liar")
         allowed = [k for k in self.kinds if not (k in joins and len(self.live) >= self.max_nodes)
                    and not (k == "store-loss" and self.store_port == self.cluster.standby_ports[-1])
                    and not (k == "store-silent" and self.store_port != self.cluster.port)
@@ -600,6 +614,110 @@ class Chaos:
         loss = [e["loss"] for u in self.live for e in self.tails[u].events("step")[-1:]]
         self.log("poison", uid, f"x{factor:g}: contributed to {len(rounds)} outer steps, clipped in {len(clipped)}; "
                  f"{outcome}; survivors stepped in {took:.1f} s, loss finite (last {min(loss):.3f}-{max(loss):.3f})")
+
+    def ev_liar(self) -> None:
+        """A joiner that lies in its check-in (scripts/_hostile_node.py; the seed picks): 1000 outer steps ahead,
+        30x its pseudo-gradient under its honest norm, or NaN under a small norm. It checks in at LIAR_ROUNDS
+        outer steps, then is SIGKILLed. The survivors must apply every outer step meanwhile (the run moves: the
+        liar is neither their donor nor does it make them skip), agree, keep a finite loss, and each log the
+        liar's claim as not holding."""
+        lie = self.rng.choice(LIES)
+        survivors, since = list(self.live), time.time()
+        uid = self.start(entry=(str(HOSTILE), lie))
+        self.log("liar", uid, f"joins, lying: {lie}")
+        bound, started = HANG_BOUND + START_BOUND + LIAR_ROUNDS * 30, time.monotonic()
+        while len(self.tails[uid].events("outer_step")) < LIAR_ROUNDS + 1:   # its first one received the state
+            if self.cluster.procs[uid].poll() is not None:
+                raise Failure(f"liar {uid} exited with {self.cluster.procs[uid].poll()}:\n{self.cluster.log(uid)}")
+            if time.monotonic() - started > bound:
+                raise Failure(f"hang: liar {uid} checked in at {len(self.tails[uid].events('outer_step'))} outer "
+                              f"steps within {bound:.0f} s")
+            time.sleep(0.2)
+        lied_since = self.tails[uid].events("outer_step")[1]["time"]
+        others = self.outer_counts(u for u in self.live if u != uid)
+        self.signal(uid, signal.SIGKILL)
+        self.remove(uid, -signal.SIGKILL)
+        outcome = self.reap(uid, -signal.SIGKILL)
+        took = self.wait_progress(others, f"the SIGKILL of liar {uid}")
+        bad = non_finite_losses({u: self.tails[u].events("step") for u in self.live}, since)
+        if bad:
+            raise Failure(f"non-finite loss after liar {uid} ({lie}): {bad[:3]}")
+        skipped = [(u, e["outer_step"]) for u in survivors if u in self.live for e in self.tails[u].events("outer_step")
+                   if e["time"] >= lied_since and not e["applied"] and e["global_world_size"] > 1]
+        if skipped:
+            raise Failure(f"liar {uid} ({lie}) made survivors skip or take its state: {skipped[:4]}")
+        line = LIAR_LINES[lie].format(uid=uid)
+        silent = [u for u in survivors if u in self.live and line not in (self.cluster.tmp / f"{u}.log").read_text()]
+        if silent:
+            raise Failure(f"liar {uid} ({lie}) checked in at {LIAR_ROUNDS} outer steps, but {silent} never logged "
+                          f"'{line}'")
+        self.log("liar", uid, f"{lie}: outweighed at every outer step, survivors applied them all; {outcome}; "
+                 f"survivors stepped in {took:.1f} s")
+
+    def ev_store_tamper(self) -> None:
+        """Issue 40's outsider at the store, without the run secret (a raw client; with --netns on the store's
+        host): the run marker deleted, junk in the last two roll calls' counters, the next two bumped by 10**9,
+        junk in a live node's heartbeat counter. Every node must stay alive and keep stepping in one run
+        (check_agreement), and the marker must be back as it was."""
+        victim = self.rng.choice(self.live)
+        before = self.outer_counts(self.live)
+        done = self._raw_store("tamper", victim)
+        took = self.wait_progress(before, f"store-tamper (victim {victim})")
+        marker = self._raw_store("marker")["marker"]
+        if marker != done["marker"]:
+            raise Failure(f"the run marker was not written back as it was after store-tamper: {done['marker'][:32]}... "
+                          f"became {marker[:32] or 'nothing'}...")
+        self.log("store-tamper", victim, f"marker deleted, counters of resolution {done['resolution']} +-2 junk and "
+                 f"+10**9, {victim}'s heartbeat junk: marker back as it was, every node stepped in {took:.1f} s")
+
+    def _raw_store(self, what: str, *args: str) -> dict:
+        """A _chaos_checks.py store command against the run's current store: in this process, or with --netns
+        from the store's host."""
+        if self.net is None:
+            from _chaos_checks import marker_now, tamper
+
+            if what == "marker":
+                return {"marker": marker_now("127.0.0.1", self.store_port)}
+            return tamper("127.0.0.1", self.store_port, *args)
+        host = self.cluster.store_host_at(self.store_port)
+        done = host.run([sys.executable, str(Path(__file__).resolve().parent / "_chaos_checks.py"), what,
+                         host.addr, str(self.store_port), *args], env=self.cluster.env, cwd=REPO)
+        if done.returncode != 0:
+            raise Failure(f"the raw store client failed on the store's host:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def ev_flood(self) -> None:
+        """FLOOD_CONNECTIONS connect-and-reset loops against every port a live node listens on, from a host that is
+        not a member (loopback: 127.0.0.2; --netns: the store's host). The node must stay alive and keep stepping,
+        its descriptor count grow by at most FLOOD_DESCRIPTORS, and the run stay one (elastic.peer_filter)."""
+        from _chaos_checks import flood, tcp_sockets
+
+        uid = self.rng.choice(self.live)
+        pid = self.cluster.procs[uid].pid
+        node = psutil.Process(pid)
+        ports = sorted({port for state, port, _ in tcp_sockets(pid) if state == "0A"})   # listening
+        held = node.num_fds()
+        before = self.outer_counts(self.live)
+        if self.net is None:
+            done = flood("127.0.0.1", ports, FLOOD_CONNECTIONS, source="127.0.0.2")
+        else:
+            host = self.cluster.store_host_at(self.store_port)
+            run = host.run([sys.executable, str(Path(__file__).resolve().parent / "_chaos_checks.py"), "flood",
+                            self.cluster.host_of[uid].addr, str(FLOOD_CONNECTIONS), *map(str, ports)],
+                           env=self.cluster.env, cwd=REPO)
+            if run.returncode != 0:
+                raise Failure(f"the flood failed on the store's host:\n{run.stderr[-2000:]}")
+            done = json.loads(run.stdout.strip().splitlines()[-1])
+        if self.cluster.procs[uid].poll() is not None:
+            raise Failure(f"{uid} exited with {self.cluster.procs[uid].poll()} under a connection flood:\n"
+                          f"{self.cluster.log(uid)}")
+        grown = node.num_fds() - held
+        if grown > FLOOD_DESCRIPTORS:
+            raise Failure(f"a connection flood from a non-member left {grown} more descriptors open in {uid} "
+                          f"(ports {ports})")
+        took = self.wait_progress(before, f"a connection flood against {uid}")
+        self.log("flood", uid, f"{FLOOD_CONNECTIONS} junk connects to each of ports {ports} in {done['seconds']} s: "
+                 f"{grown:+d} descriptors; every node stepped in {took:.1f} s")
 
     def _contributed(self, uid: str) -> list[tuple[int, int]]:
         """(mesh version, outer step) of the outer steps `uid` applied together with another node: steps it

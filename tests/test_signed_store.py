@@ -13,7 +13,17 @@ import torch.distributed as dist
 
 from zb.errors import InvalidInput
 from zb.secret import read_secret, sidecar_token, write_new_secret
-from zb.signed_store import MARKER, authenticated, declare, for_reading, holds_secret, prefixed, seal, unseal
+from zb.signed_store import (
+    MARKER,
+    authenticated,
+    declare,
+    for_reading,
+    holds_secret,
+    keep_marker,
+    prefixed,
+    seal,
+    unseal,
+)
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 
@@ -228,6 +238,19 @@ def test_a_deleted_marker_is_written_back_as_it_was(host):
     assert b.get("zb/world") == b"W1"           # the same key: the others' records still open
     b.set("zb/world", "W2")
     assert a.get("zb/world") == b"W2"
+
+
+def test_a_running_run_puts_a_deleted_or_replaced_marker_back(host):
+    """Issue 40: a marker deleted while no client reconnects stayed deleted, so the next joiner wrote a fresh one
+    (two keys, two runs). The leader's keep_marker at each resolution (one compare_set) writes it back as it was,
+    and a replaced one too (with a warning); a store without a secret is left alone."""
+    a = _node(host)
+    marker = host.get(MARKER)
+    host.delete_key(MARKER)
+    assert keep_marker(a) is False and host.get(MARKER) == marker
+    host.set(MARKER, b'{"nonce": "00", "proof": "junk"}')
+    assert keep_marker(a) is True and host.get(MARKER) == marker
+    assert keep_marker(a.under("ns")) is False and keep_marker(host) is False
 
 
 def test_a_secret_shorter_than_16_bytes_is_refused(tmp_path):

@@ -127,10 +127,13 @@ class SignedRecords(Forwarding):
     def __init__(self, inner: Any, key: bytes, counters: Callable[[str], bool], prefix: str = ""):
         super().__init__()
         self.inner, self.key, self.counters, self.prefix = inner, key, counters, prefix.rstrip("/")
+        self.marker: bytes | None = None   # the run marker the records' key comes from (`keep_marker` puts it back)
 
     # What dist.PrefixStore would do, kept here (see the module's text).
     def under(self, prefix: str) -> Any:
-        return signed(self.inner, self.key, self.counters, self._full(prefix.rstrip("/")))
+        store = signed(self.inner, self.key, self.counters, self._full(prefix.rstrip("/")))
+        store.marker = self.marker
+        return store
 
     def _full(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -315,7 +318,25 @@ def authenticated(client: Any, secret: bytes | None, where: str, counters: Calla
     nonce = _nonce(marker, secret, where)
     with _used_lock:
         _used[held] = marker.decode()
-    return signed(client, record_key(secret, nonce), counters)
+    store = signed(client, record_key(secret, nonce), counters)
+    store.marker = marker
+    return store
+
+
+def keep_marker(store: Any) -> bool:
+    """While the run goes on, its marker stays what its records' key came from: one compare_set that writes it
+    back when someone deleted it (a joiner then waits for it instead of writing a fresh one: two runs) and reads
+    what is there; a marker someone replaced is put back too, with one warning. True when it had been replaced.
+    Nothing for a store without a secret."""
+    if not isinstance(store, SignedRecords) or store.marker is None:
+        return False
+    now = store.inner.compare_set(MARKER, "", store.marker)
+    if now == store.marker:
+        return False
+    log.warning("the run marker in the store was replaced (someone who reaches the store, or a node started with "
+                "the secret for another run): written back as it was")
+    store.inner.compare_set(MARKER, now, store.marker)
+    return True
 
 
 def for_reading(client: Any, secret: bytes | None, where: str, counters: Callable[[str], bool]) -> Any:

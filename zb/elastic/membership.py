@@ -54,6 +54,7 @@ from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, bou
 from zb.elastic.tcpstore import bump, read_many, reset_if_junk, store_errors
 from zb.elastic.world import Observation, World, join_fresh, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
+from zb.signed_store import keep_marker
 from zb.store_clients import StoreUnreachable
 
 if TYPE_CHECKING:
@@ -520,5 +521,6 @@ class Membership:
             self._announce(world.resolution)
             if world.resolution >= 2:
                 self._forget(world.resolution - 2)
+            keep_marker(self.store)   # one operation a resolution: a deleted marker is back for the next joiner
         else:
             log.info("another node wrote resolution %d first", new.resolution)
