@@ -238,10 +238,12 @@ class FakeNode:
         return report
 
 
-def make_node(world: FakeWorld, uid: str, cfg: Config, seed: int = 0, work: RoundWork | None = None) -> FakeNode:
+def make_node(world: FakeWorld, uid: str, cfg: Config, seed: int = 0, work: RoundWork | None = None,
+              width: int = 8) -> FakeNode:
     """A node with the model every node starts from (the same seed: DiLoCo's identical start). `work`:
-    what it reports training in every round (its steps and tokens), so the average weighs it."""
-    model = TinyModel(seed=seed)
+    what it reports training in every round (its steps and tokens), so the average weighs it. `width`: the
+    model's (scripts/bench_insider.py builds larger ones)."""
+    model = TinyModel(width=width, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cfg.elastic.unique_id = uid
     mesh = FakeMesh(world, uid)
@@ -274,11 +276,11 @@ def together(nodes: list[FakeNode], fn: Callable[[FakeNode], Any], timeout: floa
     return results
 
 
-def start_world(uids: list[str], work: dict[str, RoundWork] | None = None,
+def start_world(uids: list[str], work: dict[str, RoundWork] | None = None, width: int = 8,
                 **flags: str) -> tuple[FakeWorld, list[FakeNode]]:
-    """A world of fresh nodes that start together (nobody is a joiner); `work` by node id, see make_node."""
+    """A world of fresh nodes that start together (nobody is a joiner); `work` and `width`: see make_node."""
     world = FakeWorld()
     world.set_world(uids)
-    nodes = [make_node(world, uid, node_config(**flags), work=(work or {}).get(uid)) for uid in uids]
+    nodes = [make_node(world, uid, node_config(**flags), work=(work or {}).get(uid), width=width) for uid in uids]
     together(nodes, lambda n: n.diloco.start())
     return world, nodes
