@@ -264,6 +264,24 @@ def test_a_replayed_join_request_is_not_admitted(members):
         assert sorted(world.nodes) == ["a", "b"], world
 
 
+def test_a_replayed_older_world_is_written_over_not_taken(members, caplog):
+    """Issue 40: a world record is sealed to its key and run, not to its resolution, so an old one copied back over
+    the current one opened, and every node took the old world (its resolution and mesh version went back). A
+    world never goes back: the nodes write theirs over it and go on."""
+    caplog.set_level("WARNING", logger="zb.elastic")
+    start(members, ["a", "b"])
+    raw = members.client()
+    old = raw.get(keys.WORLD)
+    for _ in range(3):
+        before = members.together(["a", "b"], lambda m: m.resolve())["a"]
+    raw.set(keys.WORLD, old)                               # the replay
+    after = members.together(["a", "b"], lambda m: m.resolve())
+    assert after["a"].encode() == after["b"].encode()
+    assert after["a"].resolution == before.resolution + 1 and after["a"].version >= before.version
+    assert World.decode(raw.get(keys.WORLD)).resolution == after["a"].resolution
+    assert "a replayed record, written over with the current world" in caplog.text
+
+
 def test_a_join_request_is_fresh_for_a_few_resolutions():
     from zb.elastic.world import JOIN_FRESH, JoinRequest
 

@@ -389,6 +389,8 @@ class Membership:
             snap = read_snapshot(store, None)
             self._answered()
             self._check_snapshot(snap)
+            if self.world is not None and self._replayed(snap, self.world):
+                return self._roll_call(self.world)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
             assert self.world is not None  # resolve follows a join, which set it (or raised)
@@ -420,7 +422,7 @@ class Membership:
         while True:
             snap = read_snapshot(self.client, world.resolution)
             self._check_snapshot(snap)
-            if snap.raw_world.decode() != world.encode():
+            if snap.raw_world.decode() != world.encode() and not self._replayed(snap, world):
                 return self._accept(snap.world)
             self._observe(snap, world)
             # Members that answered too: a leader can crash between its answer and its write.
@@ -432,6 +434,18 @@ class Membership:
                     self._lead(world, snap, verdict.observation, silent)
                     continue
             self._wait_event(world.resolution, snap.events)
+
+    def _replayed(self, snap: Snapshot, world: World) -> bool:
+        """The store holds an older world than this node's: a sealed record of the run copied back over the current
+        one (the seal is bound to the key and the run, not to the resolution). A world never goes back, so it is
+        a replay: this node's world is written back in its place (compare_set against what was read) and the
+        roll call goes on, instead of every node taking the old world. True when it was one."""
+        if snap.world is None or snap.world.resolution >= world.resolution:
+            return False
+        log.warning("the store's world is resolution %d, older than this node's %d: a replayed record, written "
+                    "over with the current world", snap.world.resolution, world.resolution)
+        self._write(snap.raw_world, world)
+        return True
 
     def _announce(self, resolution: int) -> None:
         """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
