@@ -116,8 +116,7 @@ POISON_ROUNDS = 3                          # outer steps the poisoner contribute
 LIES = ("ahead", "quiet:30", "nan")        # liar: what it claims (scripts/_hostile_node.py)
 LIAR_ROUNDS = 3                            # outer steps the liar checks in at before it is killed
 # What every survivor logs of a liar (zb.diloco.trust, zb.diloco.blocking), per lie; {uid}: the liar's id
-LIAR_LINES = {"ahead": "node {uid} claims an outer step past the run's", "quiet:30": "{uid} left out",
-              "nan": "{uid} left out"}
+LIAR_LINES = {"ahead": "node {uid} claims a position past the one", "quiet:30": "{uid} left out", "nan": "{uid} left out"}
 FLOOD_CONNECTIONS = 20_000                 # flood: connect-and-reset loops against each port of the node
 FLOOD_DESCRIPTORS = 500                    # the most a flooded node's descriptor count may grow
 INNER = 5
@@ -596,14 +595,7 @@ class Chaos:
             if time.monotonic() - started > bound:
                 raise Failure(f"hang: poisoner {uid} contributed to {len(rounds)} outer steps within {bound:.0f} s")
             time.sleep(0.2)
-        others = self.outer_counts(u for u in self.live if u != uid)
-        self.signal(uid, signal.SIGKILL)
-        self.remove(uid, -signal.SIGKILL)
-        outcome = self.reap(uid, -signal.SIGKILL)
-        took = self.wait_progress(others, f"the SIGKILL of poisoner {uid}")
-        bad = non_finite_losses({u: self.tails[u].events("step") for u in self.live}, since)
-        if bad:
-            raise Failure(f"non-finite loss after poisoner {uid} (x{factor:g}): {bad[:3]}")
+        outcome, took = self._end_hostile(uid, f"poisoner {uid} (x{factor:g})", since)
         line = f"diloco.clip: node {uid}"
         silent = [u for u in survivors if u in self.live and line not in (self.cluster.tmp / f"{u}.log").read_text()]
         if factor > 1 and silent:
@@ -614,6 +606,19 @@ class Chaos:
         loss = [e["loss"] for u in self.live for e in self.tails[u].events("step")[-1:]]
         self.log("poison", uid, f"x{factor:g}: contributed to {len(rounds)} outer steps, clipped in {len(clipped)}; "
                  f"{outcome}; survivors stepped in {took:.1f} s, loss finite (last {min(loss):.3f}-{max(loss):.3f})")
+
+    def _end_hostile(self, uid: str, who: str, since: float) -> tuple[str, float]:
+        """SIGKILL a hostile node; the survivors must step on with a finite loss since `since` (unix time).
+        Returns its exit and the survivors' time to two more outer steps."""
+        others = self.outer_counts(u for u in self.live if u != uid)
+        self.signal(uid, signal.SIGKILL)
+        self.remove(uid, -signal.SIGKILL)
+        outcome = self.reap(uid, -signal.SIGKILL)
+        took = self.wait_progress(others, f"the SIGKILL of {who}")
+        bad = non_finite_losses({u: self.tails[u].events("step") for u in self.live}, since)
+        if bad:
+            raise Failure(f"non-finite loss after {who}: {bad[:3]}")
+        return outcome, took
 
     def ev_liar(self) -> None:
         """A joiner that lies in its check-in (scripts/_hostile_node.py; the seed picks): 1000 outer steps ahead,
@@ -634,14 +639,7 @@ class Chaos:
                               f"steps within {bound:.0f} s")
             time.sleep(0.2)
         lied_since = self.tails[uid].events("outer_step")[1]["time"]
-        others = self.outer_counts(u for u in self.live if u != uid)
-        self.signal(uid, signal.SIGKILL)
-        self.remove(uid, -signal.SIGKILL)
-        outcome = self.reap(uid, -signal.SIGKILL)
-        took = self.wait_progress(others, f"the SIGKILL of liar {uid}")
-        bad = non_finite_losses({u: self.tails[u].events("step") for u in self.live}, since)
-        if bad:
-            raise Failure(f"non-finite loss after liar {uid} ({lie}): {bad[:3]}")
+        outcome, took = self._end_hostile(uid, f"liar {uid} ({lie})", since)
         skipped = [(u, e["outer_step"]) for u in survivors if u in self.live for e in self.tails[u].events("outer_step")
                    if e["time"] >= lied_since and not e["applied"] and e["global_world_size"] > 1]
         if skipped:

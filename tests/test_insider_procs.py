@@ -18,7 +18,7 @@ FLAGS = ("--optim.total_steps", "50", "--diloco.clip", "2", "--diloco.evict_clip
 pytestmark = pytest.mark.soak
 
 
-@pytest.mark.parametrize("mode, says", [("ahead", "claims an outer step past the run's"),
+@pytest.mark.parametrize("mode, says", [("ahead", "claims a position past the one most contributors hold"),
                                         ("quiet:30", "failed its check"),
                                         ("nan", "failed its check")])
 def test_a_lying_node_is_outweighed_then_evicted_and_the_honest_nodes_agree(make_run, mode, says):

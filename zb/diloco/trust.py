@@ -84,18 +84,16 @@ class ClipTrust:
                     "diloco.clip: node %s's pseudo-gradient norm %.4g is over %g x the round's median %.4g: scaled "
                     "down by %.3g", view.nodes[r], plan.norms[r], self.k,
                     contributing[(len(contributing) - 1) // 2], plan.scales[r])
-        for r in plan.ahead:
-            log.warning("node %s claims an outer step past the run's %d that most contributors hold: it receives the "
-                        "run's state instead of donating it", view.nodes[r], plan.run_outer_step)
-        for r in plan.non_finite:
-            log.warning("node %s's pseudo-gradient norm is non-finite: it is left out of the average and applies the "
-                        "others'", view.nodes[r])
-        for r in plan.overweight:
-            log.warning("node %s claims a token count for its round over %g x the round's median: its weight is "
-                        "bounded by diloco.clip", view.nodes[r], clip.OUTSIZED)
-        for r in plan.failed_check:
-            log.warning("node %s's contribution failed the checked average (non-finite, or larger than the norm it "
-                        "stated): it is left out of this outer step's update", view.nodes[r])
+        for ranks, claim in ((plan.ahead, "claims a position past the one most contributors hold: it receives the "
+                                          "run's state instead of donating it"),
+                             (plan.non_finite, "states a non-finite pseudo-gradient norm: it is left out of the "
+                                               "average and applies the others'"),
+                             (plan.overweight, f"claims a token count for its round over {clip.OUTSIZED:g} x the "
+                                               "round's median: its weight is bounded by diloco.clip"),
+                             (plan.failed_check, "failed the checked average (non-finite, or larger than the norm "
+                                                 "it stated): its contribution is left out of this outer step")):
+            for r in ranks:
+                log.warning("node %s %s", view.nodes[r], claim)
 
     def take_evicted_now(self) -> list[str]:
         """The ids evicted at this outer step, for its report (once)."""
