@@ -27,8 +27,10 @@ from zb.store_clients import StoreUnreachable
 from zb.testing.threads import each_at_once
 
 # A live member beats 25 times per timeout: a busy machine (the suite's two workers) does not make it look dead.
-CFG = ElasticConfig(store_timeout=40, polling_interval=0.02, sync_deadline=2.5, heartbeat_interval=0.1,
-                    heartbeat_timeout=2.5, store_failover_s=0.5)
+# Short deadlines, yet with room for a busy machine: a 0.5 s failover moved the nodes of one run to the standby
+# during the fixture's join under a load of 5 on 2 cores (the heartbeat thread starved that long).
+CFG = ElasticConfig(store_timeout=40, polling_interval=0.02, sync_deadline=3.0, heartbeat_interval=0.2,
+                    heartbeat_timeout=3.0, store_failover_s=1.5)
 
 
 # -- the rule ------------------------------------------------------------------------------------------------
@@ -155,7 +157,7 @@ class Partitioned:
             index = stores.index
             if self.cut(uid, index):
                 raise StoreUnreachable(f"cut from store {index}")
-            return Gated(stores.connect(5.0, 10.0), self.cut, uid, index)
+            return Gated(stores.connect(15.0, 15.0), self.cut, uid, index)   # a busy machine accepts slowly
 
         m = Membership(CFG, uid, f"tok-{uid}", 1, Liveness(CFG.heartbeat_timeout), connect, stores=stores)
         hb = Heartbeat(uid, CFG.heartbeat_interval, m.liveness, connect,
