@@ -282,6 +282,30 @@ def test_a_replayed_older_world_is_written_over_not_taken(members, caplog):
     assert "a replayed record, written over with the current world" in caplog.text
 
 
+def test_a_leader_whose_connection_drops_after_its_write_keeps_its_place(members):
+    """Found by the chaos harness's store-tamper event: junk written into the closing roll call's counter between the
+    leader's write of the next world and its wake-up `add` there makes the store drop the leader's connection. The
+    leader then read its own new world as one that "moved on without this node", rejoined under a new token, and
+    every node logged it dead. A newer world that holds the node is this outer step's world: it takes it."""
+    start(members, ["a", "b"])
+    raw = members.client()
+    leader = members.nodes[World.decode(raw.get(keys.WORLD)).nodes[0]]
+    wrote = leader._write
+
+    def write_then_junk(expected, new):
+        ok = wrote(expected, new)
+        raw.set(keys.roll_call_events(new.resolution - 1), b"junk")
+        return ok
+
+    leader._write = write_then_junk
+    worlds = members.together(["a", "b"], lambda m: m.resolve())
+    leader._write = wrote
+    assert worlds["a"].encode() == worlds["b"].encode()
+    assert not worlds["a"].died and not worlds["a"].joined, worlds["a"]
+    again = members.together(["a", "b"], lambda m: m.resolve())
+    assert again["a"].encode() == again["b"].encode() and not again["a"].died, again["a"]
+
+
 def test_a_join_request_is_fresh_for_a_few_resolutions():
     from zb.elastic.world import JOIN_FRESH, JoinRequest
 

@@ -394,6 +394,11 @@ class Membership:
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
             assert self.world is not None  # resolve follows a join, which set it (or raised)
+            if snap.world.resolution > self.world.resolution:
+                # A newer world that holds this node (its token, above): the resolution ended while this node's
+                # connection failed mid-way (a leader whose housekeeping after its write hit a counter someone
+                # junked). It is this outer step's world, as for every other member.
+                return self._accept(snap.world)
             if snap.world.encode() != self.world.encode():
                 return self._rejoin("the world moved on without this node")
             return self._roll_call(self.world)
