@@ -92,6 +92,14 @@ def main() -> None:
     filter_us = (time.perf_counter() - t0) / 200 * 1e6
     listener.close()
 
+    from zb.diloco.clip import squared_norm
+
+    buffer = torch.randn(params)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        squared_norm(buffer)
+    norm_ms = (time.perf_counter() - t0) / 20 * 1e3
+
     base = statistics.median(rows["off"])
     print(f"3 nodes, {params:,} params each, blocking DiLoCo, {args.rounds} outer steps x {args.repeats} repeats "
           "(median seconds per outer step; spread over repeats)")
@@ -103,6 +111,9 @@ def main() -> None:
         print(f"{label:34s} {med:12.4f} {med / base:10.2f} {min(rows[mode]):7.4f}-{max(rows[mode]):.4f}")
         out[mode] = {"median_s": round(med, 5), "ratio": round(med / base, 3),
                      "spread": [round(min(rows[mode]), 5), round(max(rows[mode]), 5)]}
+    print(f"the check's own work on each node: one squared norm of the average, {norm_ms:.2f} ms for {params:,} values "
+          "(the in-process rows above run the 3 nodes' on the same cores)")
+    out["norm_ms"] = round(norm_ms, 3)
     print(f"keep_marker: one compare_set a resolution on the leader, {keep_marker_us:.0f} us on loopback")
     print(f"elastic.peer_filter: setting a 32-address filter on the listener, {filter_us:.1f} us (once a new world)")
     out["keep_marker_us"], out["peer_filter_us"] = round(keep_marker_us, 1), round(filter_us, 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from zb.config import load_config
 from zb.diloco.checkin import make_plan
@@ -80,3 +81,13 @@ def test_a_stated_residual_widens_the_check_by_at_most_k_times_the_median():
     assert credible_residuals([0.1, 1e30], None) == [0.1, 1e30]
     assert not passes(math.nan, 1.0, 1.0) and passes(1.0, 1.0, 1.0) and not passes(4.0, 1.0, 1.5)
     assert slack("none", 3) < 1.001 < slack("int8", 3) < slack("int4", 3) < slack("int2", 3)
+
+
+def test_the_squared_norm_is_the_fp64_sum_within_3e_7():
+    from zb.diloco.clip import squared_norm
+
+    g = torch.Generator().manual_seed(0)
+    for t in (torch.randn(2_000_003, generator=g), torch.randn(100_000, generator=g) ** 5, torch.randn(7, generator=g)):
+        exact = float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+        assert abs(squared_norm(t) - exact) <= 3e-7 * exact
+    assert squared_norm(torch.zeros(0)) == 0.0

@@ -14,6 +14,7 @@ import torch
 from zb.diloco import verify
 from zb.diloco.algorithm import Applied, OuterAlgorithm, Step, share_weight
 from zb.diloco.checkin import Plan
+from zb.diloco.clip import squared_norm
 from zb.diloco.outer import local_shard
 from zb.diloco.sync import SyncStats, sync_pseudo_gradient
 from zb.elastic import localsync
@@ -76,7 +77,7 @@ class BlockingAlgorithm(OuterAlgorithm):
             return True
         grad = self.outer.flat.grad
         assert grad is not None  # the pseudo-gradient buffer: set by OuterState, never cleared
-        norm_sq = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+        norm_sq = squared_norm(grad)
         limit = verify.bound(part, self._weights(plan), plan.scales, plan.norms, residual)
         return verify.passes(norm_sq, limit, verify.slack(self.ctx.dcfg.compression, view.global_world_size))
 

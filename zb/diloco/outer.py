@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from zb.config_schema import DilocoConfig
+from zb.diloco.clip import squared_norm
 from zb.diloco.stripes import StripeLayout, local_shard
 
 __all__ = ["OuterState", "local_shard"]
@@ -117,7 +118,7 @@ class OuterState:
             self.fill_pseudo_gradients()
         grad = self.flat.grad
         assert grad is not None  # the pseudo-gradient buffer: set in __init__, never cleared
-        return float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+        return squared_norm(grad)
 
     @torch.no_grad()
     def pseudo_gradient_of(self, index: int) -> torch.Tensor:

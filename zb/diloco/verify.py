@@ -5,7 +5,7 @@ all-reduce brings is checked against those words on every node alike:
 - the sum must be finite;
 - its norm must be at most what the stated norms allow: sum_i w_i s_i n_i (the triangle inequality; w_i the
   contributor's weight, s_i its clip factor, n_i its stated norm), plus the error-feedback residuals the ring
-  adds, times the quantization's proven error bound (`slack`; 1 + 2^-20 x ranks for fp32).
+  adds, times the quantization's proven error bound (`slack`; 1 + 2^-18 x ranks for fp32).
 
 An honest round passes by construction (the bound holds for any honest vectors), so the check costs one norm
 over the average. A round that fails is reduced again in halves, each half checked alike (contributors outside
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from zb.collectives.kernels import SCHEMES
 
 PER_QUANTIZATION = {"int8": 1 / 254, "int4": 1 / 14, "int2": 1.0}   # one absmax quantization's worst step
-FP32_PER_RANK = 2.0 ** -20                                           # fp32 additions, with room
+FP32_PER_RANK = 2.0 ** -18                                           # fp32 sums and norms, with room
 
 
 def slack(compression: str, ranks: int) -> float:
