@@ -91,3 +91,11 @@ def test_the_squared_norm_is_the_fp64_sum_within_3e_7():
         exact = float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
         assert abs(squared_norm(t) - exact) <= 3e-7 * exact
     assert squared_norm(torch.zeros(0)) == 0.0
+
+
+def test_counts_and_norms_a_rank_states_are_taken_in_range():
+    """A negative token count flipped the sign of the liar's weight; a negative norm shrank the check's bound."""
+    plan = make_plan([0, 0, 0], [5, 5, 5], round_tokens=[100, -5000, 120], round_steps=[10, -3, 12],
+                     norms=[1.0, -4.0, 1.2], clip=2.0)
+    assert plan.round_tokens[1] == 0 and plan.round_steps[1] == 0
+    assert plan.non_finite == [1] and 1 not in plan.contributors

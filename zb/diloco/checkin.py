@@ -104,11 +104,15 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     digests = digests or [UNKNOWN_DIGEST] * n
     arrived = arrived or [Arrived.NONE] * n
     norms = list(norms or [0.0] * n)
+    # Counts a rank states for itself are never negative: a negative token count would flip the sign of its
+    # update's weight, a negative round a step count the others would add.
+    round_tokens = [max(0, t) for t in (round_tokens or [0] * n)]
+    round_steps = [max(0, t) for t in (round_steps or [0] * n)]
     out = set(evicted or ())
     ranks = [r for r in range(n) if r not in out] or list(range(n))
     trained = [r for r in ranks if roles[r] == Role.CONTRIBUTOR]
     # diloco.clip: a NaN/Inf norm would poison the average; its node applies the others' instead.
-    non_finite = [r for r in trained if clip is not None and not math.isfinite(norms[r])]
+    non_finite = [r for r in trained if clip is not None and not (math.isfinite(norms[r]) and norms[r] >= 0)]
     contributors, ahead = _current([r for r in trained if r not in non_finite], outer_steps, digests)
     if not contributors:
         # Nobody trained with the run yet (every earlier node is gone): those holding recovered state
@@ -124,12 +128,12 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     # A transfer can end on some nodes and fail on others (a peer died mid-ring): the average is applied
     # only when every contributor has it, so no node ever applies what another skips.
     average_ok = all(arrived[r] == Arrived.OK for r in contributors)
-    tokens, overweight = bounded_tokens(list(round_tokens or [0] * n), contributors, clip)
+    tokens, overweight = bounded_tokens(round_tokens, contributors, clip)
     return Plan(contributors=contributors, appliers=appliers, receivers=receivers,
                 donor=contributors[run_outer_step % len(contributors)] if receivers else None,
                 run_outer_step=run_outer_step,
-                run_step=run_step(steps, list(round_steps or [0] * n), contributors, clip, ahead),
-                average_ok=average_ok, steps=list(steps), round_steps=list(round_steps or [0] * n),
+                run_step=run_step(steps, round_steps, contributors, clip, ahead),
+                average_ok=average_ok, steps=list(steps), round_steps=round_steps,
                 round_tokens=tokens, norms=norms, scales=clip_scales(norms, contributors, clip),
                 residuals=credible_residuals(residuals or [0.0] * n, clip), ahead=ahead, non_finite=non_finite, overweight=overweight)
 
