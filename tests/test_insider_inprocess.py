@@ -114,3 +114,24 @@ def test_a_node_sending_nan_every_round_is_left_out_then_evicted_and_the_run_mov
     assert play(nodes, sent, 1, lie) == 2
     assert_honest_nodes_hold(nodes, 1, honest_reference(start, moves, 1))
     assert all(r.applied for r in nodes[0].reports)
+
+
+def test_the_checked_average_weighs_the_kept_parts_by_their_tokens():
+    """diloco.clip with a weighted average (each node's round tokens, as under diloco.round_seconds) and a liar
+    sending 30x under an honest norm: the kept contributions are weighed by their tokens over the kept tokens,
+    as the single-process rule sum_i t_i d_i / sum_i t_i over the honest nodes."""
+    from zb.diloco.rounds import RoundWork
+
+    start = TinyModel().flat()
+    moves = deltas(3, 3, start.numel())
+    tokens = {"a": 100, "b": 100, "c": 150}
+    world, nodes = start_world(["a", "b", "c"], work={u: RoundWork(4, t) for u, t in tokens.items()}, **CLIP)
+    honest_norm = float(moves[0][0].norm())
+    sent = [[m * 30 if j == 1 else m for j, m in enumerate(r)] for r in moves]
+    play(nodes, sent, 1, lambda node, _: lie_about_norm(node, honest_norm))
+    theta = torch.nn.Parameter(start.clone())
+    opt = torch.optim.SGD([theta], lr=0.7, momentum=0.9, nesterov=True)
+    for r in moves:
+        theta.grad = (tokens["a"] * r[0] + tokens["c"] * r[2]) / (tokens["a"] + tokens["c"])
+        opt.step()
+    assert_honest_nodes_hold(nodes, 1, theta.detach())

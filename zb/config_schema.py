@@ -234,13 +234,13 @@ class DilocoConfig:
                                  "exceeds this many times the round's median norm is scaled down to that bound before "
                                  "the average (the same decision on every node, logged with both norms); the average is "
                                  "checked against the stated norms (a contribution larger than its node said, or "
-                                 "non-finite, is left out), and a round's token count is bounded the same way; at "
-                                 "least 1; alone or true: 1, the measured choice (docs/security.md). Unset: averaged "
+                                 "non-finite, is left out), and a round's token count is bounded the same way (pick it at "
+                                 "least the ratio of your fastest node's tokens to the median's); at least 1; alone or true: 1, the measured choice (docs/security.md). Unset: averaged "
                                  "as they are. Every node of a run must share it.", aliases={"true": 1.0},
                                  run_defining=True)
     evict_clipped: bool = knob(False, "With diloco.clip: evict a node discredited in 3 outer steps in a row "
-                               "(clipped over 2x the median, ahead of the run, non-finite, over the token bound, or left "
-                               "out by the checked average; the same decision on every node): its updates count for nothing from the next outer step, the "
+                               "(clipped over 2x the median, ahead of the run, non-finite, or left out by the checked "
+                               "average; the same decision on every node): its updates count for nothing from the next outer step, the "
                                "leader leaves it out of the world and never admits its id again, and the node itself "
                                "exits 2. Every node of a run must share it.", run_defining=True)
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "

@@ -177,7 +177,7 @@ class OuterReport:
     round_weight: float | None = optional(alongside="round_steps")  # this node's weight in the average
     run_step: int | None = off_the_line(None)   # diloco.round_seconds: the run's step after the round (the loop moves there)
     clipped: list[str] | None = optional()   # diloco.clip: the nodes whose pseudo-gradients were scaled down
-    discredited: list[str] | None = optional()   # the nodes whose claims did not hold besides the clipped: ahead of the run, non-finite, overweight, left out by the checked average
+    discredited: list[str] | None = optional()   # the nodes whose claims did not hold besides the clipped: ahead of the run, non-finite, left out by the checked average
     evicted: list[str] | None = optional()   # diloco.evict_clipped: the nodes evicted at this outer step (discredited 3 in a row)
     note: str = off_the_line("")                # why nothing was applied, when that is expected (the log line's)
 

@@ -63,7 +63,8 @@ class BlockingAlgorithm(OuterAlgorithm):
 
     def _weights(self, plan: Plan) -> list[float]:
         """Each rank's weight in the sum the all-reduce brings (1/M for the plain mean over M contributors)."""
-        return [share_weight(self.ctx, plan, r) or 1.0 / len(plan.contributors) for r in range(len(plan.norms))]
+        weights = [share_weight(self.ctx, plan, r) for r in range(len(plan.norms))]
+        return [1.0 / len(plan.contributors) if w is None else w for w in weights]
 
     def _residual_sum(self, plan: Plan) -> float:
         """The error-feedback residuals every rank's ring adds, in the units of the sum (stated at the check-in)."""

@@ -15,8 +15,8 @@ No rank's word alone decides the run (an insider can claim anything in its colum
 run's position is the newest outer step more than half of the contributors reached (an even split
 takes the older), so a node that claims to be ahead is a receiver, not the donor; the run's step is
 the contributors' median; with diloco.clip, a non-finite norm leaves its node out of the average
-(it applies the others'), and a round's token count is bounded like a norm (zb.diloco.clip). Each
-rank whose claim did not hold is named in `Plan.discredited`, which counts toward eviction as an
+(it applies the others'), and a round's token count is bounded like a norm (zb.diloco.clip; bounded
+only: a fast honest node's count differs too). Each rank whose claim did not hold is named in `Plan.discredited`, which counts toward eviction as an
 outsized clip does (zb.diloco.trust).
 """
 
@@ -72,7 +72,8 @@ class Plan:
     residuals: list[float] = field(default_factory=list)    # diloco.clip: each rank's error-feedback residual norm
     ahead: list[int] = field(default_factory=list)          # contributors that claimed an outer step (or a step) the run is not at
     non_finite: list[int] = field(default_factory=list)     # diloco.clip: contributors whose norm is NaN/Inf
-    overweight: list[int] = field(default_factory=list)     # diloco.clip: round tokens over clip.OUTSIZED x the median
+    overweight: list[int] = field(default_factory=list)     # diloco.clip: round tokens bounded to k x the median (logged,
+                                                            # not discredited: honest nodes of unlike speed differ too)
     failed_check: list[int] = field(default_factory=list)   # contributions the checked average left out (zb.diloco.verify)
 
     def clipped(self) -> list[int]:
@@ -81,8 +82,7 @@ class Plan:
 
     def discredited(self) -> list[int]:
         """Ranks whose claims did not hold in this outer step: counted toward eviction as an outsized clip is."""
-        return sorted(set(self.outsized()) | set(self.ahead) | set(self.non_finite) | set(self.overweight)
-                      | set(self.failed_check))
+        return sorted(set(self.outsized()) | set(self.ahead) | set(self.non_finite) | set(self.failed_check))
 
     def outsized(self) -> list[int]:
         """Clipped ranks whose norm is also over clip.OUTSIZED x the median: what counts toward a node clipped

@@ -74,15 +74,16 @@ def outsized(norms: list[float], contributors: list[int]) -> list[int]:
 def bounded_tokens(tokens: list[int], contributors: list[int], k: float | None) -> tuple[list[int], list[int]]:
     """diloco.clip with a weighted average (diloco.round_seconds): a round's token count is what the node says it
     trained, and its weight in the average follows it, so it is bounded as a norm is: at most k times the
-    contributors' (lower) median. Returns the counts the average weighs by, and the contributors whose claim
-    was over OUTSIZED x that median (they count toward eviction, as an outsized norm does)."""
+    contributors' (lower) median. Returns the counts the average weighs by, and the contributors whose claim was
+    bounded (logged, never counted toward eviction: in a pool of unlike machines an honest fast node trains many
+    times the median, so pick k at least that ratio)."""
     positive = [tokens[r] for r in contributors if tokens[r] > 0]
     if k is None or len(positive) < 2:
         return list(tokens), []
     median = statistics.median_low(positive)
     bound = int(k * median)
     bounded = [min(t, bound) if r in contributors else t for r, t in enumerate(tokens)]
-    return bounded, [r for r in contributors if tokens[r] > OUTSIZED * median and tokens[r] > bound]
+    return bounded, [r for r in contributors if tokens[r] > bound]
 
 
 def clipped_in_a_row(previous: dict[str, int], clipped: Iterable[str]) -> dict[str, int]:

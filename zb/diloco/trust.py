@@ -88,12 +88,13 @@ class ClipTrust:
                                           "run's state instead of donating it"),
                              (plan.non_finite, "states a non-finite pseudo-gradient norm: it is left out of the "
                                                "average and applies the others'"),
-                             (plan.overweight, f"claims a token count for its round over {clip.OUTSIZED:g} x the "
-                                               "round's median: its weight is bounded by diloco.clip"),
                              (plan.failed_check, "failed the checked average (non-finite, or larger than the norm "
                                                  "it stated): its contribution is left out of this outer step")):
             for r in ranks:
                 log.warning("node %s %s", view.nodes[r], claim)
+        for r in plan.overweight:   # bounded, not discredited: an honest fast node trains more than the median too
+            log.info("node %s claims a token count for its round over diloco.clip = %g x the round's median: it weighs "
+                     "as %d tokens", view.nodes[r], self.k, plan.round_tokens[r])
 
     def take_evicted_now(self) -> list[str]:
         """The ids evicted at this outer step, for its report (once)."""
