@@ -61,6 +61,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -386,12 +387,15 @@ class Chaos:
                  f"{where}")
 
     def _store_now(self) -> int:
-        """The port of the store the run is on: the latest one a live node moved to, else the one it was on."""
-        moves = sorted((e["time"], int(e["to_store"].rsplit(":", 1)[1])) for u in self.live
-                       for e in self.tails[u].events("store_failover"))
-        ports = [self.cluster.port, *self.cluster.standby_ports]
-        later = [p for _, p in moves if ports.index(p) > ports.index(self.store_port)]
-        return max(later, key=ports.index) if later else self.store_port
+        """The port of the store the run is on: where most live nodes' logs last moved to (a failover, following the
+        run, or a minority mover going back, which has no store_failover event)."""
+        moved = re.compile(r"(?:moving the run to the next store, |moved on from store \S+ to |going back from store "
+                           r"\S+ to )\S+:(\d+) \(")
+        ports = []
+        for u in self.live:   # a node that never moved is on the first store of elastic.addr
+            found = moved.findall((self.cluster.tmp / f"{u}.log").read_text())
+            ports.append(int(found[-1]) if found else self.cluster.port)
+        return max(sorted(set(ports)), key=ports.count) if ports else self.store_port
 
     def ev_store_loss(self) -> None:
         """The current store SIGKILLed and never started again: every node moves to the next store of the list

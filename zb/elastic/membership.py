@@ -441,14 +441,18 @@ class Membership:
             self._wait_event(world.resolution, snap.events)
 
     def _replayed(self, snap: Snapshot, world: World) -> bool:
-        """The store holds an older world than this node's: a sealed record of the run copied back over the current
-        one (the seal is bound to the key and the run, not to the resolution). A world never goes back, so it is
-        a replay: this node's world is written back in its place (compare_set against what was read) and the
-        roll call goes on, instead of every node taking the old world. True when it was one."""
-        if snap.world is None or snap.world.resolution >= world.resolution:
+        """The store holds an older world of this run that holds this node: a sealed record copied back over the
+        current one (the seal is bound to the key and the run, not to the resolution). A member's world never goes
+        back, so it is a replay: this node's world is written back in its place (compare_set against what was
+        read) and the roll call goes on, instead of every node taking the old world. True when it was one."""
+        old = snap.world
+        # Only a world this node is in, with its token, of the same run: after a store restart the others re-seed
+        # the run at a low resolution without it, and it must rejoin that world, not write its own over it.
+        if old is None or old.resolution >= world.resolution or old.run != world.run \
+                or old.rank_of(self.uid, self.token) is None:
             return False
         log.warning("the store's world is resolution %d, older than this node's %d: a replayed record, written "
-                    "over with the current world", snap.world.resolution, world.resolution)
+                    "over with the current world", old.resolution, world.resolution)
         self._write(snap.raw_world, world)
         return True
 
