@@ -105,6 +105,17 @@ def test_the_store_list_moves_forward_only_and_times_silence_from_the_last_answe
     assert [f.to_store for f in stores.failovers] == ["b:2"]
 
 
+def test_a_node_that_went_back_has_left_nothing():
+    """Chaos seed 18: a mover that went back to the store it left still named that store as the one it left, looked
+    back at it (the store it was on) after a restart there, and hit back()'s assertion: the node exited 1."""
+    stores = StoreList(parse_stores("a:1,b:2", 29600), failover_s=30.0)
+    assert stores.left is None
+    stores.move()
+    assert stores.left == 0
+    stores.back(0, "the run went on at a:1")
+    assert stores.index == 0 and stores.left is None
+
+
 def test_silence_grows_without_answers():
     stores = StoreList(parse_stores("a:1,b:2", 29600), failover_s=0.05)
     time.sleep(0.06)   # the silence measured on the list's own clock: no store involved

@@ -200,8 +200,11 @@ class StoreList:
 
     @property
     def left(self) -> int | None:
-        """The index of the store this node moved away from last (None: it never moved)."""
-        return self.failovers[-1].from_index if self.failovers else None
+        """The index of the store this node moved away from last, while it is still on a later one (None: it never
+        moved, or it went back: chaos seed 18 had a node that went back look back at the store it was on)."""
+        if not self.failovers or self.failovers[-1].from_index >= self.index:
+            return None
+        return self.failovers[-1].from_index
 
     def peek(self, index: int, namespace: str) -> Snapshot | None:
         """What store `index` holds, read through a client of its own (None: it does not answer within a few
