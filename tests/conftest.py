@@ -38,6 +38,16 @@ def _quiet_env(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _one_thread_children(monkeypatch):
+    """Processes a test starts run one intra-op thread each, as TrainCluster's nodes and torchrun's ranks
+    already do: two workers' children with two threads each on 2 cores spend 2-3x the CPU in OpenMP's spin
+    waits (a 50-step tiny `zb train`: 7-10 s of CPU instead of 3). This process keeps its own threads (torch
+    read them at import), so the in-process kernel tests still split over several; a test or script that
+    wants more in a child says so (torch.set_num_threads, --threads)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
 def _no_stop_signal_yet(monkeypatch):
     """zb.stop_signals records a stop signal for the whole process; a test that sent one to this process
     (a `zb store` stopped in-process) must not leave it for the next test's waits."""

@@ -12,7 +12,14 @@ import signal
 
 import pytest
 
-from zb.testing.cluster import RUN_FLAGS, STREAMING, agree_with_joiner, join_late, reference_losses, worst_relative
+from zb.testing.cluster import (
+    RUN_FLAGS,
+    STREAMING,
+    agree_with_joiner,
+    join_late,
+    reference_losses_of_rules,
+    worst_relative,
+)
 from zb.testing.procs import TINY
 
 
@@ -23,8 +30,8 @@ def _rule_flags(rule: str) -> list[str]:
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[list[float]]]:
     flags = [*TINY[:-4], "--model.name", "debug", "--diloco.inner_steps", "5", *RUN_FLAGS, "--train.device", "cpu"]
-    return {rule: reference_losses(2, rule, flags + (STREAMING if rule == "streaming" else []))
-            for rule in ("eager", "none", "streaming", "delayed")}
+    return reference_losses_of_rules(2, {rule: flags + (STREAMING if rule == "streaming" else [])
+                                         for rule in ("eager", "none", "streaming", "delayed")})
 
 
 # delayed (the naive one-round delay) also has its single-process reference in the default suite

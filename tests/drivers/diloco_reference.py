@@ -3,6 +3,8 @@ the update rules' definitions (not from zb.diloco's code), with zb's own model, 
 optimizer, so a real multi-process run can be compared with it step loss by step loss.
 
     python diloco_reference.py NODES RULE ARGS...      (RULE: none | eager | streaming | delayed; ARGS: zb train flags)
+    python diloco_reference.py --rules NODES JSON      (JSON: {RULE: [ARGS...], ...}: each rule's simulation in turn,
+                                                        one process start for all of them)
 
 NODES is a count, or each node's local rank count (`1,2`): a node of L local ranks reads the data
 of local ranks 0..L-1 of its slot, as a `zb train` node through torchrun does, and one step
@@ -24,7 +26,7 @@ streaming: Streaming DiLoCo (torchft's fragment rule): fragment p of P syncs at 
        tested pure function); the rule is written here.
 
 Node m trains on data slot m of M, as `zb train` nodes with GLOBAL_RANK m claim. Prints one JSON
-line: {"losses": [[node 0's step losses], ...]}.
+line: {"losses": [[node 0's step losses], ...]} (with --rules: {"losses": {RULE: [[...], ...], ...}}).
 """
 
 from __future__ import annotations
@@ -179,10 +181,10 @@ def run_rule(sims: list, rule: str, dcfg, total: int, average=mean_of, on_round=
     return global_params(rule, thetas)
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    ranks = [int(n) for n in sys.argv[1].split(",")] if "," in sys.argv[1] else [1] * int(sys.argv[1])
-    nodes, rule, flags = len(ranks), sys.argv[2], sys.argv[3:]
+def simulate(nodes_arg: str, rule: str, flags: list[str]) -> list[list[float]]:
+    """Each simulated node's step losses: NODES, RULE and ARGS as on the command line."""
+    ranks = [int(n) for n in nodes_arg.split(",")] if "," in nodes_arg else [1] * int(nodes_arg)
+    nodes = len(ranks)
     cfg = load_config([], dict(zip([f[2:] for f in flags[::2]], flags[1::2])), environ={})
     from zb.data import build_tokenizer
 
@@ -190,7 +192,16 @@ def main() -> None:
     placement = pick_placement(cfg.train, LocalWorld(0, 1))
     sims = [SimNode(cfg, tokenizer, placement, m, nodes, ranks[m]) for m in range(nodes)]
     run_rule(sims, rule, cfg.diloco, cfg.optim.total_steps)
-    print(json.dumps({"losses": [s.losses for s in sims]}))
+    return [s.losses for s in sims]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    if sys.argv[1] == "--rules":
+        runs = json.loads(sys.argv[3])
+        print(json.dumps({"losses": {rule: simulate(sys.argv[2], rule, flags) for rule, flags in runs.items()}}))
+    else:
+        print(json.dumps({"losses": simulate(sys.argv[1], sys.argv[2], sys.argv[3:])}))
 
 
 if __name__ == "__main__":

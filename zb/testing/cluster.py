@@ -301,6 +301,15 @@ def reference_losses(nodes: int | str, rule: str, flags: list[str]) -> list[list
     return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
 
 
+def reference_losses_of_rules(nodes: int | str, runs: dict[str, list[str]]) -> dict[str, list[list[float]]]:
+    """reference_losses for each rule of `runs` (rule -> its flags), in one process: one start of torch for all."""
+    out = subprocess.run([sys.executable, checkout_file(REFERENCE), "--rules", str(nodes), json.dumps(runs)],
+                         capture_output=True, text=True, timeout=300 * len(runs),
+                         env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+
+
 # The reference reads flag/value pairs; TrainCluster.ARGS adds the model, H = 5 and params hashes.
 RUN_FLAGS = ["--optim.total_steps", "22", "--diloco.outer_lr", "0.7", "--diloco.outer_momentum", "0.9"]
 
