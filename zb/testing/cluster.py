@@ -295,10 +295,8 @@ REFERENCE = str(REPO / "tests" / "drivers" / "diloco_reference.py")
 
 
 def reference_losses(nodes: int | str, rule: str, flags: list[str]) -> list[list[float]]:
-    out = subprocess.run([sys.executable, checkout_file(REFERENCE), str(nodes), rule, *flags], capture_output=True,
-                         text=True, timeout=300, env=subprocess_env(OMP_NUM_THREADS="1"), cwd=REPO)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])["losses"]
+    """Each simulated node's step losses under `rule` (tests/drivers/diloco_reference.py)."""
+    return reference_losses_of_rules(nodes, {rule: flags})[rule]
 
 
 def reference_losses_of_rules(nodes: int | str, runs: dict[str, list[str]]) -> dict[str, list[list[float]]]:
