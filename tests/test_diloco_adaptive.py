@@ -89,12 +89,11 @@ def test_weights_and_run_step():
     assert token_weight([0, 0], [0, 1], 0) == 0.0                  # nobody trained: no update
     assert weighted_average([torch.ones(2)], [0]) is None
     # Every contributor started the round at step 80: the furthest one's steps move the run.
-    assert run_step([120, 107, 95], [40, 27, 15], [1, 2], None, []) == 107
+    assert run_step([120, 107, 95], [40, 27, 15], [1, 2], None) == (107, [])
     # Issue 40: a node that claims 180 more steps than it trained is not believed (named as ahead)...
-    ahead: list[int] = []
-    assert run_step([300, 107, 95], [40, 27, 15], [0, 1, 2], None, ahead) == 107 and ahead == [0]
+    assert run_step([300, 107, 95], [40, 27, 15], [0, 1, 2], None) == (107, [0])
     # ... nor, with diloco.clip = 2, a round claimed over 2 x the median round (its start is right).
-    assert run_step([260, 107, 95], [180, 27, 15], [0, 1, 2], 2.0, []) == 80 + 54
+    assert run_step([260, 107, 95], [180, 27, 15], [0, 1, 2], 2.0) == (80 + 54, [])
 
 
 # -- the round clock ----------------------------------------------------------------------------------

@@ -124,16 +124,15 @@ class SignedRecords(Forwarding):
     store; `key` the records' key (`record_key`); `counters(full_key)` says which keys are counters, passed
     through unsealed; `prefix` is what dist.PrefixStore would add."""
 
-    def __init__(self, inner: Any, key: bytes, counters: Callable[[str], bool], prefix: str = ""):
+    def __init__(self, inner: Any, key: bytes, counters: Callable[[str], bool], prefix: str = "",
+                 marker: bytes | None = None):
         super().__init__()
         self.inner, self.key, self.counters, self.prefix = inner, key, counters, prefix.rstrip("/")
-        self.marker: bytes | None = None   # the run marker the records' key comes from (`keep_marker` puts it back)
+        self.marker = marker   # the run marker the records' key comes from (`keep_marker` puts it back)
 
     # What dist.PrefixStore would do, kept here (see the module's text).
     def under(self, prefix: str) -> Any:
-        store = signed(self.inner, self.key, self.counters, self._full(prefix.rstrip("/")))
-        store.marker = self.marker
-        return store
+        return signed(self.inner, self.key, self.counters, self._full(prefix.rstrip("/")), self.marker)
 
     def _full(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -236,7 +235,7 @@ class SignedRecords(Forwarding):
         return self.inner.delete_key(self._full(key))
 
     def clone(self) -> Any:
-        return signed(self.inner.clone(), self.key, self.counters, self.prefix)
+        return signed(self.inner.clone(), self.key, self.counters, self.prefix, self.marker)
 
 
 @functools.cache
@@ -248,9 +247,10 @@ def _store_class() -> type:
     return type("SignedStore", (SignedRecords, dist.Store), {"__module__": __name__})
 
 
-def signed(inner: Any, key: bytes, counters: Callable[[str], bool], prefix: str = "") -> Any:
-    """A SignedStore (a torch Store) over `inner`."""
-    return _store_class()(inner, key, counters, prefix)
+def signed(inner: Any, key: bytes, counters: Callable[[str], bool], prefix: str = "",
+           marker: bytes | None = None) -> Any:
+    """A SignedStore (a torch Store) over `inner`; `marker`: the run marker its key comes from."""
+    return _store_class()(inner, key, counters, prefix, marker)
 
 
 def prefixed(store: Any, prefix: str) -> Any:
@@ -318,9 +318,7 @@ def authenticated(client: Any, secret: bytes | None, where: str, counters: Calla
     nonce = _nonce(marker, secret, where)
     with _used_lock:
         _used[held] = marker.decode()
-    store = signed(client, record_key(secret, nonce), counters)
-    store.marker = marker
-    return store
+    return signed(client, record_key(secret, nonce), counters, marker=marker)
 
 
 def keep_marker(store: Any) -> bool:

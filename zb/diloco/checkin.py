@@ -15,9 +15,9 @@ No rank's word alone decides the run (an insider can claim anything in its colum
 run's position is the newest outer step more than half of the contributors reached (an even split
 takes the older), so a node that claims to be ahead is a receiver, not the donor; the run's step is
 the contributors' median; with diloco.clip, a non-finite norm leaves its node out of the average
-(it applies the others'), and a round's token count is bounded like a norm (zb.diloco.clip; bounded
-only: a fast honest node's count differs too). Each rank whose claim did not hold is named in `Plan.discredited`, which counts toward eviction as an
-outsized clip does (zb.diloco.trust).
+(it applies the others'), and a round's token count is bounded like a norm (zb.diloco.clip; bounded only:
+a fast honest node's count differs too). Each rank whose claim did not hold is named in `Plan.discredited`,
+which counts toward eviction as an outsized clip does (zb.diloco.trust).
 """
 
 from __future__ import annotations
@@ -129,31 +129,33 @@ def make_plan(roles: list[int], outer_steps: list[int], steps: list[int] | None 
     # only when every contributor has it, so no node ever applies what another skips.
     average_ok = all(arrived[r] == Arrived.OK for r in contributors)
     tokens, overweight = bounded_tokens(round_tokens, contributors, clip)
+    step, off_start = run_step(steps, round_steps, contributors, clip)
     return Plan(contributors=contributors, appliers=appliers, receivers=receivers,
                 donor=contributors[run_outer_step % len(contributors)] if receivers else None,
                 run_outer_step=run_outer_step,
-                run_step=run_step(steps, round_steps, contributors, clip, ahead),
+                run_step=step,
                 average_ok=average_ok, steps=list(steps), round_steps=round_steps,
                 round_tokens=tokens, norms=norms, scales=clip_scales(norms, contributors, clip),
-                residuals=credible_residuals(residuals or [0.0] * n, clip), ahead=ahead, non_finite=non_finite, overweight=overweight)
+                residuals=credible_residuals(residuals or [0.0] * n, clip), ahead=sorted(ahead + off_start), non_finite=non_finite,
+                overweight=overweight)
 
 
-def run_step(steps: list[int], round_steps: list[int], contributors: list[int], k: float | None,
-             ahead: list[int]) -> int:
+def run_step(steps: list[int], round_steps: list[int], contributors: list[int],
+             k: float | None) -> tuple[int, list[int]]:
     """The run's step after this round: where the contributors started it (the median of step - round steps;
     every honest contributor started where the last outer step left the run) plus the furthest credible round
     (diloco.round_seconds: the fastest node's steps set the LR schedule; with fixed rounds all are equal). A
-    contributor whose start is not the run's claims a step it did not train to: it is added to `ahead`. With
-    diloco.clip a round counts at most k x the contributors' (lower) median round."""
+    contributor whose start is not the run's claims a step it did not train to: it is returned with the step
+    (the plan names it `ahead`). With diloco.clip a round counts at most k x the contributors' (lower) median
+    round."""
     starts = {r: steps[r] - round_steps[r] for r in contributors}
     start = statistics.median_low(starts.values())
     credible = [r for r in contributors if starts[r] == start]
-    ahead += [r for r in contributors if r not in credible]
     furthest = max(round_steps[r] for r in credible)
     positive = [round_steps[r] for r in credible if round_steps[r] > 0]
     if k is not None and len(positive) >= 2:
         furthest = min(furthest, int(k * statistics.median_low(positive)))
-    return start + furthest
+    return start + furthest, [r for r in contributors if r not in credible]
 
 
 def _current(ranks: list[int], outer_steps: list[int], digests: list[int]) -> tuple[list[int], list[int]]:

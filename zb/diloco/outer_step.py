@@ -37,6 +37,7 @@ from zb.diloco.algorithm import Mesh as TransferMesh
 from zb.diloco.background import Arrival
 from zb.diloco.checkin import Arrived, Plan
 from zb.diloco.claims import RunClaims
+from zb.diloco.clip import squared_norm
 from zb.diloco.outer import OuterState
 from zb.diloco.roles import RoleKeeper
 from zb.diloco.stripes import StripeLayout
@@ -227,13 +228,13 @@ class OuterSteps:
         feedback = self.algorithm.feedback
         if not self.algorithm.exchanges or self.dcfg.clip is None or feedback is None:
             return 0.0
-        return math.sqrt(localsync.sum_float(self.local_group, float(feedback.residual.double().square().sum())))
+        return math.sqrt(localsync.sum_float(self.local_group, squared_norm(feedback.residual)))
 
     def _failed_on_any_stripe(self, stats: SyncStats | None) -> list[int]:
         """The ranks the checked average left out on any of this node's stripes (each stripe's group checks its
         own sum): one list on every local rank, so every stripe's trust counts them alike."""
         mine = stats.failed if stats is not None else []
-        if self.local.world_size == 1:
+        if self.local.world_size == 1 or self.dcfg.clip is None:   # only diloco.clip checks (the same on every rank)
             return list(mine)
         lists = localsync.all_gather_bytes(self.local_group, json.dumps(mine).encode())
         return sorted({r for data in lists for r in json.loads(data)})

@@ -1,8 +1,7 @@
 """diloco.clip and diloco.evict_clipped over a run: which nodes were discredited in how many outer steps in a
 row, which the run evicted, and what that means for this node. A node is discredited in an outer step when
 its claims did not hold (Plan.discredited): clipped as outsized (zb.diloco.clip), ahead of the run's position,
-a non-finite norm, a token count over the bound, or a contribution the checked average left out
-(zb.diloco.verify). zb.diloco.clip and zb.diloco.checkin have the rules for one round; this class keeps the
+a non-finite norm, or a contribution the checked average left out (zb.diloco.verify). zb.diloco.clip and zb.diloco.checkin have the rules for one round; this class keeps the
 state across rounds.
 
 Every decision is a pure function of the check-in tables every node saw (clip.clipped_in_a_row,

@@ -68,18 +68,18 @@ def attach(fd: int, addresses: Iterable[str]) -> None:
     """Attach (or replace) the filter of socket `fd`; OSError when the kernel refuses it."""
     code = program(addresses)
     instructions = (_Instruction * len(code))(*[_Instruction(*i) for i in code])
-    prog = _Program(len(code), instructions)
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setsockopt(fd, socket.SOL_SOCKET, SO_ATTACH_FILTER, ctypes.byref(prog), ctypes.sizeof(prog)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
+    _setsockopt(fd, SO_ATTACH_FILTER, _Program(len(code), instructions))
 
 
 def detach(fd: int) -> None:
     """Remove the filter of socket `fd` (it admits every host again)."""
+    _setsockopt(fd, SO_DETACH_FILTER, ctypes.c_int(0))
+
+
+def _setsockopt(fd: int, option: int, value: Any) -> None:
+    """setsockopt on a descriptor Python's socket module does not own (gloo's), with a ctypes value."""
     libc = ctypes.CDLL(None, use_errno=True)
-    dummy = ctypes.c_int(0)
-    if libc.setsockopt(fd, socket.SOL_SOCKET, SO_DETACH_FILTER, ctypes.byref(dummy), ctypes.sizeof(dummy)) != 0:
+    if libc.setsockopt(fd, socket.SOL_SOCKET, option, ctypes.byref(value), ctypes.sizeof(value)) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
 

@@ -270,10 +270,9 @@ class ElasticDeviceMesh:
             return None
         return {u: e.decode() for u, e in zip(peers, raw) if e}
 
-    def _member_hosts(self, view: WorldView) -> list[str] | None:
-        """The gloo addresses of every member of `view`, this node's included: what its listener admits (None:
-        one is unknown, and the listener admits every host rather than shut a member out)."""
-        endpoints = self._member_endpoints(view)
+    def _member_hosts(self, view: WorldView, endpoints: dict[str, str] | None) -> list[str] | None:
+        """The gloo addresses of every member of `view` (the others' `endpoints`), this node's included: what its
+        listener admits (None: one is unknown, and the listener admits every host rather than shut a member out)."""
         if endpoints is None or len(endpoints) != view.global_world_size - 1:
             return None
         hosts = [host_of(e) for e in endpoints.values()] + [host_of(self._head_probe_endpoint())]
@@ -287,7 +286,9 @@ class ElasticDeviceMesh:
         """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
         down): probed after a failed collective, for the answer to the next roll call (the judge keeps no
         two such nodes in one world), and before building the groups."""
-        endpoints = self._member_endpoints(world)
+        return self._unreachable(self._member_endpoints(world))
+
+    def _unreachable(self, endpoints: dict[str, str] | None) -> set[str]:
         if not endpoints:
             return set()
         cut = unreachable_peers(endpoints, timeout=min(2.0, self.cfg.heartbeat_timeout / 2))
@@ -368,14 +369,16 @@ class ElasticDeviceMesh:
         # timeout (25 s measured, past the sync deadline: every member of the pair is then evicted as
         # late and they may come back together). Not building fails this round at once instead; the
         # next answer reports the cut and the judge drops one of the pair.
-        cut = self._unreachable_members(view) if self.local_rank == 0 and view.global_world_size > 1 else set()
+        # The head reads the members' endpoints once: to probe them, and for what gloo's listener admits.
+        endpoints = self._member_endpoints(view) if self.local_rank == 0 else None
+        cut = self._unreachable(endpoints) if view.global_world_size > 1 else set()
         if not localsync.all_ok(self.local_group, not cut):
             log.warning("not building global group v%d: %s unreachable", view.mesh_version, sorted(cut))
             self.global_pg, self._built, self._failed = None, False, True
             self.rebuild_s = time.monotonic() - started
             return
         # Only the members' hosts may reach gloo's listener (elastic.peer_filter), set before they connect.
-        hosts = self._member_hosts(view) if self.local_rank == 0 and self.cfg.peer_filter else None
+        hosts = self._member_hosts(view, endpoints) if self.local_rank == 0 and self.cfg.peer_filter else None
         self._filter = self._filter or PeerFilter(self.cfg.peer_filter, gloo_address())
         self._filter.admit(localsync.broadcast_json(self.local_group, self.local_rank, {"hosts": hosts})["hosts"])
         store = self._head.store if self.local_rank == 0 else self._store
