@@ -275,12 +275,9 @@ class ElasticDeviceMesh:
         listener admits (None: one is unknown, and the listener admits every host rather than shut a member out)."""
         if endpoints is None or len(endpoints) != view.global_world_size - 1:
             return None
-        hosts = [host_of(e) for e in endpoints.values()] + [host_of(self._head_probe_endpoint())]
-        return None if None in hosts else sorted({h for h in hosts if h is not None})
-
-    def _head_probe_endpoint(self) -> str:
         assert self._probe is not None  # local rank 0 listens from its start
-        return self._probe.endpoint
+        hosts = [host_of(e) for e in [*endpoints.values(), self._probe.endpoint]]
+        return None if None in hosts else sorted({h for h in hosts if h is not None})
 
     def _unreachable_members(self, world: World | WorldView | None) -> set[str]:
         """The members of `world` (a World or WorldView) this node cannot connect to (a partition, a link
