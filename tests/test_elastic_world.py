@@ -439,7 +439,7 @@ def test_groups_are_not_built_with_a_member_this_node_cannot_reach(monkeypatch):
 
     mesh = ElasticDeviceMesh(ElasticConfig(addr="127.0.0.1"))
     mesh._membership = types.SimpleNamespace(store=None, uid="a")
-    monkeypatch.setattr(mesh, "_unreachable_members", lambda view: {"c"})
+    monkeypatch.setattr(mesh, "_unreachable", lambda endpoints: {"c"})
     monkeypatch.setattr(dist, "PrefixStore", lambda *a: None)
     monkeypatch.setattr(dist, "ProcessGroupGloo", lambda *a: pytest.fail("built a group with an unreachable member"))
     view = WorldView(mesh_version=4, global_rank=0, global_world_size=3, nodes=["a", "b", "c"], leader="a", uid="a")

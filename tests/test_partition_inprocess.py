@@ -43,6 +43,24 @@ def test_a_majority_or_a_single_store_goes_on_without_looking():
     assert drop_verdict(4, 3, 1, settled=False, later=[None]) .action == GO
 
 
+def test_a_member_late_at_the_sync_that_answered_is_on_this_side():
+    """CI at a load of 2 workers: b missed the sync while d went silent; b answered here, so a, b and c are a
+    majority of the four and drop d without looking at the later stores (the leader once followed d's join
+    request to the standby instead)."""
+    from types import SimpleNamespace
+
+    from zb.elastic.partition_watch import PartitionWatch
+    from zb.elastic.world import Observation
+
+    world = World(version=3, nodes=["a", "b", "c", "d"], tokens=dict.fromkeys("abcd", "t"), run="r")
+    stores = SimpleNamespace(has_next=True, peek=lambda *a: pytest.fail("looked at a later store"))
+    liveness = SimpleNamespace(proven_dead=lambda m: False, silent_for=lambda m: 10.0 if m == "d" else 0.0)
+    watch = PartitionWatch(CFG, stores, liveness)   # type: ignore[arg-type]
+    snap = Snapshot(raw_world=b"", world=world, gone=set(), joins=[], answers=[])
+    obs = Observation(answered={"a", "b", "c"}, gone=set(), excluded={"b", "d"}, joiners=[], join_end=0)
+    assert watch.may_drop(None, world, snap, obs, since=10.0) == {"d": 3}   # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("later, settled, action, to", [
     ([True], False, FOLLOW, 1),            # the silent ones are at the next store: follow at once
     ([False, True], True, FOLLOW, 2),      # the latest store holding the run

@@ -99,7 +99,9 @@ class PartitionWatch:
         now_silent = {m: world.version for m in world.nodes if m in obs.excluded and m not in obs.answered
                       and m not in proven and self.liveness.silent_for(m) > 2 * self.cfg.heartbeat_interval}
         silent = earlier | now_silent
-        kept = [m for m in world.nodes if m not in obs.excluded and m not in proven]
+        # This side: the members that answered here, late ones included (under load a member may miss the sync
+        # and be dropped as late, yet it is on this store, not at a later one with the silent ones).
+        kept = [m for m in world.nodes if (m not in obs.excluded or m in obs.answered) and m not in proven]
         # Those dropped for silence earlier count too: a side that keeps a majority at each of two drops in a row
         # (4 -> 3 -> 2) keeps only half of the world the first ones left, and they and the second may meet at a
         # later store as a majority of that world.
