@@ -16,12 +16,14 @@ import os
 
 import torch
 
-from zb.collectives import twins
+from zb.collectives import sparse_twins, twins
 from zb.collectives.build import use_cpp
+from zb.collectives.sparse_twins import SparseScheme
 from zb.collectives.twins import Scheme
 
 __all__ = ["SCHEMES", "Scheme", "BLOCK", "num_blocks", "code_bytes", "wire_bytes", "quantize", "dequantize",
-           "dequantize_add", "reduce_quantize", "use_cpp", "set_colocated", "threads"]
+           "dequantize_add", "reduce_quantize", "use_cpp", "set_colocated", "threads", "SparseScheme",
+           "sparse_compress", "sparse_decode_add"]
 
 # Values per scale, chosen by error at the wire bytes each width can spend (BENCHMARKS.md, "Fewer bits").
 SCHEMES = {"int8": Scheme("int8", 8, 256), "int4": Scheme("int4", 4, 128), "int2": Scheme("int2", 2, 256)}
@@ -108,3 +110,21 @@ def reduce_quantize(in_codes: torch.Tensor, in_scales: torch.Tensor, acc: torch.
     else:
         twins.reduce_quantize(in_codes, in_scales, acc, out_codes, out_scales, scheme, float(divisor),
                               bool(write_back), residual)
+
+
+def sparse_compress(x: torch.Tensor, payload: torch.Tensor, scheme: SparseScheme, *,
+                    residual: torch.Tensor | None = None, beta: float = 1.0, cpp: bool | None = None) -> None:
+    """payload = the sparse form (zb.collectives.sparse_twins) of x, or of beta * residual + x with `residual`,
+    which then keeps what was not sent."""
+    if _cpp(cpp):
+        torch.ops.zb.sparse_compress(x, payload, scheme.chunk, scheme.k, residual, float(beta), threads())
+    else:
+        sparse_twins.compress(x, payload, scheme, residual, float(beta))
+
+
+def sparse_decode_add(payload: torch.Tensor, acc: torch.Tensor, scheme: SparseScheme, *,
+                      cpp: bool | None = None) -> bool:
+    """acc += the values of one sparse payload; False (acc untouched) when the payload is malformed."""
+    if _cpp(cpp):
+        return bool(torch.ops.zb.sparse_decode_add(payload, acc, scheme.chunk, scheme.k, threads()))
+    return sparse_twins.decode_add(payload, acc, scheme)
