@@ -4,7 +4,7 @@ argv: rank world port outdir spec_json. spec: {"cases": [case, ...], "streams": 
 "hang": bool, "die_after": k, "floor": seconds}; a case: numel, compression, op ("sum"/"avg"),
 dtype, seed, heavy, poison {rank: [[index, value], ...]}, piece, rounds (error feedback: that many
 calls with one residual, fresh inputs each; input and output are then the sums over the calls, and
-"residual" the residual after the last). Writes <outdir>/rank<r>.pt (one
+"residual" the residual after the last); a sparse case's "chunk", "k" and "beta" (sparse_options). Writes <outdir>/rank<r>.pt (one
 dict per case: input, output, wire_bytes) or <outdir>/rank<r>.err (the PeerFailure as JSON).
 """
 
@@ -31,6 +31,15 @@ def make_input(case: dict, rank: int) -> torch.Tensor:
     for index, value in case.get("poison", {}).get(str(rank), []):
         x[index] = float(value)
     return x.to(getattr(torch, case.get("dtype", "float32")))
+
+
+def sparse_options(case: dict) -> dict:
+    """A sparse case's scheme ("chunk", "k") and residual decay ("beta")."""
+    if case["compression"] != "sparse":
+        return {}
+    from zb.collectives.kernels import SparseScheme
+
+    return {"sparse": SparseScheme(case.get("chunk", 4096), case.get("k", 64)), "sparse_beta": case.get("beta", 1.0)}
 
 
 def group(store: dist.Store, rank: int, world: int, prefix: str) -> dist.ProcessGroup:
@@ -96,7 +105,7 @@ def main() -> None:
                 out = x.clone()
                 stats = all_reduce(out, groups[0], op=op, compression=case["compression"], streams=groups[1:],
                                    timeout_floor_s=spec.get("floor", 20.0), start_timeout_s=spec.get("floor", 20.0),
-                                   piece_values=case.get("piece", 4096), residual=residual)
+                                   piece_values=case.get("piece", 4096), residual=residual, **sparse_options(case))
                 inputs.append(x)
                 outputs.append(out)
                 wire += stats.wire_bytes

@@ -11,13 +11,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zb.collectives.kernels import SCHEMES, num_blocks
+from zb.collectives import kernels
+from zb.collectives.gather import run_gathers
+from zb.collectives.kernels import SCHEMES, SparseScheme, num_blocks
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import split_blocks
 from zb.collectives.ring import TransferDeadlines, run_ring
 from zb.errors import InvalidInput
 
-COMPRESSIONS = ("none", *SCHEMES)
+COMPRESSIONS = ("none", *SCHEMES, "sparse")
 ALIGN = max(s.block for s in SCHEMES.values())  # stream slices start on a block of every scheme
 
 
@@ -33,13 +35,18 @@ class AllReduceStats:
 
 
 def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
-           groups: Sequence[dist.ProcessGroup], residual: torch.Tensor | None) -> None:
+           groups: Sequence[dist.ProcessGroup], residual: torch.Tensor | None, sparse: SparseScheme | None,
+           sparse_beta: float) -> None:
     if residual is not None and (compression == "none" or residual.dtype != torch.float32 or
                                  residual.numel() != tensor.numel() or not residual.is_contiguous()):
         raise InvalidInput("an error-feedback residual needs a quantized compression and one contiguous float32 "
                            "value per value of the tensor")
     if compression not in COMPRESSIONS:
         raise InvalidInput(f"compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
+    if sparse is not None and (why := sparse.problem()) is not None:
+        raise InvalidInput(f"sparse compression with {why}")
+    if not 0.0 <= sparse_beta <= 1.0:
+        raise InvalidInput(f"sparse_beta {sparse_beta}: the residual's decay must be in [0, 1]")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):
         raise InvalidInput(f"op {op}: only ReduceOp.SUM and ReduceOp.AVG are supported")
     if tensor.dtype not in (torch.float32, torch.bfloat16):
@@ -48,10 +55,33 @@ def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
         raise InvalidInput("all stream groups must have the same members and ranks as the main group")
 
 
-def _slices(n: int, parts: int) -> list[tuple[int, int]]:
+def _slices(n: int, parts: int, align: int = ALIGN) -> list[tuple[int, int]]:
     """Block-aligned [start, stop) ranges splitting n values over the streams."""
-    bounds = split_blocks(num_blocks(n, ALIGN), parts)
-    return [(min(a * ALIGN, n), min(b * ALIGN, n)) for a, b in zip(bounds, bounds[1:])]
+    bounds = split_blocks(num_blocks(n, align), parts)
+    return [(min(a * align, n), min(b * align, n)) for a, b in zip(bounds, bounds[1:])]
+
+
+def _sparse(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: TransferDeadlines,
+            scheme: SparseScheme, residual: torch.Tensor | None, beta: float) -> int:
+    """Each stream's chunk-aligned slice compressed (zb.collectives.sparse_twins), every rank's payload gathered
+    (zb.collectives.gather), then decoded in rank order into zeros: the same bytes in the same order everywhere."""
+    slices = [(a, b, g) for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups), scheme.chunk)) if b > a]
+    parts = []
+    for a, b, g in slices:
+        payload = torch.empty(scheme.payload_bytes(b - a), dtype=torch.uint8)
+        kernels.sparse_compress(flat[a:b], payload, scheme, residual=residual[a:b] if residual is not None else None,
+                                beta=beta)
+        parts.append((payload, g))
+    gathered, wire = run_gathers(parts, deadlines)
+    for (a, b, g), payloads in zip(slices, gathered):
+        out = flat[a:b].zero_()
+        for owner, payload in enumerate(payloads):
+            if not kernels.sparse_decode_add(payload, out, scheme):
+                raise PeerFailure(f"sparse exchange: rank {owner}'s payload names an index past its last chunk",
+                                  rank=owner, observer=g.rank())
+    if avg:
+        flat.div_(groups[0].size())
+    return wire
 
 
 def _fp32(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: TransferDeadlines) -> int:
@@ -81,10 +111,11 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
                compression: str = "none", streams: Sequence[dist.ProcessGroup] = (),
                min_bandwidth_mbps: float = 10.0, timeout_floor_s: float = 10.0,
                start_timeout_s: float = 300.0, piece_values: int = 1 << 20,
-               window: int = 4, residual: torch.Tensor | None = None) -> AllReduceStats:
+               window: int = 4, residual: torch.Tensor | None = None, sparse: SparseScheme | None = None,
+               sparse_beta: float = 1.0) -> AllReduceStats:
     """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc."""
     groups = [group, *streams]
-    _check(tensor, op, compression, groups, residual)
+    _check(tensor, op, compression, groups, residual, sparse, sparse_beta)
     t0 = time.perf_counter()
     world = group.size()
     if world == 1 or tensor.numel() == 0:
@@ -97,6 +128,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
     avg = op == ReduceOp.AVG
     if compression == "none":
         wire = _fp32(flat, groups, avg, deadlines)
+    elif compression == "sparse":
+        wire = _sparse(flat, groups, avg, deadlines, sparse or SparseScheme(),
+                       residual.view(-1) if residual is not None else None, sparse_beta)
     else:
         res = residual.view(-1) if residual is not None else None
         parts = [(flat[a:b], g, res[a:b] if res is not None else None)
