@@ -322,3 +322,30 @@ def test_evict_clipped_without_clip_is_refused_in_one_line():
     assert len((result.stderr + result.stdout).strip().splitlines()) == 1
     assert load_config([], {"diloco.evict_clipped": "true", "diloco.clip": "1"}, environ={}).diloco.evict_clipped
     assert not load_config([], {"diloco.clip": "1"}, environ={}).diloco.evict_clipped
+
+
+@pytest.mark.parametrize("flags, line", [
+    ({"diloco.sparse_k": "5000"}, r"^diloco.sparse_k = 5000 \(from flag --diloco.sparse_k\): is wrong: k = 5000 .*multiple of 8"),
+    ({"diloco.sparse_k": "12"}, r"^diloco.sparse_k = 12 .*multiple of 8"),
+    ({"diloco.sparse_chunk": "1000"}, r"^diloco.sparse_chunk = 1000 .*power of two"),
+    ({"diloco.sparse_beta": "1"}, r"^diloco.sparse_beta = 1.* outside \[0, 1\)"),
+    ({"diloco.sparse_beta": "-0.1"}, r"^diloco.sparse_beta = -0.1.* outside \[0, 1\)"),
+    ({"diloco.error_feedback": "false"}, r"^diloco.error_feedback = false .*cannot be off with diloco.compression = sparse"),
+    ({"diloco.overlap": "eager"}, r"^diloco.compression = 'sparse' .*cannot combine with diloco.overlap = eager"),
+])
+def test_sparse_settings_that_cannot_work_are_refused_in_one_line(flags, line):
+    with pytest.raises(ConfigError, match=line):
+        load_config([], {"diloco.compression": "sparse", **flags}, environ={})
+
+
+def test_sparse_defaults_follow_the_paper_and_its_keys_alone_are_warned_about():
+    """SparseLoCo's outer step: no outer momentum unless one is set; its keys without it do nothing."""
+    from zb.config_checks import advisories
+
+    sparse = load_config([], {"diloco.compression": "sparse"}, environ={})
+    assert sparse.diloco.momentum() == 0.0 and (sparse.diloco.sparse_chunk, sparse.diloco.sparse_k) == (4096, 64)
+    assert load_config([], {"diloco.compression": "sparse", "diloco.outer_momentum": "0.5"},
+                       environ={}).diloco.momentum() == 0.5
+    assert load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.momentum() == 0.9
+    alone = load_config([], {"diloco.sparse_k": "32"}, environ={})
+    assert [k for k, _ in advisories(alone)] == ["diloco.sparse_k"]

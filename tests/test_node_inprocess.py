@@ -11,6 +11,8 @@ import pytest
 import torch
 from fake_world import FakeClock, TinyModel, start_world, together
 
+from zb.collectives import sparse_twins
+from zb.collectives.sparse_twins import SparseScheme
 from zb.diloco.checkin import Role, make_plan
 from zb.elastic import keys
 from zb.elastic.store_state import evicted_ids
@@ -675,8 +677,48 @@ def test_streaming_with_a_round_budget_weighs_each_fragment_by_the_tokens_behind
     assert [r.round_weight for r in nodes[0].reports] == pytest.approx([5 / 6, 11 / 14, 12 / 16, 12 / 16])
 
 
-# -- error feedback (diloco.error_feedback) with int4 and int2 ------------------------------------------------
+# -- error feedback (diloco.error_feedback) with int4 and int2, and sparse's accumulator ------------------------
 PLAIN_OUTER = {"diloco.outer_lr": "1.0", "diloco.outer_momentum": "0", "diloco.nesterov": "false"}
+SPARSE = {"diloco.compression": "sparse", "diloco.sparse_chunk": "16", "diloco.sparse_k": "8"}
+
+
+def sparse_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], beta: float, lr: float,
+                     scheme: SparseScheme) -> torch.Tensor:
+    """SparseLoCo (arXiv 2508.15706, Algorithm 1) with zb's sparse form: every node folds its pseudo-gradient
+    into its accumulator (e <- beta e + delta), sends the top-k of each chunk at 2 bits and keeps the rest; the
+    outer params step by the payloads' average times the outer lr, no momentum (the accumulator is it)."""
+    theta = start.clone()
+    residuals = [torch.zeros_like(start) for _ in moves[0]]
+    for round_moves in moves:
+        total = torch.zeros_like(start)
+        for move, residual in zip(round_moves, residuals):
+            payload = torch.empty(scheme.payload_bytes(start.numel()), dtype=torch.uint8)
+            sparse_twins.compress(move, payload, scheme, residual, beta)
+            assert sparse_twins.decode_add(payload, total, scheme)
+        theta -= lr * (total / len(round_moves))
+    return theta
+
+
+@pytest.mark.parametrize("overlap", ["none", "streaming"])
+def test_sparse_outer_steps_equal_the_single_process_sparseloco_rule(overlap):
+    """Three nodes on diloco.compression = sparse end every outer step on the same bits, at SparseLoCo's rule
+    computed in one process; streaming with one fragment, no delay and alpha 0 is the same rule."""
+    flags = dict(SPARSE, **{"diloco.overlap": overlap})
+    if overlap == "streaming":
+        flags.update({"diloco.fragments": "1", "diloco.fragment_delay": "0", "diloco.fragment_alpha": "0"})
+    _, nodes = start_world(["a", "b", "c"], **flags)
+    start = TinyModel().flat()
+    moves = deltas(3, 4, start.numel())
+    for round_moves in moves:
+        if overlap == "streaming":
+            train_and_sync(nodes, round_moves, steps=(4,))
+        else:
+            run_rounds(nodes, [round_moves])
+        assert len({n.reports[-1].params_hash for n in nodes}) == 1 and nodes[0].reports[-1].applied
+    expected = sparse_reference(start, moves, 0.95, 0.7, SparseScheme(16, 8))
+    assert torch.allclose(nodes[0].diloco.outer.flat.detach(), expected, atol=1e-6)
+    sent = nodes[0].reports[-1].wire_bytes
+    assert sent == 2 * (SparseScheme(16, 8).payload_bytes(start.numel()) + 8)   # two payloads forwarded, headers
 
 
 @pytest.mark.parametrize("overlap", ["none", "eager", "streaming"])
@@ -730,10 +772,10 @@ def _params_order(node, fragment_major: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_error_feedback_residual_resumes_exactly_from_a_checkpoint():
-    """int4 with error feedback: fresh nodes that load a checkpoint (params, shared state, residual) and train
-    on end on exactly the uninterrupted nodes' params and residuals."""
-    flags = {"diloco.compression": "int4"}
+@pytest.mark.parametrize("flags", [{"diloco.compression": "int4"}, SPARSE])
+def test_error_feedback_residual_resumes_exactly_from_a_checkpoint(flags):
+    """int4 with error feedback, and sparse's accumulator: fresh nodes that load a checkpoint (params, shared
+    state, residual) and train on end on exactly the uninterrupted nodes' params and residuals."""
     _, nodes = start_world(["a", "b"], **flags)
     moves = deltas(2, 3, TinyModel().flat().numel())
     run_rounds(nodes, moves[:1])
@@ -747,10 +789,11 @@ def test_error_feedback_residual_resumes_exactly_from_a_checkpoint():
         assert torch.equal(node.diloco.algorithm.feedback.residual, resumed.diloco.algorithm.feedback.residual)
 
 
-def test_a_node_that_takes_the_runs_state_starts_its_residual_at_zero():
+@pytest.mark.parametrize("flags", [{"diloco.compression": "int2"}, SPARSE])
+def test_a_node_that_takes_the_runs_state_starts_its_residual_at_zero(flags):
     """A lagging node (its outer step behind the run's) receives the state: what it dropped before belongs to
     params it no longer has. The contributors keep theirs."""
-    _, nodes = start_world(["a", "b", "c"], **{"diloco.compression": "int2"})
+    _, nodes = start_world(["a", "b", "c"], **flags)
     run_rounds(nodes, deltas(3, 1, TinyModel().flat().numel()))
     residuals = [n.diloco.algorithm.feedback.residual for n in nodes]
     assert all(r.abs().sum() > 0 for r in residuals)

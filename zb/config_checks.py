@@ -34,6 +34,11 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "diloco.inner_steps", "has no effect with diloco.round_seconds (each round trains the steps that fit)"
     if cfg.diloco is not None:
         yield from mode_of(cfg.diloco.overlap).advisories(cfg.diloco)
+    if cfg.diloco is not None and cfg.diloco.compression != "sparse":
+        default = DilocoConfig()
+        for key in ("sparse_chunk", "sparse_k", "sparse_beta"):
+            if getattr(cfg.diloco, key) != getattr(default, key):
+                yield f"diloco.{key}", "has no effect without diloco.compression = sparse"
     if cfg.diloco is not None and cfg.diloco.error_feedback and cfg.diloco.compression == "none":
         yield "diloco.error_feedback", "has no effect with diloco.compression = none (nothing is dropped)"
     if cfg.elastic.link_probe_seconds != 2.0 and not cfg.elastic.measure_links:
@@ -95,6 +100,8 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
         yield "ckpt.interval", f"must be a multiple of diloco.inner_steps ({cfg.diloco.inner_steps})"
     if cfg.diloco is not None:
         yield from mode_of(cfg.diloco.overlap).problems(cfg.diloco, adaptive)
+    if cfg.diloco is not None and cfg.diloco.compression == "sparse":
+        yield from _sparse_problems(cfg.diloco)
     if cfg.eval.only and not cfg.ckpt.resume:
         yield "eval.only", "evaluates a checkpoint: name it with ckpt.resume (latest with ckpt.path, a step directory " \
                            "or a remote URL of one)"
@@ -103,6 +110,24 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
                            "exported model instead (zb export)"
     if cfg.swarm is not None:
         yield from _swarm_problems(cfg)
+
+
+def _sparse_problems(d: DilocoConfig) -> Iterator[tuple[str, str]]:
+    from zb.collectives.sparse_twins import SparseScheme
+
+    why = SparseScheme(d.sparse_chunk, d.sparse_k).problem()
+    if why is not None:
+        yield ("diloco.sparse_k" if why.startswith("k =") else "diloco.sparse_chunk"), f"is wrong: {why}"
+    if not 0.0 <= d.sparse_beta < 1.0:
+        yield "diloco.sparse_beta", (f"{d.sparse_beta:g} is outside [0, 1): the accumulator's decay (0.95 is "
+                                     "SparseLoCo's)")
+    if d.error_feedback is False:
+        yield "diloco.error_feedback", ("cannot be off with diloco.compression = sparse: what a chunk does not send "
+                                        "waits in the accumulator (without it 98% of every pseudo-gradient is lost)")
+    if d.overlap == "eager":
+        yield "diloco.compression", ("sparse cannot combine with diloco.overlap = eager yet: eager stands in this node's "
+                                     "dense pseudo-gradient for its share of the average in flight, while the average "
+                                     "holds its sparse accumulator, so the correction would not cancel; use streaming")
 
 
 def _swarm_problems(cfg: Config) -> Iterator[tuple[str, str]]:

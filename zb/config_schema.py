@@ -196,17 +196,29 @@ class DilocoConfig:
                                           "Under diloco.overlap = streaming the round's diloco.fragments boundaries "
                                           "share it equally.", check="positive", run_defining=True)
     outer_lr: float = knob(0.7, "Outer learning rate.", check="positive", run_defining=True)
-    outer_momentum: float = knob(0.9, "Outer optimizer momentum.", check="non_negative", run_defining=True)
+    outer_momentum: Optional[float] = knob(None, "Outer optimizer momentum. Default: 0.9, or 0 with diloco.compression = "
+                                           "sparse (SparseLoCo's outer step: the error-feedback accumulator, decayed by "
+                                           "diloco.sparse_beta, takes momentum's place).", check="non_negative",
+                                           run_defining=True)
     nesterov: bool = knob(True, "Nesterov momentum for the outer SGD.", run_defining=True)
     outer_optimizer: str = knob("sgd", "Outer optimizer: sgd (with momentum/nesterov) or avg (plain averaging).",
                                 choices=("sgd", "avg"), run_defining=True)
     compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32), int8, int4 or int2 (4x, 7.5x or 15x "
-                                    "fewer bytes on the wire; blockwise scales, the same bits on every node).",
-                            choices=("none", "int8", "int4", "int2"), aliases={"no": "none", "uint8": "int8"},
+                                    "fewer bytes on the wire; blockwise scales, the same bits on every node), or sparse "
+                                    "(SparseLoCo: the diloco.sparse_k largest of every diloco.sparse_chunk values of the "
+                                    "error-feedback accumulator at 2 bits, 141x fewer bytes a payload at the defaults, "
+                                    "gathered by every node: docs/slow-links.md says when to pick it).",
+                            choices=("none", "int8", "int4", "int2", "sparse"), aliases={"no": "none", "uint8": "int8"},
                             run_defining=True)
+    sparse_chunk: int = knob(4096, "Sparse: values per chunk, a power of two from 16 to 65536 (an index packs "
+                                   "log2(chunk) bits).", check="positive", run_defining=True)
+    sparse_k: int = knob(64, "Sparse: entries sent per chunk, a multiple of 8 up to diloco.sparse_chunk.",
+                         check="positive", run_defining=True)
+    sparse_beta: float = knob(0.95, "Sparse: decay of the error-feedback accumulator at every outer step "
+                                    "(e <- beta e + pseudo-gradient), in [0, 1).", run_defining=True)
     error_feedback: Optional[bool] = knob(None, "Keep what quantization dropped from this node's pseudo-gradient and "
                                                 "send it at the next outer step (8 bytes per parameter on the host). "
-                                                "Default: on for int4 and int2, off for int8.")
+                                                "Default: on for int4, int2 and sparse (which needs it), off for int8.")
     stripes: Optional[int] = knob(None, "Stripes of the outer state: local rank r < stripes of every node holds stripe r "
                                         "of every parameter's rows and all-reduces it over replica group r, so nodes of "
                                         "different local rank counts train one run. Every node needs at least this many "
@@ -243,6 +255,12 @@ class DilocoConfig:
                                "average; the same decision on every node): its updates count for nothing from the next outer step, the "
                                "leader leaves it out of the world and never admits its id again, and the node itself "
                                "exits 2. Every node of a run must share it.", run_defining=True)
+    def momentum(self) -> float:
+        """diloco.outer_momentum as it applies (its default depends on diloco.compression)."""
+        if self.outer_momentum is not None:
+            return self.outer_momentum
+        return 0.0 if self.compression == "sparse" else 0.9
+
     drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
                              "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
 

@@ -22,7 +22,8 @@ class DilocoSettings(Protocol):
     fragments: int
     fragment_delay: int
     fragment_alpha: float
-    outer_momentum: float
+
+    def momentum(self) -> float: ...
 
 
 class Mode:
@@ -65,7 +66,7 @@ class Eager(Mode):
                                  "streaming was within 1% or better (BENCHMARKS.md, \"Eager across the regime\", "
                                  "\"Fidelity at scale\"): prefer diloco.overlap = streaming unless a short run of your "
                                  "own model says otherwise")
-        if d.outer_momentum > 0:
+        if d.momentum() > 0:
             yield "diloco.outer_momentum", ("with diloco.overlap = eager, outer momentum made eager 84-99% worse than "
                                             "blocking DiLoCo in our CPU sweep and 27-34% worse at 53M on a GPU, where "
                                             "momentum 0 with diloco.outer_lr 0.7 was eager's best (BENCHMARKS.md, \"Eager "

@@ -85,8 +85,8 @@ class SimNode:
 def outer_sgd(theta: torch.Tensor, dcfg) -> torch.optim.SGD:
     if dcfg.outer_optimizer == "avg":
         return torch.optim.SGD([theta], lr=1.0)
-    return torch.optim.SGD([theta], lr=dcfg.outer_lr, momentum=dcfg.outer_momentum,
-                           nesterov=dcfg.nesterov and dcfg.outer_momentum > 0)
+    return torch.optim.SGD([theta], lr=dcfg.outer_lr, momentum=dcfg.momentum(),
+                           nesterov=dcfg.nesterov and dcfg.momentum() > 0)
 
 
 def step(opt: torch.optim.SGD, grad: torch.Tensor) -> None:

@@ -23,7 +23,7 @@ from torch.distributed import ReduceOp
 
 from zb.collectives import PeerFailure, all_reduce
 from zb.config_schema import DilocoConfig
-from zb.diloco.sync import bucket_ranges
+from zb.diloco.sync import bucket_ranges, wire_options
 
 log = logging.getLogger("zb.diloco")
 
@@ -85,9 +85,10 @@ class BackgroundAllReduce(threading.Thread):
             with self.feedback() as residual:
                 for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
                     bucket = self.buffer[a:b]
-                    stats = all_reduce(bucket, group, op=ReduceOp.SUM, compression=self.cfg.compression,
-                                       streams=streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
-                                       residual=residual[a:b] if residual is not None else None)
+                    stats = all_reduce(bucket, group, op=ReduceOp.SUM, streams=streams,
+                                       min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
+                                       residual=residual[a:b] if residual is not None else None,
+                                       **wire_options(self.cfg))
                     if scale != 1:
                         bucket.div_(scale)
                     self.wire_bytes += stats.wire_bytes

@@ -33,10 +33,11 @@ PREFIX = "feedback/"
 
 
 def enabled(compression: str, setting: bool | None) -> bool:
-    """diloco.error_feedback as it applies: on by default at 4 and 2 bits, never without compression."""
+    """diloco.error_feedback as it applies: on by default at 4 and 2 bits and sparse (which cannot do without it:
+    zb.config_checks refuses it off), never without compression."""
     if compression == "none":
         return False
-    return setting if setting is not None else compression in ("int4", "int2")
+    return setting if setting is not None else compression in ("int4", "int2", "sparse")
 
 
 class ErrorFeedback:

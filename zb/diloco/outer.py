@@ -53,8 +53,8 @@ class OuterState:
     def _build_optimizer(self, cfg: DilocoConfig) -> torch.optim.Optimizer:
         if cfg.outer_optimizer == "avg":
             return torch.optim.SGD([self.flat], lr=1.0)
-        return torch.optim.SGD([self.flat], lr=cfg.outer_lr, momentum=cfg.outer_momentum,
-                               nesterov=cfg.nesterov and cfg.outer_momentum > 0)
+        momentum = cfg.momentum()
+        return torch.optim.SGD([self.flat], lr=cfg.outer_lr, momentum=momentum, nesterov=cfg.nesterov and momentum > 0)
 
     @property
     def numel(self) -> int:

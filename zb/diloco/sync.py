@@ -15,12 +15,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zb.collectives import all_reduce
+from zb.collectives.sparse_twins import SparseScheme
 from zb.config_schema import DilocoConfig
 from zb.diloco.outer import OuterState
 
@@ -38,6 +40,14 @@ class SyncStats:
     @property
     def mbps(self) -> float:
         return 8 * self.wire_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+def wire_options(cfg: DilocoConfig) -> dict[str, Any]:
+    """all_reduce's compression keywords for diloco.compression (and the sparse scheme's keys)."""
+    if cfg.compression != "sparse":
+        return {"compression": cfg.compression}
+    return {"compression": "sparse", "sparse": SparseScheme(cfg.sparse_chunk, cfg.sparse_k),
+            "sparse_beta": cfg.sparse_beta}
 
 
 def bucket_ranges(numel: int, bucket_values: int) -> list[tuple[int, int]]:
@@ -69,9 +79,10 @@ class _Reducer(threading.Thread):
                 grad = self.outer.flat.grad
                 assert grad is not None  # OuterState's pseudo-gradient buffer, never cleared
                 bucket = grad[a:b]
-                stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, compression=self.cfg.compression,
-                                   streams=self.streams, min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
-                                   residual=self.residual[a:b] if self.residual is not None else None)
+                stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, streams=self.streams,
+                                   min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
+                                   residual=self.residual[a:b] if self.residual is not None else None,
+                                   **wire_options(self.cfg))
                 if self.scale != 1:
                     bucket.div_(self.scale)
                 self.wire_bytes += stats.wire_bytes

@@ -26,6 +26,7 @@ import statistics
 from collections.abc import Sequence
 
 from zb.collectives.kernels import SCHEMES
+from zb.collectives.sparse_twins import HIGH
 
 PER_QUANTIZATION = {"int8": 1 / 254, "int4": 1 / 14, "int2": 1.0}   # one absmax quantization's worst step
 FP32_PER_RANK = 2.0 ** -18                                           # fp32 sums and norms, with room
@@ -38,6 +39,10 @@ def slack(compression: str, ranks: int) -> float:
     base = 1.0 + FP32_PER_RANK * ranks
     if compression == "none":
         return base
+    if compression == "sparse":
+        # A chunk sends at most K' x (11/8 mean)^2 of energy, and its K' picked values hold at least K' x mean^2
+        # (Cauchy-Schwarz): every payload is at most 11/8 of its accumulator's norm (zb.collectives.sparse_twins).
+        return base * HIGH
     q = PER_QUANTIZATION[compression]
     return base + ((1.0 + q) ** ranks - 1.0) * math.sqrt(SCHEMES[compression].block)
 
