@@ -18,6 +18,12 @@ heavy-tailed values best (Laplace and Student-t(3) samples: 1-10% of their energ
 rest again). A chunk holding a NaN or an Inf sends scale NaN and indices 0 .. K'-1 (its values arrive as NaN,
 never as finite numbers); a chunk whose scale is below 2^-100 sends scale 0.
 
+Every NaN written (a scale, a residual entry, a decoded sum) is the default quiet NaN, bits 0x7fc00000: when both
+operands are NaNs, IEEE leaves which one's sign and payload the result keeps to the hardware and the operand order
+(torch's x + y and x - y keep y's here, as it computes x + 1 * y; x86 code for x + y keeps x's; a compiler may swap
+an addition's operands), so a NaN chunk's residual (beta * e + x with NaN in both; acc - NaN), or a decode onto
+NaNs, would otherwise differ between these functions, the kernels, CPUs and torch builds.
+
 Payload of a call (`payload_bytes`): every chunk's scale (float32, chunk order), then every chunk's K indices
 (log2(C) bits each, a little-endian bit stream of K * log2(C) / 8 bytes per chunk), then every chunk's K codes
 (2 bits each, four to a byte, value j in bits 2 (j % 4)); slots past K' of a short last chunk are zero bits.
@@ -104,6 +110,11 @@ def _lengths(n: int, s: SparseScheme) -> torch.Tensor:
     return lengths
 
 
+def _canonical(t: torch.Tensor) -> torch.Tensor:
+    """t with every NaN the default quiet NaN (0x7fc00000), whatever its sign and payload."""
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+
+
 def _values(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """float32[chunks, K] of 2-bit codes under per-chunk scales."""
     low = scale * torch.tensor(LOW)
@@ -151,7 +162,7 @@ def compress(x: torch.Tensor, payload: torch.Tensor, scheme: SparseScheme, resid
         kept = mat.clone()
         rows = torch.arange(nc)[:, None].expand(nc, k)
         kept[rows[live], picked[live]] = vals[live] - sent[live]
-        residual.copy_(kept.view(-1)[:n])
+        residual.copy_(_canonical(kept.view(-1)[:n]))
 
 
 def decode_add(payload: torch.Tensor, acc: torch.Tensor, scheme: SparseScheme) -> bool:
@@ -174,6 +185,6 @@ def decode_add(payload: torch.Tensor, acc: torch.Tensor, scheme: SparseScheme) -
     for j in range(k):                               # slot order: a repeated index adds in the same order everywhere
         rows = torch.nonzero(live[:, j]).view(-1)
         cols = picked[rows, j]
-        flat[rows, cols] = flat[rows, cols] + vals[rows, j]
+        flat[rows, cols] = _canonical(flat[rows, cols] + vals[rows, j])
     acc.copy_(flat.view(-1)[:n])
     return True
