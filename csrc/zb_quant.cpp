@@ -1,4 +1,5 @@
-// Blockwise int8 / int4 / int2 quantization kernels for zb's all-reduce, registered as torch.ops.zb.*.
+// Blockwise int8 / int4 / int2 quantization kernels for zb's all-reduce, registered as torch.ops.zb.*,
+// and the sparse top-k scheme's (sparse_compress, sparse_decode_add: see "Sparse top-k" below).
 //
 // Schemes (the pure-PyTorch twins in zb/collectives/twins.py define the exact meaning), per block of
 // `block` values (the last may be shorter), L = 2^(bits - 1) - 1 levels each side of zero:
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <thread>
@@ -35,8 +37,10 @@
 // Per-block bodies are inlined into their loops over blocks, whose invariants then stay in registers.
 #if defined(__GNUC__) || defined(__clang__)
 #define ZB_INLINE __attribute__((always_inline))
+#define ZB_PREFETCH_WRITE(p) __builtin_prefetch((p), 1)
 #else
 #define ZB_INLINE
+#define ZB_PREFETCH_WRITE(p) ((void)(p))
 #endif
 
 namespace {
@@ -556,6 +560,304 @@ void reduce_quantize(const at::Tensor& in_codes, const at::Tensor& in_scales, at
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Sparse top-k (diloco.compression = sparse; the twin zb/collectives/sparse_twins.py defines it):
+// per chunk of C values (the last may be shorter: L values), the K' = min(K, L) entries of largest
+// |acc| (acc = beta * e + x, two roundings; acc = x without a residual), ties to the lower index,
+// sent in ascending index order as log2(C)-bit indices and 2-bit codes under one float32 scale:
+//   scale = (|acc_p0| + |acc_p1| + ..., ascending index, one addition at a time) / K'
+//   code  = 2 * (acc < 0) + (|acc| >= scale * 9/8); value = +-scale * 7/8 (code 0, 2) or 11/8 (1, 3)
+//   e     = acc - value at the picked entries, acc elsewhere.
+// A chunk holding a NaN or an Inf sends scale NaN, indices 0 .. K'-1 and codes 0 (its residual: acc -
+// NaN there, acc elsewhere); a scale below 2^-100 is sent as 0. Every NaN written is the default quiet
+// NaN (0x7fc00000): with two NaN operands, which one's sign and payload the result keeps depends on the
+// CPU and the operand order (torch keeps the second's, x86 code the first's), so the twin and these
+// kernels canonicalize instead of agreeing on an order.
+// Payload: all scales, then every chunk's K indices (a little-endian bit stream), then every chunk's
+// K codes (four to a byte, slot j in bits 2 (j % 4)); slots past K' of a short last chunk are zero
+// bits. C is a power of two and K a multiple of 8, so every chunk's fields start on a byte: chunks
+// are independent, and threads split them without changing a bit.
+
+constexpr float kSparseLow = 0.875f;    // sparse_twins.LOW, HIGH, SPLIT: exact in fp32
+constexpr float kSparseHigh = 1.375f;
+constexpr float kSparseSplit = 1.125f;
+constexpr int64_t kSelectBlock = 32;    // values per block max (select_top: its lower bound, and what it skips)
+
+inline float canonical_nan(float v) { return std::isnan(v) ? std::numeric_limits<float>::quiet_NaN() : v; }
+
+struct Sparse {
+  int64_t n, chunk, k, count, index_bits, index_bytes, code_bytes;
+  int64_t len(int64_t c) const { return std::min(chunk, n - c * chunk); }
+  int64_t live(int64_t c) const { return std::min(k, len(c)); }  // K'
+  int64_t payload_bytes() const { return count * (4 + index_bytes + code_bytes); }
+  // Section offsets in the payload.
+  int64_t indices_at(int64_t c) const { return 4 * count + c * index_bytes; }
+  int64_t codes_at(int64_t c) const { return 4 * count + count * index_bytes + c * code_bytes; }
+};
+
+// The scheme's limits are SparseScheme.problem()'s; `values` is x (compress) or acc (decode_add).
+Sparse check_sparse(const at::Tensor& values, const at::Tensor& payload, int64_t chunk, int64_t k, int64_t threads) {
+  TORCH_CHECK(chunk >= 16 && chunk <= 65536 && (chunk & (chunk - 1)) == 0,
+              "chunk must be a power of two from 16 to 65536 (indices pack log2(chunk) bits each), got ", chunk);
+  TORCH_CHECK(k >= 8 && k % 8 == 0 && k <= chunk,
+              "k must be a multiple of 8 (indices and codes pack to whole bytes) from 8 to the chunk (", chunk,
+              "), got ", k);
+  TORCH_CHECK(threads >= 1, "threads must be at least 1, got ", threads);
+  TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.device().is_cpu(),
+              "expected a contiguous float32 CPU tensor");
+  int64_t bits = 0;
+  while ((int64_t{1} << bits) < chunk) ++bits;
+  Sparse s{values.numel(), chunk, k, (values.numel() + chunk - 1) / chunk, bits, k * bits / 8, k / 4};
+  TORCH_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() && payload.device().is_cpu() &&
+                  payload.numel() == s.payload_bytes(),
+              "payload must be a contiguous uint8 CPU tensor of SparseScheme(", chunk, ", ", k, ").payload_bytes(",
+              s.n, ") = ", s.payload_bytes(), " bytes, got ", payload.numel());
+  return s;
+}
+
+// Chunks split into tasks of about kGrainValues values (at least one chunk), run() as above.
+Plan sparse_plan(const Sparse& s, int64_t threads) {
+  int64_t grain = std::max<int64_t>(1, kGrainValues / s.chunk);
+  int64_t tasks = (s.count + grain - 1) / grain;
+  return {s.n, s.chunk, s.count, grain, tasks, std::max<int64_t>(1, std::min(threads, tasks))};
+}
+
+inline uint32_t mag_bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  return b & 0x7fffffffu;
+}
+
+// A pick's rank as one integer: |acc|'s bits above, 65535 - index below. For finite values the
+// order of |acc| bits is the order of magnitudes (+0 and -0 are equal), and indices are distinct,
+// so this is the twin's total order (larger |acc| first, ties to the lower index) with no ties.
+inline uint64_t rank_of(uint32_t mag, int64_t i) {
+  return (static_cast<uint64_t>(mag) << 16) | static_cast<uint64_t>(65535 - i);
+}
+
+// Scratch of one worker for chunks of up to `chunk` values.
+struct SelectScratch {
+  std::vector<uint32_t> block_max, order;  // per kSelectBlock values
+  std::vector<uint64_t> ranks, cut;        // the candidates, in index order and partitioned
+  std::vector<int32_t> idx;                // the picks
+  explicit SelectScratch(int64_t chunk)
+      : block_max((chunk + kSelectBlock - 1) / kSelectBlock), order(block_max.size()), ranks(chunk), cut(chunk),
+        idx(chunk) {}
+};
+
+// Max |acc| bits of each block of kSelectBlock values of acc[0..len), into bm; returns the chunk's
+// max (>= kInfBits: the chunk holds a NaN or an Inf).
+inline uint32_t block_maxima(const float* __restrict acc, int64_t len, uint32_t* __restrict bm) {
+  uint32_t most = 0;
+  int64_t b = 0, i = 0;
+  for (; i + kSelectBlock <= len; i += kSelectBlock, ++b) {
+    uint32_t m = 0;
+    for (int64_t j = 0; j < kSelectBlock; ++j) m = std::max(m, mag_bits(acc[i + j]));  // vectorizes
+    bm[b] = m;
+    most = std::max(most, m);
+  }
+  if (i < len) {
+    uint32_t m = 0;
+    for (; i < len; ++i) m = std::max(m, mag_bits(acc[i]));
+    bm[b] = m;
+    most = std::max(most, m);
+  }
+  return most;
+}
+
+// The kk picks of the finite acc[0..len) (block maxima in w.block_max), in ascending index order,
+// into w.idx. A lower bound first: the kk-th largest block max t0 (kk distinct values are >= t0, so
+// the kk-th largest |acc| is too; with fewer blocks than kk, t0 = 0). Only values >= t0 can be
+// picked: they are gathered in index order (blocks whose max is below t0 skipped) as ranks; the
+// kk-th highest rank among them is the exact cut, and the ranks at or above it, still in index
+// order, are the picks (no sort). Ties at t0 are all gathered, so ranks decide them by index, as
+// the twin does.
+inline void select_top(const float* __restrict acc, int64_t len, int64_t kk, SelectScratch& w) {
+  const int64_t blocks = (len + kSelectBlock - 1) / kSelectBlock;
+  uint32_t t0 = 0;
+  if (blocks >= kk) {
+    uint32_t* o = w.order.data();
+    std::copy(w.block_max.begin(), w.block_max.begin() + blocks, o);
+    std::nth_element(o, o + (kk - 1), o + blocks, std::greater<uint32_t>());
+    t0 = o[kk - 1];
+  }
+  uint64_t* ranks = w.ranks.data();
+  int64_t count = 0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (w.block_max[b] < t0) continue;
+    for (int64_t i = b * kSelectBlock, e = std::min(len, i + kSelectBlock); i < e; ++i) {
+      uint32_t m = mag_bits(acc[i]);
+      ranks[count] = rank_of(m, i);  // written always, kept when m >= t0: no branch to mispredict
+      count += m >= t0;
+    }
+  }
+  uint64_t cut = 0;  // every candidate
+  if (count > kk) {
+    uint64_t* c = w.cut.data();
+    std::copy(ranks, ranks + count, c);
+    std::nth_element(c, c + (kk - 1), c + count, std::greater<uint64_t>());
+    cut = c[kk - 1];
+  }
+  int32_t* idx = w.idx.data();
+  int64_t picked = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    idx[picked] = static_cast<int32_t>(65535 - static_cast<int64_t>(ranks[j] & 0xffffu));
+    picked += ranks[j] >= cut;
+  }
+}
+
+// values[0..count) (each < 2^bits) then zeros up to `slots`, as a little-endian bit stream of
+// slots * bits / 8 bytes (slots * bits is a multiple of 8).
+inline void pack_bits(const int32_t* values, int64_t count, int64_t slots, int bits, uint8_t* out) {
+  uint64_t stream = 0;
+  int have = 0;
+  for (int64_t j = 0; j < slots; ++j) {
+    uint64_t v = j < count ? static_cast<uint64_t>(values[j]) : 0;
+    stream |= v << have;
+    have += bits;
+    while (have >= 8) {
+      *out++ = static_cast<uint8_t>(stream);
+      stream >>= 8;
+      have -= 8;
+    }
+  }
+}
+
+// Reads a little-endian stream of `bits`-bit values, one at a time.
+struct BitReader {
+  const uint8_t* in;
+  int bits;
+  uint64_t stream = 0;
+  int have = 0;
+  uint32_t next() {
+    while (have < bits) {
+      stream |= static_cast<uint64_t>(*in++) << have;
+      have += 8;
+    }
+    uint32_t v = static_cast<uint32_t>(stream & ((uint64_t{1} << bits) - 1));
+    stream >>= bits;
+    have -= bits;
+    return v;
+  }
+};
+
+// A code's value under a scale: +-(scale * 7/8) or +-(scale * 11/8), one multiplication; the sign
+// flip is exact (NaN's sign bit included, as the twin's negation).
+inline float sparse_value(uint32_t code, float scale) {
+  float mag = scale * ((code & 1u) ? kSparseHigh : kSparseLow);
+  return (code & 2u) ? -mag : mag;
+}
+
+void sparse_compress_impl(const Sparse& s, const Plan& p, const float* xp, uint8_t* pay, float* rp, float beta) {
+  std::vector<SelectScratch> scratch;  // one per worker, made before the threads start
+  for (int64_t w = 0; w < p.workers; ++w) scratch.emplace_back(s.chunk);
+  run(p, [&](int64_t begin, int64_t end, int worker) {
+    SelectScratch& w = scratch[worker];
+    std::vector<uint8_t> codes(s.code_bytes);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t first = c * s.chunk, len = s.len(c), kk = s.live(c);
+      const float* acc = xp + first;
+      if (rp != nullptr) {  // acc = beta * e + x, kept in the residual until the picks become acc - value
+        float* __restrict r = rp + first;
+        const float* __restrict x = xp + first;
+        for (int64_t i = 0; i < len; ++i) {
+          float q = beta * r[i];  // two roundings, as the twin: -ffp-contract=off keeps this from being an FMA
+          r[i] = q + x[i];
+        }
+        acc = r;
+      }
+      float scale;
+      int32_t* idx = w.idx.data();
+      std::memset(codes.data(), 0, codes.size());
+      const bool special = block_maxima(acc, len, w.block_max.data()) >= kInfBits;
+      if (special) {
+        // NaN or Inf: scale NaN, the first K' indices, codes 0 (the values arrive as NaN, never finite).
+        scale = std::numeric_limits<float>::quiet_NaN();
+        std::iota(idx, idx + kk, 0);
+      } else {
+        select_top(acc, len, kk, w);
+        float total = 0.0f;
+        for (int64_t j = 0; j < kk; ++j) total = total + abs_bits(acc[idx[j]]);  // ascending index, in order
+        scale = total / static_cast<float>(kk);
+        if (scale < kTiny) scale = 0.0f;
+        const float split = scale * kSparseSplit;
+        for (int64_t j = 0; j < kk; ++j) {
+          float v = acc[idx[j]];
+          uint32_t code = 2u * static_cast<uint32_t>(v < 0.0f) + static_cast<uint32_t>(abs_bits(v) >= split);
+          codes[j / 4] = static_cast<uint8_t>(codes[j / 4] | (code << (2 * (j % 4))));
+        }
+      }
+      std::memcpy(pay + 4 * c, &scale, sizeof(scale));
+      pack_bits(idx, kk, s.k, static_cast<int>(s.index_bits), pay + s.indices_at(c));
+      std::memcpy(pay + s.codes_at(c), codes.data(), codes.size());
+      if (rp != nullptr) {
+        float* r = rp + first;
+        for (int64_t j = 0; j < kk; ++j) {
+          uint32_t code = (codes[j / 4] >> (2 * (j % 4))) & 3u;
+          r[idx[j]] = r[idx[j]] - sparse_value(code, scale);
+        }
+        // Only a chunk with a NaN or an Inf can leave a NaN in the residual (elsewhere acc is finite and
+        // the values finite or, from an overflowing sum, +-Inf).
+        if (special) {
+          for (int64_t i = 0; i < len; ++i) r[i] = canonical_nan(r[i]);
+        }
+      }
+    }
+  });
+}
+
+void sparse_compress(const at::Tensor& x, at::Tensor& payload, int64_t chunk, int64_t k,
+                     const c10::optional<at::Tensor>& residual, double beta, int64_t threads) {
+  Sparse s = check_sparse(x, payload, chunk, k, threads);
+  float* rp = residual_ptr(residual, s.n);
+  if (s.n == 0) return;
+  // beta rounds to fp32 once, as the twin's full_like(residual, beta).
+  sparse_compress_impl(s, sparse_plan(s, threads), x.const_data_ptr<float>(), payload.mutable_data_ptr<uint8_t>(),
+                       rp, static_cast<float>(beta));
+}
+
+// acc += the payload's values, chunk by chunk, slot by slot (one rounding per addition; a repeated
+// index, possible only in a forged payload, adds in slot order as in the twin, and a chunk is never
+// split between threads). An index past the last chunk's end refuses the payload before anything
+// is added: only a short last chunk can hold one (log2(C) bits cannot name an index >= C).
+bool sparse_decode_add(const at::Tensor& payload, at::Tensor& acc, int64_t chunk, int64_t k, int64_t threads) {
+  Sparse s = check_sparse(acc, payload, chunk, k, threads);
+  if (s.n == 0) return true;
+  const uint8_t* pay = payload.const_data_ptr<uint8_t>();
+  float* ap = acc.mutable_data_ptr<float>();
+  const int64_t last = s.count - 1, tail = s.len(last);
+  if (tail < s.chunk) {
+    BitReader in{pay + s.indices_at(last), static_cast<int>(s.index_bits)};
+    for (int64_t j = 0; j < s.live(last); ++j) {
+      if (in.next() >= static_cast<uint32_t>(tail)) return false;
+    }
+  }
+  // The entries a chunk adds to are scattered over its lines, too sparsely for the hardware to
+  // prefetch: each chunk's are asked for while the chunk before it is added.
+  constexpr int64_t kAhead = 1;
+  auto prefetch = [&](int64_t c) ZB_INLINE {
+    BitReader in{pay + s.indices_at(c), static_cast<int>(s.index_bits)};
+    const float* a = ap + c * s.chunk;
+    for (int64_t j = 0, kk = s.live(c); j < kk; ++j) ZB_PREFETCH_WRITE(a + in.next());
+  };
+  run(sparse_plan(s, threads), [&](int64_t begin, int64_t end, int) {
+    for (int64_t c = begin; c < std::min(end, begin + kAhead); ++c) prefetch(c);
+    for (int64_t c = begin; c < end; ++c) {
+      if (c + kAhead < end) prefetch(c + kAhead);
+      float scale;
+      std::memcpy(&scale, pay + 4 * c, sizeof(scale));
+      BitReader in{pay + s.indices_at(c), static_cast<int>(s.index_bits)};
+      const uint8_t* codes = pay + s.codes_at(c);
+      float* a = ap + c * s.chunk;
+      for (int64_t j = 0, kk = s.live(c); j < kk; ++j) {
+        uint32_t i = in.next();
+        a[i] = canonical_nan(a[i] + sparse_value((codes[j / 4] >> (2 * (j % 4))) & 3u, scale));
+      }
+    }
+  });
+  return true;
+}
+
 }  // namespace
 
 // 1 when the kernels use OpenMP, 0 when they split blocks over std::threads.
@@ -575,6 +877,9 @@ TORCH_LIBRARY(zb, m) {
   m.def("reduce_quantize(Tensor in_codes, Tensor in_scales, Tensor(a!) acc, Tensor(b!) out_codes, "
         "Tensor(c!) out_scales, int block, int bits, float divisor, bool write_back, Tensor(d!)? residual, "
         "int threads) -> ()");
+  m.def("sparse_compress(Tensor x, Tensor(a!) payload, int chunk, int k, Tensor(b!)? residual, float beta, "
+        "int threads) -> ()");
+  m.def("sparse_decode_add(Tensor payload, Tensor(a!) acc, int chunk, int k, int threads) -> bool");
   m.def("openmp() -> int", &openmp);
 }
 
@@ -583,4 +888,6 @@ TORCH_LIBRARY_IMPL(zb, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("dequantize_add", &dequantize_add);
   m.impl("reduce_quantize", &reduce_quantize);
+  m.impl("sparse_compress", &sparse_compress);
+  m.impl("sparse_decode_add", &sparse_decode_add);
 }
