@@ -44,10 +44,10 @@ def test_two_nodes_of_two_ranks_agree_every_outer_step(make_run, compression, st
 
 
 # int2 under soak (suite time): the same path as int4, another kernel width (held against the twins in test_kernels)
-@pytest.mark.parametrize("compression", ["int4", pytest.param("int2", marks=pytest.mark.soak)])
+@pytest.mark.parametrize("compression", ["int4", pytest.param("int2", marks=pytest.mark.soak), "sparse"])
 def test_three_nodes_agree_every_outer_step_at_4_and_2_bits(make_run, compression):
-    """Packed 4- and 2-bit pseudo-gradients with error feedback (their default): every node holds the same
-    params at every outer step, and sends 1/7.5 (1/15) of fp32's bytes and scales."""
+    """Packed 4- and 2-bit pseudo-gradients with error feedback (their default), and sparse top-k with its
+    accumulator: every node holds the same params at every outer step."""
     run = make_run(3)
     for i in range(3):
         run.start_train(f"n{i}", "--optim.total_steps", "20", "--diloco.compression", compression, rank=i)

@@ -72,6 +72,7 @@ SOAK = pytest.mark.soak
                                                      pytest.param("eager", signal.SIGSTOP, "none", marks=SOAK),
                                                      pytest.param("eager", signal.SIGTERM, "none", marks=SOAK),
                                                      pytest.param("streaming", signal.SIGKILL, "int8", marks=SOAK),
+                                                     pytest.param("streaming", signal.SIGKILL, "sparse", marks=SOAK),
                                                      pytest.param("streaming", signal.SIGTERM, "none", marks=SOAK)])
 def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mode, sig, compression):
     """A peer killed, hung (SIGSTOP past the heartbeat timeout) or stopped (SIGTERM) while a
@@ -100,10 +101,13 @@ def test_peer_lost_during_the_background_transfer_is_skipped_alike(make_run, mod
     assert ("did not reach every node" in (run.tmp / "n0.log").read_text()) == bool(skipped)
 
 
-@pytest.mark.parametrize("mode", [pytest.param("eager", marks=SOAK), pytest.param("streaming", marks=SOAK)])
-def test_joiner_mid_run_ends_identical(make_run, mode):
+@pytest.mark.parametrize("mode, compression", [pytest.param("eager", "none", marks=SOAK),
+                                               pytest.param("streaming", "none", marks=SOAK),
+                                               pytest.param("streaming", "sparse", marks=SOAK)])
+def test_joiner_mid_run_ends_identical(make_run, mode, compression):
+    """Sparse: the joiner's accumulator starts at zero and the three nodes agree from its first outer step."""
     run = make_run(2)
-    join_late(run, "--diloco.overlap", mode)
+    join_late(run, "--diloco.overlap", mode, "--diloco.compression", compression)
     agree_with_joiner(run)
     assert "received the run's state from rank" in (run.tmp / "late.log").read_text()
 

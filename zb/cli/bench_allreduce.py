@@ -20,7 +20,9 @@ rank failed; 2 invalid options."""
 @click.option("--size-mb", type=FiniteFloatRange(min=1e-6), default=64.0, show_default=True,
               help="fp32 tensor size per rank (or per kernel call with --kernels), in MB (1e6 bytes).")
 @click.option("--compressions", default="none,int8", show_default=True,
-              help="Comma-separated compressions to compare: none (fp32), int8, int4, int2.")
+              help="Comma-separated compressions to compare: none (fp32), int8, int4, int2, sparse (the top 64 of every "
+                   "4096 values at 2 bits, diloco.sparse_k and sparse_chunk's defaults, gathered by every rank; its error "
+                   "is one call's, where training sends the rest later through error feedback).")
 @click.option("--streams", type=click.IntRange(min=1), default=1, show_default=True,
               help="Process groups to stripe over (parallel TCP connections); config twin: ZB_DILOCO_STREAMS.")
 @click.option("--iterations", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per compression.")
