@@ -272,7 +272,9 @@ def _training(stage: Stage) -> list[Stop]:
              zb("train", *TINY, "--diloco.inner_steps", "2", "--elastic.addr", "127.0.0.1", "--elastic.port",
                 str(silent.port), "--log.dir", str(joining / "log"), "--ckpt.path", str(joining / "ckpt"),
                 "--ckpt.ram_dir", str(joining / "ram")),
-             lambda r: r.said(r"zb\.train: mfu:") and silent.reached_by(r),
+             # The join's own line comes after the loop's stop is installed (the status publisher may reach the
+             # silent store earlier, while a signal still means "before training started").
+             lambda r: r.said(r"zb\.train: joining the DiLoCo run at") and silent.reached_by(r),
              {s: "stopped at step 0 on request" for s in INTERRUPTED}, leftovers=_no_checkpoint(joining / "ckpt")),
         Stop("zb train (training)",
              zb("train", *TINY, "--optim.total_steps", "100000", "--log.dir", str(running / "log"), "--ckpt.path",

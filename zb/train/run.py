@@ -229,6 +229,9 @@ class TrainingRun:
             return (cfg.data.data_rank or 0), (cfg.data.data_world_size or 1)
         from zb.diloco.node import DilocoNode
 
+        if self.local.is_head:   # the store may not answer yet: say what this node waits for
+            log.info("joining the DiLoCo run at %s (up to elastic.connect_timeout, %g s, for the store to answer)",
+                     cfg.elastic.addr or f"this node's own store (port {cfg.elastic.port})", cfg.elastic.connect_timeout)
         self.diloco = DilocoNode(cfg, self.model, self.optimizer, self.local, self.sink, self.fingerprint,
                                  local_group=control_group())
         slot = self.diloco.start()
