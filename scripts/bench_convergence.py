@@ -9,7 +9,8 @@ Rows (every one a real `zb train` run on the built-in offline data, whose entrop
                   all-reduce of the grads every step is mathematically the same step)
   diloco-hH-C     N DiLoCo nodes (`zb store` + N processes), batch B each, H inner steps,
                   pseudo-gradients sent as C = fp32, int8, int4 or int2 (int4 and int2 with error
-                  feedback, their default; a "-noef" suffix turns it off: diloco-h10-int4-noef)
+                  feedback, their default; a "-noef" suffix turns it off: diloco-h10-int4-noef), or sparse
+                  (diloco.compression = sparse at --sparse-outer-lr, no outer momentum: SparseLoCo's outer step)
   elastic-hH-C    as diloco-hH-C, but the last node is SIGKILLed after 1/3 of the outer steps and a
                   new node joins at once; ends by checking that all live nodes agree (params_hash)
   eager-hH-C      as diloco-hH-C with diloco.overlap = eager (the all-reduce behind the next round)
@@ -41,7 +42,7 @@ from _convergence_procs import run_nodes, run_single  # noqa: E402
 from _convergence_report import report  # noqa: E402
 
 DEFAULT_ROWS = "single,dp,diloco-h10-fp32,diloco-h10-int8,diloco-h50-fp32,diloco-h50-int8,elastic-h10-fp32"
-ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming|poison|flip)-h(\d+)-(fp32|int8|int4|int2)(-noef)?"
+ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming|poison|flip)-h(\d+)-(fp32|int8|int4|int2|sparse)(-noef)?"
                  r"(-clip([\d.]+))?)$")
 
 
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="optim.warmup_steps.")
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco.outer_lr.")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco.outer_momentum.")
+    p.add_argument("--sparse-outer-lr", type=float, default=4.0,
+                   help="diloco.outer_lr of sparse rows (no outer momentum; 4 was the best of 1, 2, 4, 8, 16 in "
+                        "scripts/bench_sparse_shapes.py).")
     p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of streaming rows.")
     p.add_argument("--fragment-delay", type=int, default=1, help="diloco.fragment_delay of streaming rows.")
     p.add_argument("--fragment-alpha", type=float, default=0.5, help="diloco.fragment_alpha of streaming rows.")
@@ -78,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         m = ROW.match(row)
         if m is None:
             p.error(f"unknown row {row!r}: use single, dp, or diloco-, elastic-, eager-, streaming-, poison- or "
-                    "flip-h<H>-<fp32|int8|int4|int2>[-noef][-clipK]")
+                    "flip-h<H>-<fp32|int8|int4|int2|sparse>[-noef][-clipK]")
         if m.group(3) and args.steps % int(m.group(3)):
             p.error(f"--steps {args.steps} is not a multiple of H in {row}")
     return args
@@ -104,8 +108,9 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
     else:
         h, compression = int(m.group(3)), "none" if m.group(4) == "fp32" else m.group(4)
         feedback = ["--diloco.error_feedback", "false" if m.group(5) else "true"] if compression != "none" else []
+        lr, momentum = (args.sparse_outer_lr, 0.0) if compression == "sparse" else (args.outer_lr, args.outer_momentum)
         diloco = [*feedback, "--diloco.inner_steps", str(h), "--diloco.compression", compression, "--diloco.outer_lr",
-                  str(args.outer_lr), "--diloco.outer_momentum", str(args.outer_momentum), "--train.log_model_hash",
+                  str(lr), "--diloco.outer_momentum", str(momentum), "--train.log_model_hash",
                   "--diloco.overlap", m.group(2) if m.group(2) in ("eager", "streaming") else "none"]
         if m.group(7):
             diloco += ["--diloco.clip", m.group(7)]
@@ -157,9 +162,10 @@ def reused_runs(paths: list[str], args: argparse.Namespace) -> list[dict]:
         if differ:
             raise SystemExit(f"--reuse {path}: settings differ ({', '.join(differ)}); rerun those rows instead")
         same_outer = all(earlier["config"][k] == getattr(args, k) for k in ("outer_lr", "outer_momentum"))
+        same_sparse = earlier["config"].get("sparse_outer_lr") == args.sparse_outer_lr
         for r in earlier["runs"]:
             if r["row"] in args.rows and r["seed"] in args.seeds and "error" not in r \
-                    and (r["row"] in ("single", "dp") or same_outer):
+                    and (r["row"] in ("single", "dp") or (same_sparse if "sparse" in r["row"] else same_outer)):
                 taken.setdefault((r["row"], r["seed"]), r)
     return list(taken.values())
 

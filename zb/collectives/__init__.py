@@ -13,7 +13,12 @@
   pipelined ring on CPU (ring.py) over blockwise-scaled packed codes (twins.py defines the schemes):
   reduce-scatter accumulating in fp32, then an all-gather that forwards the owner's bytes, so every
   rank ends with bit-identical values.
-- residual (error feedback, quantized widths only): one float32 value per value of the tensor, kept
+- compression "sparse" (SparseLoCo, arXiv 2508.15706; sparse_twins.py defines it): per chunk of
+  `sparse.chunk` values, the `sparse.k` largest entries of `sparse_beta` x residual + tensor, as packed
+  indices and 2-bit codes; every rank's payload is gathered over a ring (gather.py: the bytes forwarded
+  as they are) and decoded in rank order into zeros, so every rank ends with the same bits. A rank
+  sends (W - 1) payloads a call.
+- residual (error feedback, quantized widths and sparse): one float32 value per value of the tensor, kept
   by the caller across calls; every quantization this rank performs adds it and keeps what it
   dropped, so across calls the outputs plus every rank's residual equal the inputs summed.
 - streams: extra groups with the same members; the tensor is striped over them so a node pair
