@@ -932,3 +932,25 @@ def test_evict_clipped_counts_an_outer_step_once_however_many_attempts_checked_i
     assert node.diloco.trust.evicted == {"b"} and node.diloco.trust.evicted_now == ["b"]
     node.diloco.trust.note(view, plan, 2)
     assert node.diloco.trust.evicted_now == ["b"]          # decided once
+
+
+def test_sparse_with_clip_scales_what_enters_the_accumulator_and_passes_its_check(caplog):
+    """diloco.clip with sparse: node b sends its update x1000; every node scales b's pseudo-gradient to the bound
+    before it enters b's accumulator, the payloads' average passes the checked average (a payload is at most 11/8
+    of its accumulator's norm), and every node holds SparseLoCo's params computed from the clipped moves."""
+    start = TinyModel().flat()
+    moves = deltas(3, 3, start.numel())
+    for round_moves in moves:
+        round_moves[1] = round_moves[1] * 1000
+    _, nodes = start_world(["a", "b", "c"], **SPARSE, **{"diloco.clip": "2"})
+    run_rounds(nodes, moves)
+    clipped = []
+    for round_moves in moves:
+        norms = [float(m.norm()) for m in round_moves]
+        bound = 2.0 * sorted(norms)[(len(norms) - 1) // 2]
+        clipped.append([m * min(1.0, bound / n) for m, n in zip(round_moves, norms)])
+    expected = sparse_reference(start, clipped, 0.95, 0.7, SparseScheme(16, 8))
+    for node in nodes:
+        assert torch.allclose(node.model.flat(), expected, atol=1e-5)
+        assert node.reports[-1].applied and node.reports[-1].clipped == ["b"]
+    assert "the average failed its check" not in caplog.text

@@ -82,8 +82,10 @@ def _check_owners_counted_each_micro_batch_once(cluster: TrainCluster, owners: l
         assert all(e["micro_batches"] == 2 for e in events), uid   # TINY: batch 4, micro_bs 2
 
 
-# int4 (with error feedback) under soak: a stage's outer step is a DiLoCo node's, whatever the width (suite time)
-@pytest.mark.parametrize("compression", ["none", pytest.param("int4", marks=pytest.mark.soak)])
+# int4 (with error feedback) and sparse under soak: a stage's outer step is a DiLoCo node's, whatever the width
+# (suite time)
+@pytest.mark.parametrize("compression", ["none", pytest.param("int4", marks=pytest.mark.soak),
+                                         pytest.param("sparse", marks=pytest.mark.soak)])
 def test_two_stages_two_workers_replicas_agree_at_every_outer_step(tmp_path, compression):
     cluster = TrainCluster(tmp_path, world_size=2)
     try:
