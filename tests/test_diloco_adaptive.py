@@ -34,7 +34,7 @@ def _weighted_sync_over_gloo(deltas: list[torch.Tensor], tokens: list[int], comp
     n, port, out = len(deltas), free_port(), {}
     master = dist.TCPStore("127.0.0.1", port, n, True, timeout=timedelta(seconds=20), use_libuv=True,
                            wait_for_workers=False)
-    dcfg = DilocoConfig(compression=compression, bucket_mb=0.0004)  # several buckets on a small model
+    dcfg = DilocoConfig(compression=compression, bucket_mb=0.0004, sparse_chunk=16, sparse_k=8)  # several buckets
 
     def rank(r: int) -> None:
         store = master if r == 0 else dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=20))
@@ -396,3 +396,24 @@ def test_a_budget_shorter_than_one_step_exits_2_in_one_line(tmp_path):
         assert "error: diloco.round_seconds = 0.001 is shorter than one inner step on this node" in log
     finally:
         run.close()
+
+
+def test_token_weighted_sparse_all_reduce_equals_the_one_process_rule():
+    """Sparse with a round budget: each node compresses its token-weighted pseudo-gradient bucket by bucket; the
+    sum of the decoded payloads (not divided) is the same bits on every node as in one process."""
+    from zb.collectives import sparse_twins
+    from zb.collectives.sparse_twins import SparseScheme
+    from zb.diloco.sync import bucket_ranges
+
+    tokens = [4096, 1024, 2048]
+    gen = torch.Generator().manual_seed(3)
+    deltas = [torch.randn(340, generator=gen) for _ in tokens]
+    got = _weighted_sync_over_gloo(deltas, tokens, "sparse")
+    assert all(torch.equal(g, got[0]) for g in got)
+    scheme, want = SparseScheme(16, 8), torch.zeros(340)
+    for a, b in bucket_ranges(340, 100):
+        for r, d in enumerate(deltas):
+            payload = torch.empty(scheme.payload_bytes(b - a), dtype=torch.uint8)
+            sparse_twins.compress(d[a:b] * token_weight(tokens, [0, 1, 2], r), payload, scheme)
+            assert sparse_twins.decode_add(payload, want[a:b], scheme)
+    torch.testing.assert_close(got[0], want, rtol=0, atol=1e-6)
