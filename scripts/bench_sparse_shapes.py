@@ -12,7 +12,8 @@ zb's model, data and inner optimizer, one process):
           what it dropped in its residual (so across rounds nothing is lost); the last hop's payload is the
           region's sum. A node sends 2 (W - 1) / W payloads, flat in W.
 
-Both against fp32 DiLoCo (the exact mean) at the same outer settings. The loss is the mean train loss of the
+`exact` is the gather with the picked values sent as fp32 (no 2-bit codes): what the quantizer costs.
+All against fp32 DiLoCo (the exact mean) at the same outer settings. The loss is the mean train loss of the
 last 30 steps over the nodes; bytes are what one node sends per outer step (fp32: gloo's ring, 2 (W-1)/W x 4n).
 
     PYTHONPATH=$PWD python scripts/bench_sparse_shapes.py --seeds 1,2 --nodes 4
@@ -46,10 +47,15 @@ class Gather:
         self.scheme, self.beta = scheme, beta
         self.residuals: list[torch.Tensor] = []
 
-    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+    def _start(self, deltas: list[torch.Tensor]) -> int:
+        """Every node's accumulator starts at zero; returns the values per node."""
         n = deltas[0].numel()
         if not self.residuals:
             self.residuals = [torch.zeros(n) for _ in deltas]
+        return n
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        n = self._start(deltas)
         total = torch.zeros(n)
         for d, e in zip(deltas, self.residuals):
             p = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
@@ -61,13 +67,32 @@ class Gather:
         return (w - 1) * self.scheme.payload_bytes(n)
 
 
+class Exact(Gather):
+    """The gather with the picked entries sent exactly (fp32 values, no 2-bit codes): what the quantizer costs."""
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        n = self._start(deltas)
+        total = torch.zeros(n)
+        for d, e in zip(deltas, self.residuals):
+            acc = self.beta * e + d.float()
+            p = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
+            twin.compress(acc, p, self.scheme)
+            picked = torch.zeros(n)
+            assert twin.decode_add(p, picked, self.scheme)
+            mask = picked != 0
+            total[mask] += acc[mask]
+            e.copy_(torch.where(mask, torch.zeros_like(acc), acc))
+        return total / len(deltas)
+
+    def bytes_per_node(self, n: int, w: int) -> int:
+        return (w - 1) * self.scheme.chunks(n) * (self.scheme.index_bytes() + 4 * self.scheme.k)
+
+
 class Ring(Gather):
     """Region c of W starts at node c; each hop compresses (its accumulator + the partial sum it received)."""
 
     def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        n, w, chunk = deltas[0].numel(), len(deltas), self.scheme.chunk
-        if not self.residuals:
-            self.residuals = [torch.zeros(n) for _ in deltas]
+        n, w, chunk = self._start(deltas), len(deltas), self.scheme.chunk
         chunks = -(-n // chunk)
         bounds = [min(n, chunk * (chunks * i // w)) for i in range(w + 1)]
         out = torch.zeros(n)
@@ -107,7 +132,8 @@ def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     placement = pick_placement(cfg.train, LocalWorld(0, 1))
     sims = [SimNode(cfg, tokenizer, placement, m, args.nodes) for m in range(args.nodes)]
     scheme = SparseScheme(args.chunk, args.k)
-    average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "ring": Ring(scheme, args.beta)}[shape]
+    average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "ring": Ring(scheme, args.beta),
+               "exact": Exact(scheme, args.beta)}[shape]
     t0 = time.monotonic()
     run_rule(sims, "none", cfg.diloco, args.steps, average=average)
     n = sims[0].flat().numel()

@@ -14,14 +14,12 @@ become PeerFailure naming the peer.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
 import torch.distributed as dist
 
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import FAILED, HEADER, OK, POOL
-from zb.collectives.ring import TransferDeadlines, failure_names
+from zb.collectives.ring import TransferDeadlines, failure_names, guarded_wait
 from zb.collectives.sender import Sender
 from zb.collectives.watchdog import Watchdog
 
@@ -92,12 +90,8 @@ class GatherPart:
     def _receive(self, step: int) -> None:
         buf, work = self.recvs.pop(step)
         deadline = self.deadlines.for_bytes(self.nbytes, first=(step == 0), step=step)
-        self.watchdog.arm(deadline, lambda: self.notify_failure(self.left))
-        try:
-            with self._names(self.left, "receive from"):
-                work.wait(timedelta(seconds=deadline + self.deadlines.margin(self.nbytes)))
-        finally:
-            self.watchdog.disarm()
+        guarded_wait(work, deadline, self.deadlines.margin(self.nbytes), self.watchdog,
+                     lambda: self.notify_failure(self.left), self._names(self.left, "receive from"))
         if self.notified:
             raise PeerFailure(f"sparse exchange: receive from rank {self.left} did not finish within {deadline:.1f} s",
                               rank=self.left, observer=self.rank)

@@ -26,8 +26,8 @@ same suspect (and so on around the ring) instead of timing out and blaming us.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -79,6 +79,18 @@ def failure_names(peer: int, what: str, observer: int) -> Iterator[None]:
                           rank=peer, observer=observer) from e
 
 
+def guarded_wait(work: dist.Work, deadline_s: float, margin_s: float, watchdog: Watchdog,
+                 on_deadline: Callable[[], None], names: AbstractContextManager[object]) -> None:
+    """Wait for a receive up to its deadline plus `margin_s`; at the deadline itself the watchdog calls
+    `on_deadline` (the FAILED notice leaves before gloo gives up); `names` turns gloo errors into PeerFailure."""
+    watchdog.arm(deadline_s, on_deadline)
+    try:
+        with names:
+            work.wait(timedelta(seconds=deadline_s + margin_s))
+    finally:
+        watchdog.disarm()
+
+
 class RingPart:
     """One ring over one process group for one contiguous fp32 slice; driven by advance(k)."""
 
@@ -126,12 +138,8 @@ class RingPart:
     def _wait_recv(self, k: int, piece: Piece) -> torch.Tensor:
         buf, work = self.recvs.pop(k)
         deadline = self.deadlines.for_bytes(piece.nbytes, first=(k == 0), step=k // self.layout.m)
-        self.watchdog.arm(deadline, lambda: self.notify_failure(self.left))
-        try:
-            with self._names(self.left, "receive from"):
-                work.wait(timedelta(seconds=deadline + self.deadlines.margin(piece.nbytes)))
-        finally:
-            self.watchdog.disarm()
+        guarded_wait(work, deadline, self.deadlines.margin(piece.nbytes), self.watchdog,
+                     lambda: self.notify_failure(self.left), self._names(self.left, "receive from"))
         if self.notified:  # the watchdog gave up on this transfer: data arriving later is too late
             raise PeerFailure(f"quantized all-reduce: receive from rank {self.left} did not finish within "
                               f"{deadline:.1f} s", rank=self.left, observer=self.rank)
