@@ -339,11 +339,14 @@ def test_sparse_settings_that_cannot_work_are_refused_in_one_line(flags, line):
 
 
 def test_sparse_defaults_follow_the_paper_and_its_keys_alone_are_warned_about():
-    """SparseLoCo's outer step: no outer momentum unless one is set; its keys without it do nothing."""
+    """SparseLoCo's outer step: no outer momentum unless one is set, and the outer lr measured best for it; its keys
+    without it do nothing."""
     from zb.config_checks import advisories
 
     sparse = load_config([], {"diloco.compression": "sparse"}, environ={})
     assert sparse.diloco.momentum() == 0.0 and (sparse.diloco.sparse_chunk, sparse.diloco.sparse_k) == (4096, 64)
+    assert sparse.diloco.lr() == 4.0 and load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.lr() == 0.7
+    assert load_config([], {"diloco.compression": "sparse", "diloco.outer_lr": "1"}, environ={}).diloco.lr() == 1.0
     assert load_config([], {"diloco.compression": "sparse", "diloco.outer_momentum": "0.5"},
                        environ={}).diloco.momentum() == 0.5
     assert load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.momentum() == 0.9

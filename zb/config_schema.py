@@ -187,6 +187,9 @@ class LogConfig:
                            choices=("auto", "online", "offline"))
 
 
+SPARSE_OUTER_LR = 4.0   # diloco.outer_lr's default with diloco.compression = sparse (BENCHMARKS.md)
+
+
 @dataclass
 class DilocoConfig:
     inner_steps: int = knob(100, "H: inner steps between two outer syncs.", check="positive", run_defining=True)
@@ -195,7 +198,10 @@ class DilocoConfig:
                                           "of the last outer step) and the average weighs nodes by their tokens. "
                                           "Under diloco.overlap = streaming the round's diloco.fragments boundaries "
                                           "share it equally.", check="positive", run_defining=True)
-    outer_lr: float = knob(0.7, "Outer learning rate.", check="positive", run_defining=True)
+    outer_lr: Optional[float] = knob(None, "Outer learning rate. Default: 0.7, or 4 with diloco.compression = sparse "
+                                           "(the best of 1, 2, 4, 8 and 16 for it on the convergence benchmark; "
+                                           "BENCHMARKS.md, \"Sparse pseudo-gradients\").", check="positive",
+                                     run_defining=True)
     outer_momentum: Optional[float] = knob(None, "Outer optimizer momentum. Default: 0.9, or 0 with diloco.compression = "
                                            "sparse (SparseLoCo's outer step: the error-feedback accumulator, decayed by "
                                            "diloco.sparse_beta, takes momentum's place).", check="non_negative",
@@ -255,6 +261,12 @@ class DilocoConfig:
                                "average; the same decision on every node): its updates count for nothing from the next outer step, the "
                                "leader leaves it out of the world and never admits its id again, and the node itself "
                                "exits 2. Every node of a run must share it.", run_defining=True)
+    def lr(self) -> float:
+        """diloco.outer_lr as it applies (its default depends on diloco.compression)."""
+        if self.outer_lr is not None:
+            return self.outer_lr
+        return SPARSE_OUTER_LR if self.compression == "sparse" else 0.7
+
     def momentum(self) -> float:
         """diloco.outer_momentum as it applies (its default depends on diloco.compression)."""
         if self.outer_momentum is not None:

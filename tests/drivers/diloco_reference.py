@@ -85,7 +85,7 @@ class SimNode:
 def outer_sgd(theta: torch.Tensor, dcfg) -> torch.optim.SGD:
     if dcfg.outer_optimizer == "avg":
         return torch.optim.SGD([theta], lr=1.0)
-    return torch.optim.SGD([theta], lr=dcfg.outer_lr, momentum=dcfg.momentum(),
+    return torch.optim.SGD([theta], lr=dcfg.lr(), momentum=dcfg.momentum(),
                            nesterov=dcfg.nesterov and dcfg.momentum() > 0)
 
 

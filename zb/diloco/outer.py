@@ -54,7 +54,7 @@ class OuterState:
         if cfg.outer_optimizer == "avg":
             return torch.optim.SGD([self.flat], lr=1.0)
         momentum = cfg.momentum()
-        return torch.optim.SGD([self.flat], lr=cfg.outer_lr, momentum=momentum, nesterov=cfg.nesterov and momentum > 0)
+        return torch.optim.SGD([self.flat], lr=cfg.lr(), momentum=momentum, nesterov=cfg.nesterov and momentum > 0)
 
     @property
     def numel(self) -> int:
