@@ -46,11 +46,14 @@ def test_row_moves_match_whole_tensors_under_fsdp(local_ranks, stripes):
 
 # Each rule's run is about a minute on two cores: the default suite runs blocking and streaming (its
 # launch and merge move rows for one fragment at a time); eager runs under soak.
-@pytest.mark.parametrize("rule", ["none", pytest.param("eager", marks=pytest.mark.soak), "streaming"])
+@pytest.mark.parametrize("rule", ["none", pytest.param("eager", marks=pytest.mark.soak), "streaming",
+                                  pytest.param("sparse", marks=pytest.mark.soak)])
 def test_nodes_of_one_and_two_local_ranks_equal_the_single_process_simulation(make_run, rule):
     """Under every diloco.overlap: the 2-rank node's second rank holds no stripe, sends nothing, and joins
-    every row move of its node's outer steps (and, streaming, of each fragment's launch and merge)."""
-    own = STREAMING if rule == "streaming" else []
+    every row move of its node's outer steps (and, streaming, of each fragment's launch and merge). Sparse:
+    blocking with diloco.compression = sparse, the simulation's average SparseLoCo's with the twins."""
+    own = STREAMING if rule == "streaming" else ["--diloco.compression", "sparse"] if rule == "sparse" else []
+    rule = "none" if rule == "sparse" else rule
     flags = [*TINY[:-4], "--model.name", "debug", "--diloco.inner_steps", "5", *RUN_FLAGS, "--train.device", "cpu"]
     expected = reference_losses("1,2", rule, flags + own)     # node 1 reads as 2 local ranks do
     run = make_run(2)

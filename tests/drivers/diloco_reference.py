@@ -141,6 +141,30 @@ def mean_of(deltas: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(deltas).mean(0)
 
 
+class SparseMean:
+    """SparseLoCo's average (arXiv 2508.15706, diloco.compression = sparse): node m folds its pseudo-gradient into
+    its accumulator, e_m <- beta e_m + D_m, sends the top-k of every chunk at 2 bits (the scheme as
+    zb.collectives.sparse_twins defines it) and keeps the rest; the average is the mean of the M payloads."""
+
+    def __init__(self, dcfg) -> None:
+        from zb.collectives.sparse_twins import SparseScheme
+
+        self.scheme, self.beta = SparseScheme(dcfg.sparse_chunk, dcfg.sparse_k), dcfg.sparse_beta
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        from zb.collectives import sparse_twins
+
+        n = deltas[0].numel()
+        self.kept = self.kept or [torch.zeros(n) for _ in deltas]
+        total = torch.zeros(n)
+        for d, e in zip(deltas, self.kept):
+            payload = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
+            sparse_twins.compress(d.float().cpu(), payload, self.scheme, e, self.beta)
+            assert sparse_twins.decode_add(payload, total, self.scheme)
+        return (total / len(deltas)).to(deltas[0].device)
+
+
 def run_rule(sims: list, rule: str, dcfg, total: int, average=mean_of, on_round=None) -> torch.Tensor:
     """Train `sims` (objects with train(steps), flat(), load(flat)) for `total` inner steps under `rule`
     and return the outer params at the end.
@@ -191,7 +215,9 @@ def simulate(nodes_arg: str, rule: str, flags: list[str]) -> list[list[float]]:
     tokenizer = build_tokenizer(cfg.data.tokenizer, retries=0)
     placement = pick_placement(cfg.train, LocalWorld(0, 1))
     sims = [SimNode(cfg, tokenizer, placement, m, nodes, ranks[m]) for m in range(nodes)]
-    run_rule(sims, rule, cfg.diloco, cfg.optim.total_steps)
+    sparse = cfg.diloco.compression == "sparse"
+    assert rule in ("none", "delayed") or not sparse, "the sparse average is modelled for blocking and delayed rules"
+    run_rule(sims, rule, cfg.diloco, cfg.optim.total_steps, average=SparseMean(cfg.diloco) if sparse else mean_of)
     return [s.losses for s in sims]
 
 
