@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     from zb.local_world import LocalWorld
     from zb.train.device import pick_placement
 
-    lr, momentum = (args.outer_lr, args.outer_momentum) if shape == "fp32" else (args.sparse_lr, 0.0)
+    lr, momentum = (args.outer_lr, args.outer_momentum) if shape == "fp32" else (args.sparse_lr, args.sparse_momentum)
     flags = {"model.name": args.model, "optim.total_steps": str(args.steps), "diloco.inner_steps": str(args.h),
              "optim.batch_size": str(args.batch), "train.micro_bs": str(args.batch), "data.seq_length": str(args.seq),
              "diloco.outer_lr": str(lr), "diloco.outer_momentum": str(momentum), "train.seed": str(seed),
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--outer-lr", type=float, default=1.0, help="fp32's outer lr (the convergence benchmark's best).")
     p.add_argument("--outer-momentum", type=float, default=0.0, help="fp32's outer momentum.")
     p.add_argument("--sparse-lr", type=float, default=1.0, help="The sparse shapes' outer lr (no momentum).")
+    p.add_argument("--sparse-momentum", type=float, default=0.0,
+                   help="The sparse shapes' outer momentum (Nesterov; 0: SparseLoCo's outer step).")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--beta", type=float, default=0.95)

@@ -15,6 +15,7 @@ from zb.addresses import parse_stores
 from zb.config_schema import Config, DilocoConfig
 from zb.model_sizes import model_names
 from zb.overlap_modes import mode_of, unused_fragment_keys
+from zb.sparse_scheme import SparseScheme
 
 
 def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
@@ -113,11 +114,9 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
 
 
 def _sparse_problems(d: DilocoConfig) -> Iterator[tuple[str, str]]:
-    from zb.collectives.sparse_twins import SparseScheme
-
-    why = SparseScheme(d.sparse_chunk, d.sparse_k).problem()
-    if why is not None:
-        yield ("diloco.sparse_k" if why.startswith("k =") else "diloco.sparse_chunk"), f"is wrong: {why}"
+    wrong = SparseScheme(d.sparse_chunk, d.sparse_k).problem()
+    if wrong is not None:
+        yield f"diloco.sparse_{wrong[0]}", f"is wrong: {wrong[1]}"
     if not 0.0 <= d.sparse_beta < 1.0:
         yield "diloco.sparse_beta", (f"{d.sparse_beta:g} is outside [0, 1): the accumulator's decay (0.95 is "
                                      "SparseLoCo's)")

@@ -43,8 +43,8 @@ def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
                            "value per value of the tensor")
     if compression not in COMPRESSIONS:
         raise InvalidInput(f"compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
-    if sparse is not None and (why := sparse.problem()) is not None:
-        raise InvalidInput(f"sparse compression with {why}")
+    if sparse is not None and (wrong := sparse.problem()) is not None:
+        raise InvalidInput(f"sparse compression with {wrong[1]}")
     if not 0.0 <= sparse_beta <= 1.0:
         raise InvalidInput(f"sparse_beta {sparse_beta}: the residual's decay must be in [0, 1]")
     if op not in (ReduceOp.SUM, ReduceOp.AVG):

@@ -18,8 +18,8 @@ import torch
 
 from zb.collectives import sparse_twins, twins
 from zb.collectives.build import use_cpp
-from zb.collectives.sparse_twins import SparseScheme
 from zb.collectives.twins import Scheme
+from zb.sparse_scheme import SparseScheme
 
 __all__ = ["SCHEMES", "Scheme", "BLOCK", "num_blocks", "code_bytes", "wire_bytes", "quantize", "dequantize",
            "dequantize_add", "reduce_quantize", "use_cpp", "set_colocated", "threads", "SparseScheme",

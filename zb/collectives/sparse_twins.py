@@ -37,47 +37,14 @@ for bit; tests hold one against the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+
+from zb.sparse_scheme import SparseScheme
+
+__all__ = ["SparseScheme", "compress", "decode_add", "TINY", "LOW", "HIGH", "SPLIT"]
 
 TINY = 2.0**-100
 LOW, HIGH, SPLIT = 0.875, 1.375, 1.125   # the two magnitudes and the boundary, in units of the scale (exact in fp32)
-
-
-@dataclass(frozen=True)
-class SparseScheme:
-    """Chunk size C (a power of two, 16 .. 65536) and entries sent per chunk K (a multiple of 8, at most C)."""
-
-    chunk: int = 4096
-    k: int = 64
-
-    @property
-    def index_bits(self) -> int:
-        return self.chunk.bit_length() - 1
-
-    def chunks(self, n: int) -> int:
-        return -(-n // self.chunk)
-
-    def index_bytes(self) -> int:
-        """Bytes of one chunk's indices."""
-        return self.k * self.index_bits // 8
-
-    def code_bytes(self) -> int:
-        return self.k // 4
-
-    def payload_bytes(self, n: int) -> int:
-        return self.chunks(n) * (4 + self.index_bytes() + self.code_bytes())
-
-    def problem(self) -> str | None:
-        """What is wrong with this scheme, in words; None when it is valid."""
-        if self.chunk < 16 or self.chunk > 65536 or self.chunk & (self.chunk - 1):
-            return f"a chunk of {self.chunk} values: it must be a power of two from 16 to 65536 (the indices pack " \
-                   "log2(chunk) bits each)"
-        if self.k < 8 or self.k % 8 or self.k > self.chunk:
-            return f"k = {self.k} entries per chunk: it must be a multiple of 8 (indices and codes pack to whole " \
-                   f"bytes) from 8 to the chunk ({self.chunk})"
-        return None
 
 
 def _sections(payload: torch.Tensor, n: int, s: SparseScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from zb.collectives import all_reduce
-from zb.collectives.sparse_twins import SparseScheme
 from zb.config_schema import DilocoConfig
 from zb.diloco.outer import OuterState
+from zb.sparse_scheme import SparseScheme
 
 
 @dataclass
