@@ -261,6 +261,9 @@ class DilocoConfig:
                                "average; the same decision on every node): its updates count for nothing from the next outer step, the "
                                "leader leaves it out of the world and never admits its id again, and the node itself "
                                "exits 2. Every node of a run must share it.", run_defining=True)
+    drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
+                             "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
+
     def lr(self) -> float:
         """diloco.outer_lr as it applies (its default depends on diloco.compression)."""
         if self.outer_lr is not None:
@@ -272,9 +275,6 @@ class DilocoConfig:
         if self.outer_momentum is not None:
             return self.outer_momentum
         return 0.0 if self.compression == "sparse" else 0.9
-
-    drift_guard: bool = knob(True, "Compare a digest of the outer params at every check-in; a node that differs from the "
-                             "majority receives the run's state instead of contributing (costs one sha256 of the shard per outer step).")
 
 
 @dataclass
