@@ -4,6 +4,9 @@ A quantized piece of n float32 values under a scheme (int8, int4, int2: zb.colle
 `codes` (the packed codes: n, n / 2 or n / 4 bytes, rounded up) plus `scales` (one float32 per
 block); `wire_bytes(n, scheme)` is its size. All functions work in place on contiguous CPU tensors
 and return None. `residual` (error feedback) is a float32 tensor of n values, updated in place.
+The sparse pair (zb.collectives.sparse_twins): `sparse_compress` writes one payload of
+`SparseScheme.payload_bytes(n)` bytes, `sparse_decode_add` adds one payload's values and returns False
+(adding nothing) for a payload that names an index past its last chunk.
 
 Threads: the kernels split their blocks over `threads()` threads, the cores this process may use
 divided by the ranks that share its host (`set_colocated`; by default torchrun's LOCAL_WORLD_SIZE),
