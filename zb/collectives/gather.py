@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import FAILED, HEADER, OK, POOL
-from zb.collectives.ring import TransferDeadlines, failure_names, guarded_wait
+from zb.collectives.ring import TransferDeadlines, drive, failure_names, guarded_wait
 from zb.collectives.sender import Sender
 from zb.collectives.watchdog import Watchdog
 
@@ -33,19 +33,21 @@ class GatherPart:
         self.rank, self.world = pg.rank(), pg.size()
         self.left, self.right = (self.rank - 1) % self.world, (self.rank + 1) % self.world
         self.nbytes = HEADER + payload.numel()
-        self.payloads: list[torch.Tensor | None] = [None] * self.world   # by owner rank, header stripped
-        own = POOL.get(self.nbytes)
+        own = torch.empty(self.nbytes, dtype=torch.uint8)
         own[:HEADER].view(torch.int32).fill_(OK)
         own[HEADER:].copy_(payload)
-        self._bufs: dict[int, torch.Tensor] = {self.rank: own}
+        self._bufs: dict[int, torch.Tensor] = {self.rank: own}   # by owner rank, with the header
+        self.gathered: list[torch.Tensor] = []                   # after finish(): every rank's payload, by rank
         self.recvs: dict[int, tuple[torch.Tensor, dist.Work]] = {}
         self.sent_upto = 0
         self.notified = False
         self.wire_bytes = 0
         self.sender = Sender(pg, self.right, 2, POOL, self._send_deadline, self._names)
+        self._post()
 
     @property
-    def steps(self) -> int:
+    def total(self) -> int:
+        """Messages this rank sends (and receives): one a step, W - 1 steps."""
         return self.world - 1
 
     def _owner(self, step: int, incoming: bool) -> int:
@@ -57,16 +59,16 @@ class GatherPart:
     def _send_deadline(self, step: int, nbytes: int) -> float:
         return 2 * self.deadlines.for_bytes(nbytes, step=step) + self.deadlines.margin(nbytes)
 
-    def post(self) -> None:
+    def _post(self) -> None:
         """Post every receive at once: the payloads are small and all of them are kept until the decode."""
-        for step in range(self.steps):
+        for step in range(self.total):
             buf = torch.empty(self.nbytes, dtype=torch.uint8)
             with self._names(self.left, "receive from"):
                 self.recvs[step] = (buf, self.pg.recv([buf], self.left, step))
 
     def advance(self, step: int) -> None:
         """Send this step's payload (received at the step before, or this rank's own), keeping what arrives."""
-        if step >= self.steps:
+        if step >= self.total:
             return
         self.sender.check()
         if step > 0:
@@ -80,12 +82,12 @@ class GatherPart:
         self.wire_bytes += self.nbytes
         self.sent_upto = step + 1
 
-    def finish(self) -> list[torch.Tensor]:
-        """The last receive, every send done: every rank's payload, by rank."""
-        if self.steps:
-            self._receive(self.steps - 1)
-        self.sender.close(timeout=self._send_deadline(self.steps, self.nbytes) * 2)
-        return [buf[HEADER:] for _, buf in sorted(self._bufs.items())]
+    def finish(self) -> None:
+        """The last receive, every send done: `gathered` holds every rank's payload, by rank."""
+        if self.total:
+            self._receive(self.total - 1)
+        self.sender.close(timeout=self._send_deadline(self.total, self.nbytes) * 2)
+        self.gathered = [buf[HEADER:] for _, buf in sorted(self._bufs.items())]
 
     def _receive(self, step: int) -> None:
         buf, work = self.recvs.pop(step)
@@ -107,7 +109,7 @@ class GatherPart:
         if self.notified:
             return
         self.notified = True
-        if self.sent_upto < self.steps:
+        if self.sent_upto < self.total:
             buf = torch.zeros(self.nbytes, dtype=torch.uint8)
             header = buf[:HEADER].view(torch.int32)
             header[0], header[1] = FAILED, -1 if suspect is None else suspect
@@ -120,22 +122,7 @@ class GatherPart:
 
 def run_gathers(parts: list[tuple[torch.Tensor, dist.ProcessGroup]],
                 deadlines: TransferDeadlines) -> tuple[list[list[torch.Tensor]], int]:
-    """All-gather each (payload, group) as its own ring, driven round-robin in this thread: every part's payloads
-    by rank, and the bytes this rank sent. Raises PeerFailure."""
-    watchdog = Watchdog()
-    gathers: list[GatherPart] = []
-    try:
-        gathers = [GatherPart(payload, pg, deadlines, watchdog) for payload, pg in parts]
-        for g in gathers:
-            g.post()
-        for step in range(max(g.steps for g in gathers)):
-            for g in gathers:
-                g.advance(step)
-        out = [g.finish() for g in gathers]
-    except PeerFailure as failure:
-        for g in gathers:
-            g.notify_failure(failure.rank)
-        raise
-    finally:
-        watchdog.stop()
-    return out, sum(g.wire_bytes for g in gathers)
+    """All-gather each (payload, group) as its own ring, driven round-robin in this thread (ring.drive): every
+    part's payloads by rank, and the bytes this rank sent. Raises PeerFailure."""
+    gathers = drive(lambda watchdog: [GatherPart(payload, pg, deadlines, watchdog) for payload, pg in parts])
+    return [g.gathered for g in gathers], sum(g.wire_bytes for g in gathers)

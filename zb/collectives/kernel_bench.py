@@ -25,7 +25,6 @@ from zb.collectives import kernels
 from zb.collectives.sparse_twins import SparseScheme
 from zb.collectives.twins import Scheme
 
-KERNELS = ("quantize", "dequantize", "dequantize_add", "reduce_quantize")
 SPARSE = SparseScheme(4096, 64)   # the sparse scheme's defaults (SparseLoCo's chunk and k)
 SPARSE_BETA = 0.95
 

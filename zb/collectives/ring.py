@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -226,16 +227,26 @@ class RingPart:
             pass  # the right neighbour may be the one that is gone
 
 
-def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup, torch.Tensor | None]], avg: bool,
-             deadlines: TransferDeadlines, piece_values: int, window: int, scheme: Scheme) -> int:
-    """All-reduce each (slice, group, residual slice or None) as its own ring, driven round-robin in this
-    thread. Returns the bytes this rank sent; raises PeerFailure.
-    """
+class Hops(Protocol):
+    """A ring's part as `drive` runs it (RingPart, zb.collectives.gather.GatherPart)."""
+
+    @property
+    def total(self) -> int: ...
+    def advance(self, k: int) -> None: ...
+    def finish(self) -> None: ...
+    def notify_failure(self, suspect: int | None) -> None: ...
+
+
+P = TypeVar("P", bound=Hops)
+
+
+def drive(build: Callable[[Watchdog], list[P]]) -> list[P]:
+    """The parts `build` makes over one watchdog, driven round-robin in this thread: message k of every part, then
+    each part's finish. On PeerFailure every part tells its right neighbour whom it suspects, then it raises."""
     watchdog = Watchdog()
-    parts: list[RingPart] = []
+    parts: list[P] = []
     try:
-        parts = [RingPart(flat, pg, avg, deadlines, piece_values, window, watchdog, scheme, residual)
-                 for flat, pg, residual in flat_parts]
+        parts = build(watchdog)
         for k in range(max(p.total for p in parts)):
             for part in parts:
                 part.advance(k)
@@ -247,4 +258,14 @@ def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup, torch.Tenso
         raise
     finally:
         watchdog.stop()
+    return parts
+
+
+def run_ring(flat_parts: list[tuple[torch.Tensor, dist.ProcessGroup, torch.Tensor | None]], avg: bool,
+             deadlines: TransferDeadlines, piece_values: int, window: int, scheme: Scheme) -> int:
+    """All-reduce each (slice, group, residual slice or None) as its own ring, driven round-robin in this
+    thread. Returns the bytes this rank sent; raises PeerFailure.
+    """
+    parts = drive(lambda watchdog: [RingPart(flat, pg, avg, deadlines, piece_values, window, watchdog, scheme,
+                                             residual) for flat, pg, residual in flat_parts])
     return sum(p.wire_bytes for p in parts)

@@ -147,7 +147,7 @@ def decode_add(payload: torch.Tensor, acc: torch.Tensor, scheme: SparseScheme) -
     live = torch.arange(k)[None, :] < kk[:, None]
     if bool((live & (picked >= lengths[:, None])).any()):
         return False
-    vals = _values(scales.clone(), codes)
+    vals = _values(scales, codes)
     flat = torch.cat([acc, acc.new_zeros(nc * s.chunk - n)]).view(nc, s.chunk)
     for j in range(k):                               # slot order: a repeated index adds in the same order everywhere
         rows = torch.nonzero(live[:, j]).view(-1)
