@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from zb.elastic import standby
 from zb.elastic.heartbeat import Liveness
 from zb.elastic.judge import RoundDeadlines, judge
 from zb.elastic.probe import ProbeListener, check_peers
@@ -94,7 +95,7 @@ def test_judge_drops_blamed_suspect_after_grace_and_missed_sync_after_deadline()
 
 def test_next_in_line_leads_when_leader_is_dead_or_gone():
     live = Liveness(timeout=5.0)
-    live.observe("a", b"1", now=time.monotonic() - 6)
+    read_unchanged(live, "a", for_s=6)
     assert judge(W, snap([Answer("b", "tb")]), "b", live, 0.5, DL).acting_leader == "b"
     fresh = Liveness(timeout=5.0)
     assert judge(W, snap([Answer("b", "tb")], gone={("a", "ta")}), "b", fresh, 0.1, DL).acting_leader == "b"
@@ -112,7 +113,7 @@ def test_leader_that_checked_in_and_then_died_is_passed_over_at_once():
     """Chaos seed 3: the leader was SIGKILLed after its check-in; the others waited stuck_after (25 s)
     for it instead of the heartbeat timeout, the crash detection of members that had not checked in."""
     live = Liveness(timeout=5.0)
-    live.observe("a", b"1", now=time.monotonic() - 6)
+    read_unchanged(live, "a", for_s=6)
     checked = [Answer("a", "ta"), Answer("b", "tb"), Answer("c", "tc")]
     v = judge(W, snap(checked), "b", live, 0.5, DL)
     assert v.acting_leader == "b" and v.observation.excluded == {"a"}
@@ -226,6 +227,28 @@ def test_a_change_read_after_a_pause_counts_from_when_it_was_read():
     live.observe("a", b"1")
     observe_counters(PausingStore(), live, ["a"])
     assert not live.is_dead("a"), "a counter seen changing just now is alive"
+
+
+def read_unchanged(live: Liveness, uid: str, for_s: float) -> None:
+    """`uid`'s counter read every half timeout over the last `for_s` seconds, never changing."""
+    now = time.monotonic()
+    t = now - for_s
+    while t < now:
+        live.observe(uid, b"1", now=t)
+        t += live.timeout / 2
+    live.observe(uid, b"1", now=now)
+
+
+def test_a_counter_not_read_for_the_timeout_is_no_evidence():
+    """A node stops reading the counters of members it no longer judges (zb.elastic.standby): their last change
+    ageing would make them look dead the day it judges again. Read again, the silence counts from then."""
+    live = Liveness(timeout=2.0)
+    live.observe("x", b"1", now=100.0)
+    assert live.is_dead("x", now=102.1) is False and live.silent_for("x", now=102.1) == 0.0
+    live.observe("x", b"1", now=110.0)
+    assert live.silent_for("x", now=111.0) == pytest.approx(1.0)
+    live.condemn("x")
+    assert live.is_dead("x", now=200.0), "a condemned node stays dead, read or not"
 
 
 def test_liveness_uses_local_clock_of_changes():
@@ -552,3 +575,18 @@ def test_a_roll_call_ends_when_its_last_answer_lands_not_at_the_next_poll():
     assert not store.check([keys.roll_call(first)]) and not store.check([keys.roll_call_events(first)])
     assert not store.check([f"{keys.roll_call_events(first)}/1"])
     assert store.check([keys.roll_call_events(first + 2)])
+
+
+def test_only_the_first_members_in_line_judge_and_the_rest_read_a_few_heartbeats():
+    """zb.elastic.standby: the acting leader and the next two in line judge the roll call and read every heartbeat;
+    every other member reads the heartbeats of the members ahead of it up to three plausibly in. A death (or a
+    goodbye) ahead moves the next member into line."""
+    world = World(version=1, resolution=1, nodes=[f"m{i}" for i in range(8)], tokens={f"m{i}": "t" for i in range(8)})
+    live = Liveness(timeout=5.0)
+    assert [m for m in world.nodes if standby.judges(world, m, live, set())] == ["m0", "m1", "m2"]
+    assert standby.watched(world, "m1", live) == world.nodes and standby.watched(world, "m6", live) == ["m0", "m1", "m2"]
+    read_unchanged(live, "m1", for_s=6)                  # m1 died: m3 judges, m6 reads one more
+    assert [m for m in world.nodes if m != "m1" and standby.judges(world, m, live, set())] == ["m0", "m2", "m3"]
+    assert standby.watched(world, "m6", live) == ["m0", "m1", "m2", "m3"]
+    assert standby.judges(world, "m4", live, {"m0"}) and not standby.judges(world, "m5", live, {"m0"})
+    assert standby.watched(None, "m0", live) == []

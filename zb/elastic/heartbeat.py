@@ -28,26 +28,39 @@ log = logging.getLogger("zb.elastic")
 
 
 class Liveness:
-    """When each watched counter was last seen changing, on the local monotonic clock."""
+    """When each watched counter was last seen changing, on the local monotonic clock.
+
+    Only what is still read counts: a node reads the counters of the members it judges (all of them while it
+    may lead, a few otherwise: zb.elastic.standby), and a counter it stopped reading for `timeout` is no
+    evidence either way (its last change would otherwise age into a death it never saw)."""
 
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
         self._seen: dict[str, tuple[bytes, float]] = {}
+        self._read_at: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def observe(self, uid: str, value: bytes, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
             old = self._seen.get(uid)
-            if old is None or old[0] != value:
+            # a counter read again after a gap: its silence counts from now (a condemned one stays condemned)
+            if old is None or old[0] != value or (old[1] != float("-inf") and self._stale(uid, now)):
                 self._seen[uid] = (value, now)
+            self._read_at[uid] = now
+
+    def _stale(self, uid: str, now: float) -> bool:
+        return now - self._read_at.get(uid, now) > self.timeout
 
     def silent_for(self, uid: str, now: float | None = None) -> float:
-        """Seconds since `uid`'s counter last changed (0 for a node never observed: no evidence)."""
+        """Seconds since `uid`'s counter last changed (0 for a node never observed, or not read for `timeout`:
+        no evidence)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             seen = self._seen.get(uid)
-        return 0.0 if seen is None else now - seen[1]
+            if seen is None or (seen[1] != float("-inf") and self._stale(uid, now)):
+                return 0.0
+        return now - seen[1]
 
     def is_dead(self, uid: str, now: float | None = None) -> bool:
         return self.silent_for(uid, now) > self.timeout
@@ -68,6 +81,7 @@ class Liveness:
         """After a store restart every counter starts over; old observations mean nothing."""
         with self._lock:
             self._seen.clear()
+            self._read_at.clear()
 
 
 def observe_counters(store: StoreClient, liveness: Liveness, uids: Iterable[str]) -> None:

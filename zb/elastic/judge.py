@@ -55,6 +55,7 @@ class Verdict:
     acting_leader: str | None
     settled: bool               # every member answered or is out: the leader may write
     observation: Observation
+    pending: int = 0            # members whose answer is still awaited (the verdict waits for them or their deadline)
 
 
 def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: float, dl: RoundDeadlines) -> Verdict:
@@ -65,7 +66,7 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     my_rank = world.nodes.index(me) if me in world.nodes else len(world.nodes)
     cut = split_unreachable(world, lines)
     evicted = snap.evicted & set(world.nodes)
-    excluded, settled, stuck = (cut & {me}) | evicted, True, 0
+    excluded, pending, stuck = (cut & {me}) | evicted, 0, 0
     for rank, m in enumerate(world.nodes):
         if m == me or (m, world.tokens.get(m, "")) in snap.gone or m in evicted:
             continue
@@ -83,13 +84,13 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
         if out:
             excluded.add(m)
         else:
-            settled = False
+            pending += 1
     acting = next((m for m in world.nodes if m not in excluded
                    and (m, world.tokens.get(m, "")) not in snap.gone), None)
     joiners = admissible_joiners(world, snap, liveness)
     obs = Observation(answered=answered | {me}, gone=snap.gone, excluded=excluded, joiners=joiners,
                       join_end=len(snap.joins), failure=any(c.failed for c in lines))
-    return Verdict(acting_leader=acting, settled=settled, observation=obs)
+    return Verdict(acting_leader=acting, settled=pending == 0, observation=obs, pending=pending)
 
 
 def split_unreachable(world: World, lines: list[Answer]) -> set[str]:

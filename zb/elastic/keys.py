@@ -22,6 +22,8 @@ FINISHED = f"{ROOT}/finished"    # JSON {run, version, outer_step, step, time}: 
                                  # (compare_set, the first node to finish); a node of an older world of the run stops
 EVICTED = f"{ROOT}/evicted"      # append-only: one unique id per line, excluded for the rest of the run (the layer
                                  # above decides whom: zb.elastic.membership.exclude); the leader drops it, never admits it
+JOIN_COUNT = f"{ROOT}/join_count"  # counter (`add`) bumped after each join request: where a request is in line, a hint
+                                 # for who seeds first (zb.elastic.membership._seed_pace), never a decision
 RUNS = f"{ROOT}/runs"            # append-only, at the store's root whatever the namespace, never sealed: one JSON line
                                  # per node that starts or finishes a run (zb.elastic.runs); for listing runs only,
                                  # never read by a node
@@ -36,7 +38,7 @@ def heartbeat(uid: str) -> str:
 # parses them as integers. Each is a liveness or wake-up signal, never a decision: anyone who reaches the store
 # can bump one, which at worst keeps a dead node looking alive until a collective blames it, or wakes a waiter.
 # DiLoCo-SWARM's stage-arrival counter (zb.swarm.registry.ARRIVALS) is one too.
-_COUNTERS = re.compile(rf"(?:^|/)(?:{ROOT}/hb/[^/]+|{ROOT}/roll_call/\d+/events|swarm/arrivals)$")
+_COUNTERS = re.compile(rf"(?:^|/)(?:{ROOT}/hb/[^/]+|{ROOT}/roll_call/\d+/events|{ROOT}/join_count|swarm/arrivals)$")
 
 
 def is_counter(key: str) -> bool:
@@ -55,6 +57,13 @@ def roll_call_events(resolution: int) -> str:
     written. Event n also sets `<this key>/<n>`, which the nodes waiting for the roll call to end `wait`
     for instead of polling (zb.elastic.membership)."""
     return f"{ROOT}/roll_call/{resolution}/events"
+
+
+def written(resolution: int) -> str:
+    """Set (empty) once the world that ends the roll call of `resolution` is in the store (the seed of a run ends
+    resolution 0): the members that do not judge the roll call wait for it instead of reading the whole roll call
+    (zb.elastic.standby). A wake-up, never a decision: the world itself is read and checked."""
+    return f"{ROOT}/roll_call/{resolution}/written"
 
 
 def probe(uid: str) -> str:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from torch.distributed import DistStoreError
 
-from zb.elastic import keys
+from zb.elastic import keys, standby
 from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
 from zb.elastic.identity import new_token
@@ -48,6 +48,7 @@ from zb.elastic.store_state import (
     encode_line,
     evicted_ids,
     finished_without,
+    read_light,
     read_snapshot,
 )
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
@@ -120,7 +121,15 @@ class Membership:
         self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
         self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
+        self._seat = 1   # where this node's last join request is in line (_ask_to_join)
+        self._asked_with_world = False   # ... and whether the store held a world then
+        self._encoded: tuple[World | None, str] = (None, "")   # _text's one entry
         self.partition = PartitionWatch(cfg, stores, liveness)   # which side of a partition this node is on
+
+    def watched(self) -> list[str]:
+        """Whose heartbeats this node's heartbeat thread reads (zb.elastic.standby.watched)."""
+        world = self.world
+        return standby.watched(world, self.uid, self.liveness)
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self) -> StoreClient:
@@ -228,11 +237,11 @@ class Membership:
         try:
             store = self.ensure_store()
             self.check_same_stores(store)
-            snap = read_snapshot(store, None)
+            snap = read_light(store, None, world=True)
             self._answered()
             self._check_snapshot(snap)
             if snap.world is not None and self._before_join is not None:
-                self._reachable_before_join(store, snap)
+                self._reachable_before_join(store, read_snapshot(store, None))   # its renewed members: the joins
             # The counter moves before the request names this node: on a store it reaches through a new client
             # (the next one of the list, or one restarted) its heartbeat thread may not have beaten yet, and a
             # counter the leader has read as missing for elastic.heartbeat_timeout is a dead node's.
@@ -244,7 +253,9 @@ class Membership:
 
     def _ask_to_join(self, store: StoreClient) -> int:
         """Append this node's join request; returns the resolution it names (JoinRequest.seen: the request is
-        admissible for JOIN_FRESH resolutions from it, so the node asks again when it grew older)."""
+        admissible for JOIN_FRESH resolutions from it, so the node asks again when it grew older). Sets
+        self._seat: roughly where the request is among those the world has not taken in (keys.JOIN_COUNT, a
+        hint anyone can bump: a wrong one only slows seeding down to the backstop's pace)."""
         seen = World.decode(read_many(store, [keys.WORLD])[0])
         last = self.world
         resolution = seen.resolution if seen else 0
@@ -253,6 +264,8 @@ class Membership:
             "last_version": last.version if last else 0,
             "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes,
             "run": last.run if last else "", "seen": resolution}))
+        self._seat = bump(store, keys.JOIN_COUNT, 1) - (seen.join_cursor if seen else 0)
+        self._asked_with_world = seen is not None
         return resolution
 
     def check_same_stores(self, store: StoreClient) -> None:
@@ -298,8 +311,13 @@ class Membership:
         # a first node whose peers start slowly seeds with those present then, as start_timeout promises.
         give_up = max(time.monotonic() + self.cfg.store_timeout, quorum.grace_at + self.cfg.heartbeat_timeout)
         waiting_said = False
+        # When this joiner next reads the join requests and the members' heartbeats (_seed_pace): at once for the
+        # first in line, which seed; the others wait for the world (all asking at once, each would seed, its ring
+        # plan included, and all but one write in vain).
+        full_at = time.monotonic() + self._seed_pace(self._asked_with_world, quorum, first=True)
         while time.monotonic() < give_up:
-            snap = read_snapshot(self.client, None)
+            full = time.monotonic() >= full_at
+            snap = read_snapshot(self.client, None) if full else read_light(self.client, None, world=True)
             self._answered()
             self._check_snapshot(snap)
             world = snap.world
@@ -310,6 +328,11 @@ class Membership:
             if world is not None and world.stripes != self.stripes:
                 raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
                                          f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
+            pace = self._seed_pace(world is not None, quorum)
+            if not full:
+                self._wait_key(keys.written(world.resolution if world else 0), min(pace, full_at - time.monotonic()))
+                continue
+            full_at = time.monotonic() + pace
             self._observe(snap, world)
             if world is None and quorum.least > 1:
                 self.partition.look_back(self.world)
@@ -320,9 +343,22 @@ class Membership:
                 log.warning("waiting for %d of the last world's %d nodes to reach this store before the world "
                             "re-forms here (up to elastic.store_timeout): fewer could train apart from nodes that "
                             "still reach the earlier store", quorum.least, quorum.full)
-            time.sleep(self.cfg.polling_interval)
+            self._wait_key(keys.written(world.resolution if world else 0), self.cfg.polling_interval)
         raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
                                  "member resolved the world (are the other nodes running and reaching the store?)")
+
+    def _seed_pace(self, has_world: bool, quorum: Quorum, first: bool = False) -> float:
+        """Seconds between a joiner's reads of every join request and heartbeat (what seeding a world needs): the
+        first STANDBY joiners in line seed and read at every poll; the others, which only wait for a world that
+        holds them, read a few hundred bytes at each world written (keys.written) and in full only as a
+        backstop: every half heartbeat timeout while a world stands (its members all out is a seed too), and
+        once the quorum's grace plus a heartbeat timeout passed with none (the first in line died)."""
+        if self._seat <= standby.STANDBY:
+            return 0.0 if first else self.cfg.polling_interval
+        if has_world:
+            return self.cfg.heartbeat_timeout / 2
+        backstop = quorum.grace_at + self.cfg.heartbeat_timeout
+        return max(self.cfg.heartbeat_interval, backstop - time.monotonic())
 
     def _observe(self, snap: Snapshot, world: World | None) -> None:
         cursor = world.join_cursor if world else 0
@@ -346,6 +382,7 @@ class Membership:
                           join_end=len(snap.joins))
         new = self._in_ring_order(base, next_world(base, obs))
         if self._write(snap.raw_world, new):
+            self.client.set(keys.written(base.resolution), "1")   # wakes the joiners that do not seed
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
             # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
             # each read of the snapshot down the slow path of read_many, a round trip per key.
@@ -362,8 +399,17 @@ class Membership:
         # outsider's one write by re-keying this node's client before the marker was kept: zb.signed_store).
         written = counter_value(read_many(self.client, [events])[0])
         count = max(0, min(written, roll_call_events_bound(len(self.world.nodes) if self.world else 1)))
-        for key in (keys.roll_call(resolution), events, *(f"{events}/{n}" for n in range(1, count + 1))):
+        for key in (keys.roll_call(resolution), events, keys.written(resolution),
+                    *(f"{events}/{n}" for n in range(1, count + 1))):
             self.client.delete_key(key)
+
+    def _text(self, world: World) -> str:
+        """world.encode(), kept for the world last asked about: a member compares the store's record with its own at
+        every read of it, and encoding a world of 1,000 members takes milliseconds (worlds are never changed once
+        written or accepted)."""
+        if self._encoded[0] is not world:
+            self._encoded = (world, world.encode())
+        return self._encoded[1]
 
     def _write(self, expected: bytes, new: World) -> bool:
         """compare_set against the exact text read: only one writer per resolution can win."""
@@ -386,7 +432,17 @@ class Membership:
     def _resolve(self) -> World:
         try:
             store = self.ensure_store()
-            snap = read_snapshot(store, None)
+            # What the start of a resolution needs, without the join requests and answers whose size grows with
+            # the run (a judge reads those in the roll call), nor the world when its roll call is open: no world
+            # written after it (keys.written) and one in the store (a restarted store has none). A world copied
+            # over it meanwhile (a replay) is the judges' to write back (_replayed).
+            if self.world is not None:
+                light = read_light(store, self.world.resolution)
+                self._answered()
+                self._check_snapshot(light)
+                if not light.written and store.check([keys.WORLD]):
+                    return self._roll_call(self.world)
+            snap = read_light(store, None, world=True)
             self._answered()
             self._check_snapshot(snap)
             if self.world is not None and self._replayed(snap, self.world):
@@ -399,7 +455,7 @@ class Membership:
                 # connection failed mid-way (a leader whose housekeeping after its write hit a counter someone
                 # junked). It is this outer step's world, as for every other member.
                 return self._accept(snap.world)
-            if snap.world.encode() != self.world.encode():
+            if snap.raw_world.decode() != self._text(self.world):
                 return self._rejoin("the world moved on without this node")
             return self._roll_call(self.world)
         except store_errors() as e:
@@ -423,11 +479,34 @@ class Membership:
             "unreachable": sorted(self.unreachable)}))
         self._announce(world.resolution)
         self.failed, self.suspects, self.unreachable = False, set(), set()
-        t0 = time.monotonic()
+        t0, late_judged, told = time.monotonic(), float("-inf"), False
+        out: set[str] = set()   # members said goodbye or evicted, as last read
         while True:
+            since = time.monotonic() - t0
+            late = since > self.cfg.sync_deadline and time.monotonic() - late_judged >= self.cfg.heartbeat_interval
+            # `told`: the roll call's end was announced but the world is this one (a replay written over, or a
+            # wake-up someone else set): judge, whose waits are bounded, instead of waking again at once.
+            if not late and not told and not standby.judges(world, self.uid, self.liveness, out):
+                # Not in line to lead: wait for the roll call's end with a few hundred bytes a read
+                # (zb.elastic.standby), the world itself read once it is written.
+                light = read_light(self.client, world.resolution, world=False)
+                self._check_snapshot(light)
+                out = {m for m, token in light.gone if world.tokens.get(m) == token} | light.evicted
+                if light.written:
+                    snap = read_light(self.client, world.resolution, world=True)
+                    self._check_snapshot(snap)
+                    if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
+                        return self._accept(snap.world)
+                    told = True
+                    continue
+                self._wait_written(world.resolution)
+                continue
+            if late:
+                late_judged = time.monotonic()
             snap = read_snapshot(self.client, world.resolution)
             self._check_snapshot(snap)
-            if snap.raw_world.decode() != world.encode() and not self._replayed(snap, world):
+            out = {m for m, token in snap.gone if world.tokens.get(m) == token} | snap.evicted
+            if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
                 return self._accept(snap.world)
             self._observe(snap, world)
             # Members that answered too: a leader can crash between its answer and its write.
@@ -438,7 +517,7 @@ class Membership:
                 if silent is not None:
                     self._lead(world, snap, verdict.observation, silent)
                     continue
-            self._wait_event(world.resolution, snap.events)
+            self._wait_event(world.resolution, snap.events + max(1, verdict.pending))
 
     def _replayed(self, snap: Snapshot, world: World) -> bool:
         """The store holds an older world of this run that holds this node: a sealed record copied back over the
@@ -461,13 +540,22 @@ class Membership:
         n = self.client.add(keys.roll_call_events(resolution), 1)
         self.client.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
 
-    def _wait_event(self, resolution: int, seen: int) -> None:
-        """Until the roll call's next event, or elastic.polling_interval: the judge also decides on time
-        alone (a silent member's deadline), so the loop looks again either way. Waiting on the store instead
-        of sleeping ends the roll call as soon as its last answer or its next world lands."""
+    def _wait_event(self, resolution: int, event: int) -> None:
+        """Until the roll call's event number `event` (the one after which the verdict can change: the last answer
+        still awaited), or elastic.polling_interval: the judge also decides on time alone (a silent member's
+        deadline), so the loop looks again either way. Waiting on the store instead of sleeping ends the roll
+        call as soon as its last answer or its next world lands, and waiting for the last answer instead of the
+        next one reads the roll call once, not at every answer."""
+        self._wait_key(f"{keys.roll_call_events(resolution)}/{event}", self.cfg.polling_interval)
+
+    def _wait_written(self, resolution: int) -> None:
+        """A member that does not judge: until the roll call's world is written, or elastic.heartbeat_interval (it
+        then looks whether it must judge: members ahead of it died, or elastic.sync_deadline passed)."""
+        self._wait_key(keys.written(resolution), self.cfg.heartbeat_interval)
+
+    def _wait_key(self, key: str, seconds: float) -> None:
         try:
-            self.client.wait([f"{keys.roll_call_events(resolution)}/{seen + 1}"],
-                            timedelta(seconds=self.cfg.polling_interval))
+            self.client.wait([key], timedelta(seconds=seconds))
         except DistStoreError as e:
             if "timeout" not in str(e):
                 raise
@@ -542,6 +630,7 @@ class Membership:
         new.silent = {m: v for m, v in sorted(silent.items()) if m not in new.nodes}   # back: no longer silent
         if self._write(snap.raw_world, new):
             self._announce(world.resolution)
+            self.client.set(keys.written(world.resolution), "1")
             if world.resolution >= 2:
                 self._forget(world.resolution - 2)
             keep_marker(self.store)   # one operation a resolution: a deleted marker is back for the next joiner

@@ -208,7 +208,7 @@ class ElasticDeviceMesh:
         self._probe.start()
         store.set(keys.probe(uid), self._probe.endpoint)
         members = lambda: list(self._head.world.nodes) if self._head.world else []  # noqa: E731
-        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect_beating, members,
+        self._heartbeat = Heartbeat(uid, self.cfg.heartbeat_interval, liveness, self._connect_beating, self._head.watched,
                                     answered=self.stores.answered, store_index=lambda: self.stores.index)
         self._head.heartbeat = self._heartbeat
         store.add(keys.heartbeat(uid), 1)   # counter exists before the join request names it

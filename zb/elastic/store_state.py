@@ -116,6 +116,7 @@ class Snapshot:
     evicted: set[str] = field(default_factory=set)   # unique ids excluded for the rest of the run (keys.EVICTED)
     finished: Finished | None = None   # the run reached its end (keys.FINISHED)
     stayed: Stayed | None = None   # the run went on at an earlier store without members gone silent (keys.STAYED)
+    written: bool = False   # the roll call read has ended: its next world is in the store (keys.written; light reads)
 
 
 def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
@@ -134,6 +135,24 @@ def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
                     answers=_answers(raw[call[1]]) if call else [], events=counter_value(raw[call[0]]) if call else 0,
                     moved=counter_value(raw[keys.MOVED]) or None, evicted=evicted_ids(raw[keys.EVICTED]),
                     finished=Finished.decode(raw[keys.FINISHED]), stayed=Stayed.decode(raw[keys.STAYED]))
+
+
+def read_light(store: StoreClient, resolution: int | None, world: bool = False) -> Snapshot:
+    """What a member that does not judge the roll call of `resolution` reads while it waits (zb.elastic.standby):
+    whether the roll call ended (keys.written), the events so far, and what every read checks (goodbyes, evictions,
+    the run's end, a move); the world too when `world`. Never the roll call's answers or the join requests, whose
+    size grows with the run: a few hundred bytes at any size, the world's record apart."""
+    # written first: a world read after it is at least that new
+    written = resolution is not None and store.check([keys.written(resolution)])
+    call = [keys.roll_call_events(resolution)] if resolution is not None else []
+    names = [*call, *([keys.WORLD] if world else []),
+             keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
+    raw = dict(zip(names, read_many(store, names)))
+    text = raw.get(keys.WORLD, b"")
+    return Snapshot(raw_world=text, world=World.decode(text) if world else None, gone=_gone(raw[keys.GONE]), joins=[],
+                    answers=[], events=counter_value(raw[call[0]]) if call else 0, moved=counter_value(raw[keys.MOVED]) or None,
+                    evicted=evicted_ids(raw[keys.EVICTED]), finished=Finished.decode(raw[keys.FINISHED]),
+                    stayed=Stayed.decode(raw[keys.STAYED]), written=written)
 
 
 def ended_world(store: StoreClient) -> World | None:
