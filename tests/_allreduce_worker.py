@@ -1,7 +1,9 @@
-"""Worker process for tests/test_allreduce.py: one rank running all-reduces over bare gloo groups.
+"""Worker process for tests/test_allreduce.py and tests/test_halving.py: one rank running all-reduces over bare
+gloo groups.
 
 argv: rank world port outdir spec_json. spec: {"cases": [case, ...], "streams": S, "die": rank,
-"hang": bool, "die_after": k, "floor": seconds}; a case: numel, compression, op ("sum"/"avg"),
+"hang": bool, "die_after": k, "floor": seconds, "shape": "ring" or "halving" (default for every case)}; a case:
+numel, compression, op ("sum"/"avg"), shape (the case's own, else the spec's),
 dtype, seed, heavy, poison {rank: [[index, value], ...]}, piece, rounds (error feedback: that many
 calls with one residual, fresh inputs each; input and output are then the sums over the calls, and
 "residual" the residual after the last); a sparse case's "chunk", "k" and "beta" (sparse_options). Writes <outdir>/rank<r>.pt (one
@@ -105,7 +107,8 @@ def main() -> None:
                 out = x.clone()
                 stats = all_reduce(out, groups[0], op=op, compression=case["compression"], streams=groups[1:],
                                    timeout_floor_s=spec.get("floor", 20.0), start_timeout_s=spec.get("floor", 20.0),
-                                   piece_values=case.get("piece", 4096), residual=residual, **sparse_options(case))
+                                   piece_values=case.get("piece", 4096), residual=residual,
+                                   shape=case.get("shape", spec.get("shape", "ring")), **sparse_options(case))
                 inputs.append(x)
                 outputs.append(out)
                 wire += stats.wire_bytes

@@ -352,3 +352,10 @@ def test_sparse_defaults_follow_the_paper_and_its_keys_alone_are_warned_about():
     assert load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.momentum() == 0.9
     alone = load_config([], {"diloco.sparse_k": "32"}, environ={})
     assert [k for k, _ in advisories(alone)] == ["diloco.sparse_k"]
+
+
+@pytest.mark.parametrize("compression, exchange", [("none", "gloo"), ("sparse", "the sparse gather")])
+def test_halving_without_a_quantized_width_is_refused_in_one_line(compression, exchange):
+    with pytest.raises(ConfigError, match=rf"^diloco.reduce_shape = .halving. .*int8, int4 and int2 only.*{exchange}"):
+        load_config([], {"diloco.compression": compression, "diloco.reduce_shape": "halving"}, environ={})
+    assert load_config([], {"diloco.compression": compression, "diloco.reduce_shape": "auto"}, environ={})

@@ -772,6 +772,29 @@ def _params_order(node, fragment_major: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("shape, uids", [("auto", "abcd"), ("halving", "abc")])
+def test_halving_doubling_nodes_lose_nothing_and_agree(shape, uids, monkeypatch):
+    """diloco.reduce_shape: 4 nodes on auto take halving-doubling, 3 nodes on halving fold one into another; with
+    int4 and error feedback, outer lr 1 and no momentum, the outer params are the moves averaged less every node's
+    residual over the node count (the closed form, to fp32 rounding), the same bits on every node."""
+    import zb.collectives.allreduce as allreduce
+
+    calls = []
+    real = allreduce.run_halving
+    monkeypatch.setattr(allreduce, "run_halving", lambda *a, **k: calls.append(1) or real(*a, **k))
+    flags = {**PLAIN_OUTER, "diloco.compression": "int4", "diloco.reduce_shape": shape}
+    _, nodes = start_world(list(uids), **flags)
+    start = TinyModel().flat()
+    moves = deltas(len(uids), 3, start.numel())
+    run_rounds(nodes, moves)
+    assert len({n.reports[-1].params_hash for n in nodes}) == 1
+    residuals = sum(n.diloco.algorithm.feedback.residual for n in nodes)
+    exact = start - sum(torch.stack(m).mean(0) for m in moves)
+    shared = nodes[0].diloco.outer.flat.detach()
+    assert residuals.abs().sum() > 0 and len(calls) >= 3 * len(uids), "every node's every sync went halving"
+    assert torch.allclose(shared, exact + residuals / len(uids), atol=2e-6), (shared - exact).abs().max()
+
+
 @pytest.mark.parametrize("flags", [{"diloco.compression": "int4"}, SPARSE])
 def test_error_feedback_residual_resumes_exactly_from_a_checkpoint(flags):
     """int4 with error feedback, and sparse's accumulator: fresh nodes that load a checkpoint (params, shared

@@ -103,6 +103,11 @@ def problems(cfg: Config) -> Iterator[tuple[str, str]]:
         yield from mode_of(cfg.diloco.overlap).problems(cfg.diloco, adaptive)
     if cfg.diloco is not None and cfg.diloco.compression == "sparse":
         yield from _sparse_problems(cfg.diloco)
+    if cfg.diloco is not None and cfg.diloco.reduce_shape == "halving" and cfg.diloco.compression in ("none", "sparse"):
+        yield "diloco.reduce_shape", (f"halving applies to int8, int4 and int2 only: with diloco.compression = "
+                                      f"{cfg.diloco.compression} the exchange is "
+                                      f"{'gloo' if cfg.diloco.compression == 'none' else 'the sparse gather'}'s own; "
+                                      "leave it auto or ring")
     if cfg.eval.only and not cfg.ckpt.resume:
         yield "eval.only", "evaluates a checkpoint: name it with ckpt.resume (latest with ckpt.path, a step directory " \
                            "or a remote URL of one)"

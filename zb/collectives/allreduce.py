@@ -1,4 +1,5 @@
-"""all_reduce(tensor, group, ...): fp32 through the backend, or the quantized ring of ring.py."""
+"""all_reduce(tensor, group, ...): fp32 through the backend, or the quantized ring of ring.py (shape "ring") or
+halving-doubling of halving.py (shape "halving")."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributed import ReduceOp
 
 from zb.collectives import kernels
 from zb.collectives.gather import run_gathers
+from zb.collectives.halving import run_halving
 from zb.collectives.kernels import SCHEMES, SparseScheme, num_blocks
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import split_blocks
@@ -20,6 +22,19 @@ from zb.collectives.ring import TransferDeadlines, run_ring
 from zb.errors import InvalidInput
 
 COMPRESSIONS = ("none", *SCHEMES, "sparse")
+SHAPES = ("auto", "ring", "halving")  # the quantized all-reduce's message pattern: 2 (W - 1) steps, or 2 log2 W
+
+
+def pick_shape(shape: str, compression: str, world: int) -> str:
+    """The quantized all-reduce's shape for `shape` (auto, ring or halving). auto: halving-doubling for a quantized
+    compression over a power of two of at least 4 ranks, where it takes 2 log2 W steps to the ring's 2 (W - 1)
+    with the same bytes a rank; the ring otherwise: at 2 and 3 ranks the step counts are equal, and elsewhere
+    halving's fold moves the whole tensor twice more over one link, which costs more than the steps it saves
+    unless the links' latency dominates (set halving then: BENCHMARKS.md "Scale" has the model)."""
+    if shape != "auto":
+        return shape
+    power_of_two = world & (world - 1) == 0
+    return "halving" if compression in SCHEMES and world >= 4 and power_of_two else "ring"
 ALIGN = max(s.block for s in SCHEMES.values())  # stream slices start on a block of every scheme
 
 
@@ -36,13 +51,18 @@ class AllReduceStats:
 
 def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
            groups: Sequence[dist.ProcessGroup], residual: torch.Tensor | None, sparse: SparseScheme | None,
-           sparse_beta: float) -> None:
+           sparse_beta: float, shape: str = "ring") -> None:
     if residual is not None and (compression == "none" or residual.dtype != torch.float32 or
                                  residual.numel() != tensor.numel() or not residual.is_contiguous()):
         raise InvalidInput("an error-feedback residual needs a quantized compression and one contiguous float32 "
                            "value per value of the tensor")
     if compression not in COMPRESSIONS:
         raise InvalidInput(f"compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
+    if shape not in SHAPES:
+        raise InvalidInput(f"shape {shape!r}: use one of {', '.join(SHAPES)}")
+    if shape == "halving" and compression not in SCHEMES:
+        raise InvalidInput(f"shape 'halving' with compression {compression!r}: the halving shape applies to "
+                           f"{'/'.join(SCHEMES)} only")
     if sparse is not None and (wrong := sparse.problem()) is not None:
         raise InvalidInput(f"sparse compression with {wrong[1]}")
     if not 0.0 <= sparse_beta <= 1.0:
@@ -112,10 +132,12 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
                min_bandwidth_mbps: float = 10.0, timeout_floor_s: float = 10.0,
                start_timeout_s: float = 300.0, piece_values: int = 1 << 20,
                window: int = 4, residual: torch.Tensor | None = None, sparse: SparseScheme | None = None,
-               sparse_beta: float = 1.0) -> AllReduceStats:
-    """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc."""
+               sparse_beta: float = 1.0, shape: str = "ring") -> AllReduceStats:
+    """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc. `shape`
+    ("ring", "halving": quantized compressions only, or "auto": pick_shape) picks the ring or recursive
+    halving-doubling."""
     groups = [group, *streams]
-    _check(tensor, op, compression, groups, residual, sparse, sparse_beta)
+    _check(tensor, op, compression, groups, residual, sparse, sparse_beta, shape)
     t0 = time.perf_counter()
     world = group.size()
     if world == 1 or tensor.numel() == 0:
@@ -135,7 +157,8 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
         res = residual.view(-1) if residual is not None else None
         parts = [(flat[a:b], g, res[a:b] if res is not None else None)
                  for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
-        wire = run_ring(parts, avg, deadlines, piece_values, window, SCHEMES[compression])
+        run = run_halving if pick_shape(shape, compression, world) == "halving" else run_ring
+        wire = run(parts, avg, deadlines, piece_values, window, SCHEMES[compression])
     if flat.data_ptr() != tensor.data_ptr() or flat.dtype != tensor.dtype:
         tensor.copy_(flat.view(tensor.shape))
     return AllReduceStats(compression, tensor.numel(), world, wire, time.perf_counter() - t0)

@@ -45,7 +45,7 @@ class SyncStats:
 def wire_options(cfg: DilocoConfig) -> dict[str, Any]:
     """all_reduce's compression keywords for diloco.compression (and the sparse scheme's keys)."""
     if cfg.compression != "sparse":
-        return {"compression": cfg.compression}
+        return {"compression": cfg.compression, "shape": cfg.reduce_shape}
     return {"compression": "sparse", "sparse": SparseScheme(cfg.sparse_chunk, cfg.sparse_k),
             "sparse_beta": cfg.sparse_beta}
 
