@@ -160,9 +160,21 @@ def store_with(file_text=None, into=None, probes=None) -> DictStore:
         values["zb/links/file"] = file_text.encode()
     for dst, row in (into or {}).items():
         values[f"zb/links/into/{dst}"] = json.dumps(row).encode()
+        values["zb/links/measured"] = b"1"      # what a node publishing a row sets (zb.elastic.linkprobe)
     for uid, addr in (probes or {}).items():
         values[f"zb/probe/{uid}"] = f"{addr}:4000".encode()
     return DictStore(values)
+
+
+def test_without_any_link_data_the_leader_reads_two_keys_not_every_member_s():
+    """No link file and no measured row anywhere: rank order after two existence checks (with 1,000 members,
+    reading 2N + 1 missing keys one at a time cost the leader 2,001 store round trips at every world written)."""
+    store = store_with(probes={"a": "10.0.0.1", "b": "10.0.0.2", "c": "10.0.0.3"})
+    asked: list[list[str]] = []
+    real = store.check
+    store.check = lambda keys: asked.append(list(keys)) or real(keys)   # type: ignore[method-assign]
+    assert RingPlanner().plan(store, ["a", "b", "c"]) is None
+    assert asked == [["zb/links/file"], ["zb/links/measured"]]
 
 
 def test_plan_from_the_file_avoids_the_slow_link_and_keeps_the_leader_first():

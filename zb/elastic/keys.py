@@ -79,6 +79,10 @@ def mesh_prefix(version: int, local_rank: int) -> str:
 LINK_FILE = f"{ROOT}/links/file"  # text of an elastic.link_matrix file (zb iperf-mesh --json), set by nodes given one
 
 
+LINKS_MEASURED = f"{ROOT}/links/measured"   # set once any node published a measured row (keys.links_into): without it
+                                           # and without LINK_FILE the leader skips reading 2N + 1 missing keys
+
+
 def link_server(uid: str) -> str:
     """host:port of the node's link-measurement receiver (zb.elastic.linkprobe, elastic.measure_links)."""
     return f"{ROOT}/links/server/{uid}"

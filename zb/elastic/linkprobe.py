@@ -74,6 +74,7 @@ class LinkProber:
         """This node's endpoint and rows into a store that lacks them (restarted empty, or the next one)."""
         store.set(keys.link_server(self.uid), self.endpoint)
         store.set(keys.links_into(self.uid), json.dumps(self.rows, sort_keys=True))
+        store.set(keys.LINKS_MEASURED, "1")
 
     def _client(self, store: StoreClient | None, index: list[int]) -> StoreClient:
         """`store`, or a new client when there is none or the run moved to another store since (`index` holds
@@ -114,6 +115,7 @@ class LinkProber:
         try:
             store = self._client(store, index)
             store.set(keys.links_into(self.uid), json.dumps(self.rows, sort_keys=True))
+            store.set(keys.LINKS_MEASURED, "1")
             return store
         except store_errors() + (EnvironmentFailure,) as e:
             log.debug("could not publish the measured links (next measurement retries): %s", e)

@@ -111,6 +111,8 @@ class RingPlanner:
         """Ring order for `nodes` (in their rank order), or None: keep rank order."""
         if len(nodes) < 3:
             return None                # 1 or 2 nodes: every ring is the same ring
+        if not store.check([keys.LINK_FILE]) and not store.check([keys.LINKS_MEASURED]):
+            return None                # no link data at all: two requests, not 2N + 1 keys missing one by one
         members = sorted(nodes)
         measured, matrix, addrs = read_links(store, members)
         table, unknown = link_table(members, measured, matrix, addrs)
