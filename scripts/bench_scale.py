@@ -161,8 +161,12 @@ def membership(n: int, procs: int, resolutions: int, idle_s: float) -> dict:
                 tally.update(g[4])
             failures = [f for g in got for f in g[5]]
             versions = sorted({v for g in got for v in g[6]})
+            first = min(starts)
+            ended = sorted(t - first for t in ends)
             rows.append({"members": n, "phase": "join" if phase == 0 else f"resolve{phase}",
-                         "seconds": round(max(ends) - min(starts), 3), "requests": tally["requests"],
+                         "seconds": round(ended[-1], 3), "first_end_s": round(ended[0], 3),
+                         "median_end_s": round(ended[len(ended) // 2], 3),
+                         "last_start_s": round(max(starts) - first, 3), "requests": tally["requests"],
                          "keys": tally["keys"], "bytes": tally["bytes_up"] + tally["bytes_down"],
                          "store_cpu_s": round(cpu1 - cpu0, 3), "failures": failures[:3],
                          "worlds": versions,

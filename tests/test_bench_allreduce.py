@@ -9,10 +9,10 @@ from zb.testing.procs import free_port, zb_process
 
 def test_bench_two_local_ranks_json() -> None:
     proc = zb_process("bench-allreduce", "--world-size", "2", "--size-mb", "0.4", "--iterations", "2", "--warmup", "0",
-               "--streams", "2", "--json")
+               "--streams", "2", "--shape", "halving", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["world_size"] == 2 and report["numel"] == 100_000, report
+    assert report["world_size"] == 2 and report["numel"] == 100_000 and report["shape"] == "halving", report
     none, int8 = report["results"]["none"], report["results"]["int8"]
     assert none["rel_error"] < 1e-6 and none["bit_identical"] and int8["bit_identical"], report
     assert 0 < int8["rel_error"] < 0.05, report
@@ -33,6 +33,8 @@ def test_bench_table_and_bad_input(run_zb) -> None:
     assert result.exit_code == 0 and "--store" in result.output and "ZB_DILOCO_STREAMS" in result.output
     proc = zb_process("bench-allreduce", "--compressions", "int3")
     assert proc.returncode == 2 and "int3" in proc.stderr and "int2" in proc.stderr
+    proc = zb_process("bench-allreduce", "--shape", "tree")
+    assert proc.returncode == 2 and "'tree'" in proc.stderr and "halving" in proc.stderr
     proc = zb_process("bench-allreduce", "--rank", "1")
     assert proc.returncode == 2 and "--store" in proc.stderr
 

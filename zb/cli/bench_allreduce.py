@@ -25,6 +25,9 @@ rank failed; 2 invalid options."""
                    "is one call's, where training sends the rest later through error feedback).")
 @click.option("--streams", type=click.IntRange(min=1), default=1, show_default=True,
               help="Process groups to stripe over (parallel TCP connections); config twin: ZB_DILOCO_STREAMS.")
+@click.option("--shape", type=click.Choice(["auto", "ring", "halving"]), default="auto", show_default=True,
+              help="Shape of the int8/int4/int2 all-reduce: the ring, recursive halving-doubling, or auto (halving at "
+                   "4, 8, 16 ... ranks); config twin: diloco.reduce_shape.")
 @click.option("--iterations", type=click.IntRange(min=1), default=5, show_default=True, help="Timed runs per compression.")
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="Untimed runs first.")
 @click.option("--threads", type=click.IntRange(min=0), default=0,
@@ -40,7 +43,7 @@ rank failed; 2 invalid options."""
                    "the all-reduce.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def bench_allreduce(world_size: int, store: str | None, rank: int | None, secret_file: str | None, size_mb: float,
-                    compressions: str,
+                    compressions: str, shape: str,
                     streams: int, iterations: int, warmup: int, threads: int, data: str,
                     min_bandwidth_mbps: float, timeout: float, kernels_only: bool, as_json: bool) -> None:
     """Benchmark all_reduce: median time, algorithm and bus bandwidth, wire bytes, error, agreement.
@@ -62,7 +65,7 @@ def bench_allreduce(world_size: int, store: str | None, rank: int | None, secret
         return
     cfg = BenchConfig(size_mb=size_mb, compressions=comps, streams=streams, iterations=iterations,
                       warmup=warmup, threads=threads, data=data, min_bandwidth_mbps=min_bandwidth_mbps,
-                      rendezvous_timeout_s=timeout)
+                      rendezvous_timeout_s=timeout, shape=shape)
     results = _run(world_size, store, rank, cfg, store_secret(store, secret_file))
     if results is None:
         return
@@ -108,7 +111,8 @@ def results_table(report: dict):
 
     cfg = report["config"]
     title = (f"all-reduce of {report['bytes'] / 1e6:.1f} MB fp32, {report['world_size']} ranks, "
-             f"{cfg['streams']} stream(s), {report['threads']} thread(s)/rank, median of {cfg['iterations']}")
+             f"{cfg['streams']} stream(s), {report['threads']} thread(s)/rank, median of {cfg['iterations']}"
+             f"{', int widths as ' + report['shape'] if 'shape' in report else ''}")
     table = Table(title=title)
     for col in ("compression", "median s", "algbw GB/s", "busbw GB/s", "wire MB/rank", "rel. error", "ranks agree"):
         table.add_column(col, justify="right")

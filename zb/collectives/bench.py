@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from zb.collectives import all_reduce
+from zb.collectives.allreduce import pick_shape
+from zb.collectives.kernels import SCHEMES
 from zb.errors import EnvironmentFailure
 from zb.process_exit import uses_gloo
 from zb.signed_store import prefixed
@@ -39,6 +41,7 @@ class BenchConfig:
     min_bandwidth_mbps: float = 10.0
     timeout_s: float = 300.0  # the groups' timeout: a collective that stalls longer fails
     rendezvous_timeout_s: float = 60.0  # to reach the store and for every rank to arrive
+    shape: str = "auto"  # the int8/int4/int2 all-reduce's shape (diloco.reduce_shape: auto, ring, halving)
 
 
 def free_port() -> int:
@@ -105,7 +108,8 @@ def _timed(pg: dist.ProcessGroup, streams: list, x: torch.Tensor, work: torch.Te
     pg.barrier().wait()
     t0 = time.perf_counter()
     stats = all_reduce(work, pg, op=dist.ReduceOp.SUM, compression=comp, streams=streams,
-                       min_bandwidth_mbps=cfg.min_bandwidth_mbps, start_timeout_s=cfg.timeout_s)
+                       min_bandwidth_mbps=cfg.min_bandwidth_mbps, start_timeout_s=cfg.timeout_s,
+                       shape=cfg.shape if comp in SCHEMES else "auto")
     return time.perf_counter() - t0, stats
 
 
@@ -146,6 +150,7 @@ def run_rank(store: dist.Store, rank: int, world: int, cfg: BenchConfig) -> dict
     from zb.collectives.build import use_cpp
 
     return {"world_size": world, "numel": x.numel(), "bytes": 4 * x.numel(), "threads": torch.get_num_threads(),
+            "shape": pick_shape(cfg.shape, "int8", world),
             "cpp_kernels": use_cpp() if quantized else None, "config": asdict(cfg),
             "results": rows}
 
@@ -163,7 +168,7 @@ def _cli_args(cfg: BenchConfig, world: int) -> list[str]:
             "--streams", str(cfg.streams), "--iterations", str(cfg.iterations), "--warmup", str(cfg.warmup),
             "--threads", str(cfg.threads or max(1, (os.cpu_count() or 1) // world)), "--data", cfg.data,
             "--min-bandwidth-mbps", str(cfg.min_bandwidth_mbps), "--timeout", repr(cfg.rendezvous_timeout_s),
-            "--json"]
+            "--shape", cfg.shape, "--json"]
 
 
 def _collect(procs: list[subprocess.Popen], timeout: float) -> dict:

@@ -479,7 +479,7 @@ class Membership:
             "unreachable": sorted(self.unreachable)}))
         self._announce(world.resolution)
         self.failed, self.suspects, self.unreachable = False, set(), set()
-        t0, late_judged, told = time.monotonic(), float("-inf"), False
+        t0, late_judged, told, woke = time.monotonic(), float("-inf"), False, False
         out: set[str] = set()   # members said goodbye or evicted, as last read
         while True:
             since = time.monotonic() - t0
@@ -488,18 +488,19 @@ class Membership:
             # wake-up someone else set): judge, whose waits are bounded, instead of waking again at once.
             if not late and not told and not standby.judges(world, self.uid, self.liveness, out):
                 # Not in line to lead: wait for the roll call's end with a few hundred bytes a read
-                # (zb.elastic.standby), the world itself read once it is written.
-                light = read_light(self.client, world.resolution, world=False)
+                # (zb.elastic.standby), the world itself read once it is written (at once after a wake-up).
+                light = read_light(self.client, world.resolution, world=woke)
                 self._check_snapshot(light)
                 out = {m for m, token in light.gone if world.tokens.get(m) == token} | light.evicted
+                if light.written and not woke:
+                    woke = True
+                    continue
                 if light.written:
-                    snap = read_light(self.client, world.resolution, world=True)
-                    self._check_snapshot(snap)
-                    if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
-                        return self._accept(snap.world)
+                    if light.raw_world.decode() != self._text(world) and not self._replayed(light, world):
+                        return self._accept(light.world)
                     told = True
                     continue
-                self._wait_written(world.resolution)
+                woke = self._wait_written(world.resolution)
                 continue
             if late:
                 late_judged = time.monotonic()
@@ -548,17 +549,20 @@ class Membership:
         next one reads the roll call once, not at every answer."""
         self._wait_key(f"{keys.roll_call_events(resolution)}/{event}", self.cfg.polling_interval)
 
-    def _wait_written(self, resolution: int) -> None:
-        """A member that does not judge: until the roll call's world is written, or elastic.heartbeat_interval (it
-        then looks whether it must judge: members ahead of it died, or elastic.sync_deadline passed)."""
-        self._wait_key(keys.written(resolution), self.cfg.heartbeat_interval)
+    def _wait_written(self, resolution: int) -> bool:
+        """A member that does not judge: until the roll call's world is written (True), or elastic.heartbeat_interval
+        (it then looks whether it must judge: members ahead of it died, or elastic.sync_deadline passed)."""
+        return self._wait_key(keys.written(resolution), self.cfg.heartbeat_interval)
 
-    def _wait_key(self, key: str, seconds: float) -> None:
+    def _wait_key(self, key: str, seconds: float) -> bool:
+        """Whether `key` was set within `seconds`."""
         try:
             self.client.wait([key], timedelta(seconds=seconds))
+            return True
         except DistStoreError as e:
             if "timeout" not in str(e):
                 raise
+            return False
 
     def mark_finished(self, outer_step: int, step: int) -> bool:
         """The run reached its end in this node's world: say so on the store (keys.FINISHED, the first node's

@@ -139,18 +139,16 @@ def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
 
 def read_light(store: StoreClient, resolution: int | None, world: bool = False) -> Snapshot:
     """What a member that does not judge the roll call of `resolution` reads while it waits (zb.elastic.standby):
-    whether the roll call ended (keys.written), the events so far, and what every read checks (goodbyes, evictions,
+    whether the roll call ended (keys.written) and what every read checks (goodbyes, evictions,
     the run's end, a move); the world too when `world`. Never the roll call's answers or the join requests, whose
     size grows with the run: a few hundred bytes at any size, the world's record apart."""
     # written first: a world read after it is at least that new
     written = resolution is not None and store.check([keys.written(resolution)])
-    call = [keys.roll_call_events(resolution)] if resolution is not None else []
-    names = [*call, *([keys.WORLD] if world else []),
-             keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
+    names = [*([keys.WORLD] if world else []), keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
     raw = dict(zip(names, read_many(store, names)))
     text = raw.get(keys.WORLD, b"")
     return Snapshot(raw_world=text, world=World.decode(text) if world else None, gone=_gone(raw[keys.GONE]), joins=[],
-                    answers=[], events=counter_value(raw[call[0]]) if call else 0, moved=counter_value(raw[keys.MOVED]) or None,
+                    answers=[], moved=counter_value(raw[keys.MOVED]) or None,
                     evicted=evicted_ids(raw[keys.EVICTED]), finished=Finished.decode(raw[keys.FINISHED]),
                     stayed=Stayed.decode(raw[keys.STAYED]), written=written)
 
