@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+from zb.collectives.bench import communicate_all
 from zb.net.netns import emulated_hosts, netns_unavailable
 
 STORE_PORT = 29500  # each host is a fresh namespace: nothing else listens there
@@ -31,13 +32,7 @@ def run(hosts: int, rate_mbit: float, duration_s: float, extra: list[str] = (), 
                           "--world-size", str(hosts), "--duration", str(duration_s), "--json", *extra],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for r, h in enumerate(net.hosts)]
-        try:
-            outs = [p.communicate(timeout=timeout_s) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        outs = communicate_all(procs, timeout_s)
     for r, (p, (_, err)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
             raise SystemExit(f"rank {r} exited with {p.returncode}: {err.strip()}")

@@ -38,6 +38,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from zb.collectives.bench import communicate_all  # noqa: E402
 from zb.collectives.halving import Plan  # noqa: E402
 from zb.collectives.kernels import SCHEMES  # noqa: E402
 from zb.collectives.pieces import Layout  # noqa: E402
@@ -115,13 +116,7 @@ def measure(world: int, cfg: dict, timeout: float) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), str(port), json.dumps(cfg)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = communicate_all(procs, timeout)
     for r, (p, (_, err)) in enumerate(zip(procs, outs)):
         if p.returncode != 0:
             raise SystemExit(f"W={world}: rank {r} exited with {p.returncode}: {err.strip()[-2000:]}")

@@ -171,15 +171,21 @@ def _cli_args(cfg: BenchConfig, world: int) -> list[str]:
             "--shape", cfg.shape, "--json"]
 
 
-def _collect(procs: list[subprocess.Popen], timeout: float) -> dict:
-    """Wait for every rank; rank 0's stdout is the report. Kills leftovers on any failure."""
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """(stdout, stderr) of every process, each waited for up to `timeout`; whatever is left is killed, also when
+    a wait fails (scripts/bench_reduce_shapes.py and scripts/bench_netns_iperf.py launch ranks this way too)."""
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def _collect(procs: list[subprocess.Popen], timeout: float) -> dict:
+    """Wait for every rank; rank 0's stdout is the report. Kills leftovers on any failure."""
+    outs = communicate_all(procs, timeout)
     failed = [(r, p.returncode, e) for r, (p, (_, e)) in enumerate(zip(procs, outs)) if p.returncode != 0]
     if failed:
         r, code, err = failed[0]
