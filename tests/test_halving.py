@@ -237,7 +237,7 @@ def test_shape_is_checked() -> None:
     for compression in ("none", "sparse"):
         with pytest.raises(InvalidInput, match="halving shape applies to int8/int4/int2 only"):
             all_reduce(x, pg, compression=compression, shape="halving")
-    with pytest.raises(InvalidInput, match="shape 'tree': use one of ring, halving"):
+    with pytest.raises(InvalidInput, match="shape 'tree': use one of auto, ring, halving"):
         all_reduce(x, pg, compression="int8", shape="tree")
     for compression in ("int8", "int4", "int2"):
         stats = all_reduce(x, pg, compression=compression, shape="halving", op=ReduceOp.AVG)
