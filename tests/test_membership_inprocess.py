@@ -321,3 +321,13 @@ def test_a_roll_call_counter_written_with_junk_costs_one_attempt_not_the_run(mem
     members.client().set(keys.roll_call_events(worlds["a"].resolution), b"junk")
     after = members.together(["a", "b"], lambda m: m.resolve())
     assert all(sorted(w.nodes) == ["a", "b"] for w in after.values()), after
+
+
+def test_a_wait_of_no_time_returns_at_once(members):
+    """A joiner's wait is what is left of its pace, which can be spent by the time it waits: torch's TCPStore
+    takes a zero or negative timeout as none and blocked the joiner for good (a lone node at the next store never
+    gave up on the quorum under the suite's load)."""
+    members.add("a").ensure_store()
+    out = each_at_once(members.nodes, ["a"], lambda m: (m._wait_key("zb/absent", 0.0), m._wait_key("zb/absent", -1.0)),
+                       timeout=20)
+    assert out["a"] == (False, False)

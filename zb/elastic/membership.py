@@ -555,7 +555,10 @@ class Membership:
         return self._wait_key(keys.written(resolution), self.cfg.heartbeat_interval)
 
     def _wait_key(self, key: str, seconds: float) -> bool:
-        """Whether `key` was set within `seconds`."""
+        """Whether `key` was set within `seconds`. A wait of 0 s or less is none: torch's TCPStore takes a zero or
+        negative timeout as none at all and would block for good."""
+        if seconds < 0.001:
+            return self.client.check([key])
         try:
             self.client.wait([key], timedelta(seconds=seconds))
             return True
