@@ -53,9 +53,13 @@ class RoundDeadlines:
 @dataclass
 class Verdict:
     acting_leader: str | None
-    settled: bool               # every member answered or is out: the leader may write
     observation: Observation
     pending: int = 0            # members whose answer is still awaited (the verdict waits for them or their deadline)
+
+    @property
+    def settled(self) -> bool:
+        """Every member answered or is out: the leader may write."""
+        return self.pending == 0
 
 
 def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: float, dl: RoundDeadlines) -> Verdict:
@@ -90,7 +94,7 @@ def judge(world: World, snap: Snapshot, me: str, liveness: Liveness, since: floa
     joiners = admissible_joiners(world, snap, liveness)
     obs = Observation(answered=answered | {me}, gone=snap.gone, excluded=excluded, joiners=joiners,
                       join_end=len(snap.joins), failure=any(c.failed for c in lines))
-    return Verdict(acting_leader=acting, settled=pending == 0, observation=obs, pending=pending)
+    return Verdict(acting_leader=acting, observation=obs, pending=pending)
 
 
 def split_unreachable(world: World, lines: list[Answer]) -> set[str]:

@@ -128,8 +128,7 @@ class Membership:
 
     def watched(self) -> list[str]:
         """Whose heartbeats this node's heartbeat thread reads (zb.elastic.standby.watched)."""
-        world = self.world
-        return standby.watched(world, self.uid, self.liveness)
+        return standby.watched(self.world, self.uid, self.liveness)
 
     # -- store -----------------------------------------------------------------------------
     def ensure_store(self) -> StoreClient:
@@ -491,7 +490,7 @@ class Membership:
                 # (zb.elastic.standby), the world itself read once it is written (at once after a wake-up).
                 light = read_light(self.client, world.resolution, world=woke)
                 self._check_snapshot(light)
-                out = {m for m, token in light.gone if world.tokens.get(m) == token} | light.evicted
+                out = standby.out_of(world, light)
                 if light.written and not woke:
                     woke = True
                     continue
@@ -506,7 +505,7 @@ class Membership:
                 late_judged = time.monotonic()
             snap = read_snapshot(self.client, world.resolution)
             self._check_snapshot(snap)
-            out = {m for m, token in snap.gone if world.tokens.get(m) == token} | snap.evicted
+            out = standby.out_of(world, snap)
             if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
                 return self._accept(snap.world)
             self._observe(snap, world)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from zb.elastic.heartbeat import Liveness
+from zb.elastic.store_state import Snapshot
 from zb.elastic.world import World
 
 STANDBY = 3   # members in line that judge every roll call: the acting leader and two ready to take over
@@ -45,6 +46,11 @@ def ahead(world: World, me: str, liveness: Liveness, out: set[str]) -> list[str]
 def judges(world: World, me: str, liveness: Liveness, out: set[str]) -> bool:
     """Whether `me` judges the roll call of `world`: fewer than STANDBY members ahead of it are plausibly in."""
     return sum(_plausibly_in(u, liveness, out) for u in ahead(world, me, liveness, out)) < STANDBY
+
+
+def out_of(world: World, snap: Snapshot) -> set[str]:
+    """The members of `world` that `snap` shows said goodbye (with their token) or evicted."""
+    return {m for m, token in snap.gone if world.tokens.get(m) == token} | snap.evicted
 
 
 def watched(world: World | None, me: str, liveness: Liveness) -> list[str]:
