@@ -42,6 +42,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from zb.torch_log import quiet_torch_log  # noqa: E402
+
+quiet_torch_log()   # as `zb` does, before torch loads: each timed-out store wait would cost reverse DNS lookups
+
 from zb.testing.procs import PYTHON, free_port, subprocess_env  # noqa: E402
 from zb.testing.pump import Pump  # noqa: E402
 from zb.testing.store_count import Counting  # noqa: E402

@@ -9,6 +9,10 @@ from __future__ import annotations
 import os
 import sys
 
+from zb.torch_log import quiet_torch_log
+
+quiet_torch_log()   # as `zb` does, before torch loads: each timed-out store wait would cost reverse DNS lookups
+
 import pytest
 from click.testing import CliRunner
 

@@ -90,7 +90,7 @@ LAYERS = {
 }
 BASE = {"errors", "config_schema", "config", "config_checks", "config_prime", "model_sizes", "position", "fingerprint",
         "local_world", "shard_rows", "metrics", "events", "log", "progress", "dial", "addresses", "stop_signals", "process_exit",
-        "secret", "signed_store", "store_clients", "rendezvous_store", "resources", "overlap_modes", "sparse_scheme",
+        "secret", "signed_store", "store_clients", "rendezvous_store", "resources", "overlap_modes", "sparse_scheme", "torch_log",
         "__main__"}
 
 

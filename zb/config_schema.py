@@ -424,7 +424,8 @@ ENVIRONMENT: tuple[tuple[str, str], ...] = (
     ("HF_ENDPOINT", "A Hugging Face mirror to fetch datasets and tokenizers from."),
     ("HF_HUB_OFFLINE", "1: never ask the Hugging Face hub; train from the files already cached."),
     ("WANDB_MODE", "log.wandb_mode = auto follows it (else online)."),
-    ("TORCH_CPP_LOG_LEVEL", "torch's C++ log level; zb train sets ERROR and zb status FATAL unless it is set."),
+    ("TORCH_CPP_LOG_LEVEL", "torch's C++ log level; zb sets ERROR (zb status FATAL) unless it is set: at WARNING "
+                            "each timed-out store wait logs two lines, each after a reverse DNS lookup."),
     ("LOCAL_RANK", "Set by the launcher (zb train --nproc-per-node, torchrun) for each rank: its local rank."),
     ("LOCAL_WORLD_SIZE", "Set by the launcher: the node's local ranks (else WORLD_SIZE, else 1)."),
     ("WORLD_SIZE", "Set by the launcher: the local ranks, when LOCAL_WORLD_SIZE is not."),

@@ -16,6 +16,7 @@ from zb import __version__
 from zb.cli.verbosity import QUIET_HELP, VERBOSE_HELP
 from zb.process_exit import leave, leave_if_gloo_used
 from zb.stop_signals import exiting, interrupted, raise_on_stop
+from zb.torch_log import quiet_torch_log
 
 # name -> "module:attribute"; order is the order shown in `zb --help`.
 COMMANDS: dict[str, str] = {
@@ -69,6 +70,7 @@ def cli(ctx: click.Context, verbose: int, quiet: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point: expected failures become one line and an exit code."""
     raise_on_stop()   # SIGINT and SIGTERM alike: one line and 128 + the signal (zb.stop_signals)
+    quiet_torch_log()   # before any command imports torch (zb.torch_log: a reverse DNS lookup per log line)
     try:
         _dispatch(argv)
     except SystemExit as e:

@@ -8,6 +8,7 @@ import os
 import click
 
 from zb.cli.types import TEXT, FiniteFloatRange
+from zb.torch_log import quiet_torch_log
 
 EPILOG = """Examples: zb status --store 10.0.0.1:29600 (one table); zb status --watch (refreshing; the store
 from GLOBAL_ADDR/GLOBAL_PORT); zb status --serve --http-port 8600 (a dashboard at http://127.0.0.1:8600/);
@@ -66,7 +67,7 @@ def status(store: str | None, watch: bool, as_json: bool, serve: bool, http_port
     _check_given(watch, serve, from_paths, as_json, out, force)
     # torch's store client logs C++ stack frames while it retries an address that is not a store (also from
     # a thread still retrying after we gave up): this command only reads, and says what failed in one line.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    quiet_torch_log("FATAL")
     if from_paths:
         return _report(from_paths, out or "report.html", force, as_json)
     addresses = _store_addresses(store)

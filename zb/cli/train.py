@@ -25,11 +25,6 @@ Metrics: one JSON object per line in <log.dir>/metrics.jsonl."""
 @config_options()
 def train(config_files: tuple[str, ...], print_config: bool, nproc_per_node: int | None, **kwargs) -> None:
     """Train a model: the built-in default with no arguments (a short CPU run on offline data)."""
-    import os
-
-    # The roll call waits on the store with a timeout (zb.elastic.membership), and torch's store client logs
-    # two C++ lines at every timeout; zb reports what fails itself. TORCH_CPP_LOG_LEVEL=WARNING shows them.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from zb.config import describe, load_config
 
     flags = pop_config_flags(kwargs)
