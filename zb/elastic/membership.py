@@ -124,6 +124,7 @@ class Membership:
         self._seat = 1   # where this node's last join request is in line (_ask_to_join)
         self._asked_with_world = False   # ... and whether the store held a world then
         self._encoded: tuple[World | None, str] = (None, "")   # _text's one entry
+        self._first_quorum = 1   # the initial quorum the first join was asked for (elastic.world_size)
         self.partition = PartitionWatch(cfg, stores, liveness)   # which side of a partition this node is on
 
     def watched(self) -> list[str]:
@@ -217,9 +218,11 @@ class Membership:
             raise EnvironmentFailure(f"the next store, {self.stores.current if self.stores else '?'}, holds another "
                                      f"run (run id {snap.world.run}, this run's is {my_run}): a standby store of "
                                      "elastic.addr must serve this run alone (or use another elastic.namespace)")
-        size = len(last.nodes) if last else 1
         # Only the last world's members count: a node dropped from an earlier world arriving too must not make a
-        # majority of a world it was not in (the side left on the store may hold the majority of that world).
+        # majority of a world it was not in (the side left on the store may hold the majority of that world). A
+        # node that moved before it was ever admitted counts the run's initial quorum instead (elastic.world_size):
+        # the store it left may only have been slow for it, and the others may seed the run's first world there.
+        size = len(last.nodes) if last else self._first_quorum
         quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout,
                         members=frozenset(last.nodes) if last else None)
         return self._join(quorum)
@@ -228,7 +231,13 @@ class Membership:
     def join(self, quorum: int, quorum_timeout: float) -> World:
         """Register and wait for admission; raises EnvironmentFailure after elastic.store_timeout (with a
         next store: moves there when this one stays silent)."""
-        seed = Quorum(full=quorum, least=1, grace_at=time.monotonic() + quorum_timeout)
+        # With a failover list the run's first world needs a majority of the initial quorum at one store, even
+        # after quorum_timeout: a node that did not hear from the first store in time (a slow machine, a cut
+        # link) starts at, or moves to, the next one, and with fewer it would start a second run there while the
+        # others start the first one where they are (two disjoint majorities of one quorum cannot exist).
+        self._first_quorum = quorum
+        least = reform_quorum(quorum) if self.stores is not None and self.stores.has_other else 1
+        seed = Quorum(full=quorum, least=least, grace_at=time.monotonic() + quorum_timeout)
         return self._or_fail_over(lambda: self._join(seed))
 
     # -- joining -----------------------------------------------------------------------------
@@ -339,12 +348,20 @@ class Membership:
                 self._seed(world, snap)
             elif not waiting_said and quorum.least > 1 and time.monotonic() >= quorum.grace_at:
                 waiting_said = True
-                log.warning("waiting for %d of the last world's %d nodes to reach this store before the world "
-                            "re-forms here (up to elastic.store_timeout): fewer could train apart from nodes that "
-                            "still reach the earlier store", quorum.least, quorum.full)
+                log.warning("waiting for %s (up to elastic.store_timeout)", self._majority_wait(quorum))
             self._wait_key(keys.written(world.resolution if world else 0), self.cfg.polling_interval)
-        raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s): no live "
-                                 "member resolved the world (are the other nodes running and reaching the store?)")
+        waited = f": still waiting for {self._majority_wait(quorum)}" if quorum.least > 1 else (
+            ": no live member resolved the world (are the other nodes running and reaching the store?)")
+        raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s){waited}")
+
+    def _majority_wait(self, quorum: Quorum) -> str:
+        """What a node waiting for a majority at this store waits for, and why (one line's part)."""
+        if self.world is None:
+            return (f"{quorum.least} of the {quorum.full} nodes of elastic.world_size to ask to join at this store "
+                    "before the run's first world forms here: with a failover list in elastic.addr, fewer could start "
+                    "a second run apart from nodes that start it at another store of the list")
+        return (f"{quorum.least} of the last world's {quorum.full} nodes to reach this store before the world "
+                "re-forms here: fewer could train apart from nodes that still reach the earlier store")
 
     def _seed_pace(self, has_world: bool, quorum: Quorum, first: bool = False) -> float:
         """Seconds between a joiner's reads of every join request and heartbeat (what seeding a world needs): the
