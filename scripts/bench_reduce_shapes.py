@@ -38,10 +38,11 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from zb.collectives.allreduce import pick_shape  # noqa: E402
 from zb.collectives.bench import communicate_all  # noqa: E402
 from zb.collectives.halving import Plan  # noqa: E402
 from zb.collectives.kernels import SCHEMES  # noqa: E402
-from zb.collectives.pieces import Layout  # noqa: E402
+from zb.collectives.shape_model import halving_steps, modelled, ring_steps  # noqa: E402
 
 SHAPES = ("ring", "halving")
 
@@ -124,29 +125,6 @@ def measure(world: int, cfg: dict, timeout: float) -> list[dict]:
 
 
 # modelled ------------------------------------------------------------------------------------------------------
-def ring_steps(n: int, world: int, piece_values: int, compression: str) -> list[int]:
-    """Bytes of the biggest message of each of the ring's 2 (W - 1) steps (a whole chunk, all its pieces)."""
-    layout = Layout(n, world, piece_values, SCHEMES[compression])
-    chunk = max(sum(p.nbytes for p in c if p.numel) for c in layout.chunks)
-    return [chunk] * (2 * (world - 1))
-
-
-def halving_steps(n: int, world: int, piece_values: int, compression: str) -> list[int]:
-    """Bytes of the biggest message (over ranks: all its pieces) of each halving-doubling step."""
-    plans = [Plan(n, world, r, piece_values, SCHEMES[compression]) for r in range(world)]
-    per_step = [0] * plans[0].steps
-    for plan in plans:
-        sent = [0] * plan.steps
-        for m in plan.sends:
-            sent[m.step] += m.piece.nbytes
-        per_step = [max(a, b) for a, b in zip(per_step, sent)]
-    return per_step
-
-
-def modelled(steps: list[int], delay_s: float, mbps: float) -> float:
-    return sum(delay_s + b * 8 / (mbps * 1e6) for b in steps)
-
-
 def model_rows(worlds: list[int], sizes: list[int], delays_ms: list[float], mbps: float, piece_values: int,
                compression: str) -> list[dict]:
     rows = []
@@ -155,17 +133,20 @@ def model_rows(worlds: list[int], sizes: list[int], delays_ms: list[float], mbps
             shapes = {"ring": ring_steps(n, world, piece_values, compression),
                       "halving": halving_steps(n, world, piece_values, compression)}
             for d in delays_ms:
+                # what diloco.reduce_shape auto takes on such links (measured: the world's link figures)
+                auto = pick_shape("auto", compression, world, numel=n, piece_values=piece_values, link_ms=d,
+                                  link_mbps=mbps)
                 for shape, steps in shapes.items():
                     rows.append({"world": world, "values": n, "shape": shape, "delay_ms": d, "mbps": mbps,
                                  "steps": len(steps), "seconds": modelled(steps, d / 1e3, mbps),
-                                 "wire_bytes_max": sum(steps)})
+                                 "wire_bytes_max": sum(steps), "auto": shape == auto})
     return rows
 
 
 # report --------------------------------------------------------------------------------------------------------
 def table(measured: list[dict], model: list[dict], mbps: float) -> str:
     head = f"{'kind':<9} {'W':>3} {'values':>9} {'shape':<8} {'delay':>7} {'steps':>5} {'median s':>10} " \
-           f"{'min..max s':>17} {'wire MB/rank':>12} {'halving/ring':>12}"
+           f"{'min..max s':>17} {'wire MB/rank':>12} {'halving/ring':>12} auto"
     lines = [head, "-" * len(head)]
     by_key = {(r["world"], r["values"], r["shape"]): r for r in measured}
     for r in measured:
@@ -183,8 +164,10 @@ def table(measured: list[dict], model: list[dict], mbps: float) -> str:
         if r["shape"] == "halving":
             ratio = f"{r['seconds'] / model_key[(r['world'], r['values'], 'ring', r['delay_ms'])]['seconds']:.2f}x"
         lines.append(f"{'modelled':<9} {r['world']:>3} {r['values']:>9} {r['shape']:<8} {r['delay_ms']:>5g}ms "
-                     f"{r['steps']:>5} {r['seconds']:>10.4f} {'':>17} {r['wire_bytes_max'] / 1e6:>12.3f} {ratio:>12}")
-    lines.append(f"(modelled: {mbps:g} Mbit/s links, one-way delay as shown; measured: loopback)")
+                     f"{r['steps']:>5} {r['seconds']:>10.4f} {'':>17} {r['wire_bytes_max'] / 1e6:>12.3f} {ratio:>12}"
+                     f" {'<-' if r['auto'] else ''}")
+    lines.append(f"(modelled: {mbps:g} Mbit/s links, one-way delay as shown; measured: loopback; auto <-: the shape "
+                 "diloco.reduce_shape auto takes with those link figures in the world)")
     return "\n".join(lines)
 
 

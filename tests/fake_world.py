@@ -62,6 +62,8 @@ class FakeWorld:
         self.lock = threading.Lock()
         self.broken: dict[int, str] = {}   # mesh version -> the node that died in it: its collectives fail
         self.store_epoch = 0               # bumps when the store restarts (empty) and the nodes reconnect
+        self.ring_mbps: float | None = None  # the link figures the leader's ring plan would write (zb.elastic.ring)
+        self.link_ms: float | None = None
 
     def restart_store(self) -> None:
         """The store restarted empty: the nodes' next resolution reaches it through a new client."""
@@ -103,7 +105,7 @@ class FakeWorld:
             return WorldView(mesh_version=self.version, global_rank=self.nodes.index(uid),
                              global_world_size=len(self.nodes), nodes=list(self.nodes), leader=self.nodes[0],
                              joined=list(self.joined), is_joiner=uid in self.joined, uid=uid,
-                             store_epoch=self.store_epoch)
+                             store_epoch=self.store_epoch, ring_mbps=self.ring_mbps, link_ms=self.link_ms)
 
 
 class _BrokenGroup:

@@ -243,3 +243,22 @@ def test_shape_is_checked() -> None:
         stats = all_reduce(x, pg, compression=compression, shape="halving", op=ReduceOp.AVG)
         assert stats.wire_bytes == 0
     assert issubclass(PeerFailure, Exception)
+
+
+def test_auto_picks_halving_where_its_steps_pay_for_the_fold() -> None:
+    """auto: halving-doubling over a power of two of at least 4 ranks; over other counts only with the links
+    measured, and then where the model says so. 6 ranks (P = 4): halving takes 6 steps (fold, 2 + 2, unfold) to the
+    ring's 10, but moves 2 x 3/4 + 2 whole tensors to the ring's 2 x 5/6: a small tensor on 50 ms links goes by
+    halving, 64 MB on a fast LAN by the ring."""
+    from zb.collectives.allreduce import pick_shape
+
+    assert [pick_shape("auto", "int8", w) for w in (2, 3, 4, 8, 16)] == ["ring", "ring", "halving", "halving", "halving"]
+    assert pick_shape("auto", "none", 8) == "ring" and pick_shape("ring", "int8", 8) == "ring"
+    assert pick_shape("auto", "int8", 6, numel=4096) == "ring"                        # no link figures: the ring
+    small_far = dict(numel=4096, link_ms=50.0, link_mbps=100.0)
+    big_near = dict(numel=64 << 20, link_ms=0.01, link_mbps=10_000.0)
+    assert pick_shape("auto", "int8", 6, **small_far) == "halving"
+    assert pick_shape("auto", "int8", 6, **big_near) == "ring"
+    assert pick_shape("auto", "int8", 3, **small_far) == "ring"                       # equal steps, the fold on top
+    assert pick_shape("auto", "int4", 12, **small_far) == "halving"
+    assert pick_shape("auto", "int8", 12, numel=64 << 20, link_ms=0.0, link_mbps=100.0) == "ring"

@@ -12,7 +12,7 @@ import pytest
 from zb.elastic import keys
 from zb.elastic.keys import is_counter
 from zb.elastic.linkprobe import LinkProber
-from zb.elastic.ring import read_links
+from zb.elastic.ring import longest_delay_ms, read_links
 from zb.elastic.tcpstore import host, read_many
 from zb.store_clients import run_client
 from zb.testing.procs import wait_until
@@ -50,9 +50,12 @@ def test_three_nodes_measure_every_ordered_pair_and_the_planner_reads_them(store
     try:
         # Three senders at once: a receiver times one at a time, the others come back after a back-off.
         wait_until(lambda: all(len(rows(client, u)) == 2 for u in members), 60, "every ordered pair measured")
-        measured, _, _ = read_links(client, members)
+        measured, _, _, delays = read_links(client, members)
         assert set(measured) == {(s, d) for s in members for d in members if s != d}
         assert all(v is not None and v > 1.0 for v in measured.values())     # loopback: far above 1 Mbit/s
+        # Every pair's round trip too (the pings before the timed stream), so the planner has the world's delay.
+        assert set(delays) == set(measured) and all(0 < ms < 1000 for ms in delays.values())
+        assert longest_delay_ms(members, delays) == round(max(delays.values()) / 2, 3)
         # A receiver publishes its row before the sender's send() returns and records the endpoint: wait
         # for the senders' side too (it failed once under load when asserted at once).
         wait_until(lambda: all(p.sent.keys() == set(members) - {p.uid} for p in probers), 30,

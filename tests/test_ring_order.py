@@ -274,3 +274,56 @@ def test_a_ring_within_ten_percent_of_the_best_is_kept():
     assert plan.nodes == ["a", "b", "c"] and plan.mbps == 100 and plan.rank_order_mbps == 95
     far = {**near, "b": {"a": 80, "c": 100}}           # 20% slower: worth a rebuild
     assert RingPlanner().plan(store_with(into=far), ["a", "b", "c"]).nodes == ["a", "c", "b"]
+
+
+def test_measured_rows_carry_round_trips_and_the_plan_the_longest_delay():
+    """Rows as zb.elastic.linkprobe writes them ({"mbps", "rtt_ms"}) beside bare figures; the world's delay is half
+    the longest round trip, and only when every ordered pair has one."""
+    full = {"a": {"b": {"mbps": 100, "rtt_ms": 2.0}, "c": {"mbps": 100, "rtt_ms": 100.0}},
+            "b": {"a": {"mbps": 100, "rtt_ms": 2.0}, "c": {"mbps": 100, "rtt_ms": 4.0}},
+            "c": {"a": {"mbps": 100, "rtt_ms": 98.0}, "b": {"mbps": 100, "rtt_ms": 4.0}}}
+    plan = RingPlanner().plan(store_with(into=full), ["a", "b", "c"])
+    assert plan.mbps == 100 and plan.link_ms == 50.0
+    world = apply_ring_order(World(version=1, nodes=["a", "b", "c"]), World(version=1, nodes=["a", "b", "c"]), plan)
+    assert world.link_ms == 50.0 and World.decode(world.encode()) == world
+    partial = {**full, "c": {"a": 100, "b": {"mbps": 100, "rtt_ms": 4.0}}}   # c -> a untimed: no delay for the world
+    plan = RingPlanner().plan(store_with(into=partial), ["a", "b", "c"])
+    assert plan.mbps == 100 and plan.link_ms is None
+
+
+@pytest.mark.parametrize("row", [{"mbps": "fast", "rtt_ms": 1.0}, {"mbps": 100, "rtt_ms": -1.0},
+                                 {"mbps": 100, "rtt_ms": 1e9}, {"mbps": True}, {"rtt_ms": 1.0}, "100", [100, 1.0],
+                                 {"mbps": float("nan")}])
+def test_a_row_figure_that_is_not_a_measurement_is_not_read(row):
+    from zb.elastic.ring import read_links
+
+    measured, _, _, delays = read_links(store_with(into={"b": {"a": row}}), ["a", "b"])
+    assert ("a", "b") not in delays
+    assert ("a", "b") not in measured or measured[("a", "b")] == 100   # a good Mbit/s figure stays, alone
+
+
+@pytest.mark.parametrize("field,value", [("ring_mbps", "fast"), ("link_ms", -1), ("link_ms", True),
+                                         ("link_ms", float("inf")), ("ring_mbps", [1])])
+def test_a_world_whose_link_figures_are_not_numbers_is_not_a_world(field, value):
+    """The link figures pick every node's reduce shape (zb.collectives.allreduce.pick_shape): a record holding
+    anything but a finite non-negative number there reads as no world, like any malformed record."""
+    raw = json.loads(World(version=1, nodes=["a"], tokens={"a": "t"}).encode())
+    raw[field] = value
+    assert World.decode(json.dumps(raw)) is None
+    raw[field] = 12.5
+    assert World.decode(json.dumps(raw)) is not None
+
+
+def test_a_new_link_delay_is_a_new_mesh_version():
+    """The delay picks the reduce's shape: a world whose delay changed is a new version even with the same order,
+    and so is one that lost it (the plan gone: a pair no longer measured); an unchanged one keeps its version."""
+    from zb.elastic.ring import RingPlan
+
+    old = World(version=4, nodes=["a", "b", "c"], link_ms=None)
+    timed = apply_ring_order(old, World(version=4, nodes=["a", "b", "c"]), RingPlan(["a", "b", "c"], 100, 100, True, 25.0))
+    assert timed.version == 5 and timed.link_ms == 25.0
+    again = apply_ring_order(timed, World(version=5, nodes=["a", "b", "c"]),
+                             RingPlan(["a", "b", "c"], 100, 100, True, 25.0))
+    assert again.version == 5
+    lost = apply_ring_order(timed, World(version=5, nodes=["a", "b", "c"]), None)
+    assert lost.version == 6 and lost.link_ms is None

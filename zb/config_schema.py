@@ -218,8 +218,9 @@ class DilocoConfig:
                             run_defining=True)
     reduce_shape: str = knob("auto", "Message pattern of the int8/int4/int2 all-reduce: ring (2 (N - 1) steps "
                                      "a sync), halving (recursive halving-doubling: 2 log2 N steps, plus 2 when N is "
-                                     "no power of two), or auto: halving at 4, 8, 16 ... nodes, the ring otherwise "
-                                     "(docs/elastic.md, Scale).", choices=("auto", "ring", "halving"),
+                                     "no power of two), or auto: halving at 4, 8, 16 ... nodes; at other counts "
+                                     "halving where the links' measured delay makes it faster, the ring otherwise "
+                                     "(docs/slow-links.md).", choices=("auto", "ring", "halving"),
                              run_defining=True)
     sparse_chunk: int = knob(4096, "Sparse: values per chunk, a power of two from 16 to 65536 (an index packs "
                                    "log2(chunk) bits).", check="positive", run_defining=True)

@@ -19,22 +19,37 @@ from zb.collectives.kernels import SCHEMES, SparseScheme, num_blocks
 from zb.collectives.peer_failure import PeerFailure
 from zb.collectives.pieces import split_blocks
 from zb.collectives.ring import TransferDeadlines, run_ring
+from zb.collectives.shape_model import faster_shape
 from zb.errors import InvalidInput
 
 COMPRESSIONS = ("none", *SCHEMES, "sparse")
 SHAPES = ("auto", "ring", "halving")  # the quantized all-reduce's message pattern: 2 (W - 1) steps, or 2 log2 W
 
 
-def pick_shape(shape: str, compression: str, world: int) -> str:
-    """The quantized all-reduce's shape for `shape` (auto, ring or halving). auto: halving-doubling for a quantized
-    compression over a power of two of at least 4 ranks, where it takes 2 log2 W steps to the ring's 2 (W - 1)
-    with the same bytes a rank; the ring otherwise: at 2 and 3 ranks the step counts are equal, and elsewhere
-    halving's fold moves the whole tensor twice more over one link, which costs more than the steps it saves
-    unless the links' latency dominates (set halving then: BENCHMARKS.md "Scale" has the model)."""
+def pick_shape(shape: str, compression: str, world: int, *, numel: int = 0, piece_values: int = 1 << 20,
+               link_ms: float | None = None, link_mbps: float | None = None) -> str:
+    """The quantized all-reduce's shape for `shape` (auto, ring or halving). auto, for a quantized compression:
+    - over a power of two of at least 4 ranks, halving-doubling: 2 log2 W steps to the ring's 2 (W - 1), with
+      the same bytes a rank;
+    - over another count of at least 5, with the links measured (`link_ms`, the longest one-way delay among
+      the members' links, and `link_mbps`, the ring's slowest hop: zb.elastic.ring), whichever shape the model
+      of zb.collectives.shape_model says is faster for `numel` values: halving's fold moves the whole tensor
+      twice more over one link, which pays only where the steps it saves cost more (long delays, many ranks);
+    - else the ring: at 2 and 3 ranks the step counts are equal, and without measurements the fold's cost is
+      the one that is known.
+    Every rank must pick the same shape: the inputs are the group's size, the tensor's and the world record's
+    link figures, which every member reads the same."""
     if shape != "auto":
         return shape
-    power_of_two = world & (world - 1) == 0
-    return "halving" if compression in SCHEMES and world >= 4 and power_of_two else "ring"
+    if compression not in SCHEMES or world < 4:
+        return "ring"
+    if world & (world - 1) == 0:
+        return "halving"
+    if link_ms is None or not link_mbps or numel <= 0:
+        return "ring"
+    return faster_shape(numel, world, piece_values, compression, link_ms / 1e3, link_mbps)
+
+
 ALIGN = max(s.block for s in SCHEMES.values())  # stream slices start on a block of every scheme
 
 
@@ -132,10 +147,11 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
                min_bandwidth_mbps: float = 10.0, timeout_floor_s: float = 10.0,
                start_timeout_s: float = 300.0, piece_values: int = 1 << 20,
                window: int = 4, residual: torch.Tensor | None = None, sparse: SparseScheme | None = None,
-               sparse_beta: float = 1.0, shape: str = "ring") -> AllReduceStats:
+               sparse_beta: float = 1.0, shape: str = "ring", link_ms: float | None = None,
+               link_mbps: float | None = None) -> AllReduceStats:
     """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc. `shape`
-    ("ring", "halving": quantized compressions only, or "auto": pick_shape) picks the ring or recursive
-    halving-doubling."""
+    ("ring", "halving": quantized compressions only, or "auto": pick_shape, with the links' measured delay and
+    bandwidth `link_ms` and `link_mbps` when known) picks the ring or recursive halving-doubling."""
     groups = [group, *streams]
     _check(tensor, op, compression, groups, residual, sparse, sparse_beta, shape)
     t0 = time.perf_counter()
@@ -157,7 +173,9 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
         res = residual.view(-1) if residual is not None else None
         parts = [(flat[a:b], g, res[a:b] if res is not None else None)
                  for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups))) if b > a]
-        run = run_halving if pick_shape(shape, compression, world) == "halving" else run_ring
+        picked = pick_shape(shape, compression, world, numel=flat.numel(), piece_values=piece_values,
+                            link_ms=link_ms, link_mbps=link_mbps)
+        run = run_halving if picked == "halving" else run_ring
         wire = run(parts, avg, deadlines, piece_values, window, SCHEMES[compression])
     if flat.data_ptr() != tensor.data_ptr() or flat.dtype != tensor.dtype:
         tensor.copy_(flat.view(tensor.shape))

@@ -158,7 +158,8 @@ class Transfers:
         (an ErrorFeedback.attempt)."""
         if not self.owner:
             return HeldArrival(Arrival(buffer, None))
-        return BackgroundAllReduce(buffer, lambda: self._groups(view, global_pg), self.cfg, scale, tokens, feedback)
+        return BackgroundAllReduce(buffer, lambda: self._groups(view, global_pg), self.cfg, scale, tokens, feedback,
+                                   view)
 
     def _groups(self, view: WorldView, global_pg: dist.ProcessGroup) -> list[dist.ProcessGroup]:
         if view.global_world_size == 1:

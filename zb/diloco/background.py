@@ -24,6 +24,7 @@ from torch.distributed import ReduceOp
 from zb.collectives import PeerFailure, all_reduce
 from zb.config_schema import DilocoConfig
 from zb.diloco.sync import bucket_ranges, wire_options
+from zb.elastic.view import WorldView
 
 log = logging.getLogger("zb.diloco")
 
@@ -63,9 +64,11 @@ class BackgroundAllReduce(threading.Thread):
     buffer, so the SUM is the weighted average (zb.diloco.fragment_rounds) and `scale` is not applied."""
 
     def __init__(self, buffer: torch.Tensor, groups: Callable[[], Sequence[dist.ProcessGroup]], cfg: DilocoConfig,
-                 scale: int, tokens: int | None = None, feedback: Callable[[], AbstractContextManager[torch.Tensor | None]] | None = None):
+                 scale: int, tokens: int | None = None, feedback: Callable[[], AbstractContextManager[torch.Tensor | None]] | None = None,
+                 view: WorldView | None = None):
         super().__init__(name="zb-overlap-allreduce", daemon=True)
         self.buffer, self.groups, self.cfg, self.scale = buffer, groups, cfg, scale
+        self.wire = wire_options(cfg, view)   # the world it runs in: its link figures pick the reduce's shape
         self.tokens = tokens
         self.feedback = feedback or nullcontext  # error feedback: the buffer's residual, restored on a failure
         self.weight: float | None = None
@@ -88,7 +91,7 @@ class BackgroundAllReduce(threading.Thread):
                     stats = all_reduce(bucket, group, op=ReduceOp.SUM, streams=streams,
                                        min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
                                        residual=residual[a:b] if residual is not None else None,
-                                       **wire_options(self.cfg))
+                                       **self.wire)
                     if scale != 1:
                         bucket.div_(scale)
                     self.wire_bytes += stats.wire_bytes

@@ -59,7 +59,7 @@ class BlockingAlgorithm(OuterAlgorithm):
         return sync_pseudo_gradient(self.outer, ctx.mesh.global_pg, ctx.dcfg, streams,
                                     zeros=view.global_rank not in part, scale=len(plan.contributors),
                                     weight=share_weight(ctx, plan, view.global_rank), residual=residual,
-                                    clip=plan.scales[view.global_rank] if plan.scales else 1.0)
+                                    clip=plan.scales[view.global_rank] if plan.scales else 1.0, view=view)
 
     def _weights(self, plan: Plan) -> list[float]:
         """Each rank's weight in the sum the all-reduce brings (1/M for the plain mean over M contributors)."""

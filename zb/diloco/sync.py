@@ -24,6 +24,7 @@ from torch.distributed import ReduceOp
 from zb.collectives import all_reduce
 from zb.config_schema import DilocoConfig
 from zb.diloco.outer import OuterState
+from zb.elastic.view import WorldView
 from zb.sparse_scheme import SparseScheme
 
 
@@ -42,10 +43,12 @@ class SyncStats:
         return 8 * self.wire_bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
 
-def wire_options(cfg: DilocoConfig) -> dict[str, Any]:
-    """all_reduce's compression keywords for diloco.compression (and the sparse scheme's keys)."""
+def wire_options(cfg: DilocoConfig, view: WorldView | None = None) -> dict[str, Any]:
+    """all_reduce's compression keywords for diloco.compression (and the sparse scheme's keys), with the links'
+    figures of the world `view` the transfer runs in (diloco.reduce_shape auto picks the shape by them)."""
     if cfg.compression != "sparse":
-        return {"compression": cfg.compression, "shape": cfg.reduce_shape}
+        links = {"link_ms": view.link_ms, "link_mbps": view.ring_mbps} if view is not None else {}
+        return {"compression": cfg.compression, "shape": cfg.reduce_shape, **links}
     return {"compression": "sparse", "sparse": SparseScheme(cfg.sparse_chunk, cfg.sparse_k),
             "sparse_beta": cfg.sparse_beta}
 
@@ -59,9 +62,10 @@ class _Reducer(threading.Thread):
     """Worker thread: all-reduces buckets in order until told to stop or a transfer fails."""
 
     def __init__(self, outer: OuterState, group: dist.ProcessGroup, streams: Sequence[dist.ProcessGroup],
-                 cfg: DilocoConfig, residual: torch.Tensor | None):
+                 cfg: DilocoConfig, residual: torch.Tensor | None, view: WorldView | None):
         super().__init__(name="zb-pseudograd-allreduce", daemon=True)
         self.outer, self.group, self.streams, self.cfg = outer, group, streams, cfg
+        self.wire = wire_options(cfg, view)
         self.residual = residual
         self.scale = 1
         self.todo: queue.Queue[tuple[int, int] | None] = queue.Queue()   # bucket ranges; None: the last
@@ -82,7 +86,7 @@ class _Reducer(threading.Thread):
                 stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, streams=self.streams,
                                    min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
                                    residual=self.residual[a:b] if self.residual is not None else None,
-                                   **wire_options(self.cfg))
+                                   **self.wire)
                 if self.scale != 1:
                     bucket.div_(self.scale)
                 self.wire_bytes += stats.wire_bytes
@@ -94,17 +98,19 @@ class _Reducer(threading.Thread):
 def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: DilocoConfig,
                          streams: Sequence[dist.ProcessGroup] = (), *, scale: int | None = None,
                          zeros: bool = False, weight: float | None = None,
-                         residual: torch.Tensor | None = None, clip: float = 1.0) -> SyncStats:
+                         residual: torch.Tensor | None = None, clip: float = 1.0,
+                         view: WorldView | None = None) -> SyncStats:
     """Fill outer.flat.grad with the replica group's pseudo-gradients summed and divided by `scale`
     (default: the group size, i.e. the average; DiLoCo passes the number of contributing nodes so
     that a joiner's zeros never shrink the update). With `zeros`, this rank sends zeros (a joiner).
     With `weight` (diloco.round_seconds), this rank sends weight * its pseudo-gradient and the sum is
     not divided: the weights of the group sum to 1 (zb.diloco.rounds). `residual`: this rank's error
     feedback, in the flat buffer's order. `clip`: the factor diloco.clip scales this rank's pseudo-gradient by
-    (zb.diloco.clip). Raises PeerFailure when a transfer fails."""
+    (zb.diloco.clip). `view`: the world the sync runs in (its link figures pick the reduce's shape under
+    diloco.reduce_shape auto). Raises PeerFailure when a transfer fails."""
     t0 = time.perf_counter()
     ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
-    reducer = _Reducer(outer, group, streams, cfg, residual)
+    reducer = _Reducer(outer, group, streams, cfg, residual, view)
     reducer.scale = 1 if weight is not None else group.size() if scale is None else scale
     if zeros:
         assert outer.flat.grad is not None  # OuterState's pseudo-gradient buffer, never cleared

@@ -15,7 +15,8 @@ acting leader reads the rows at the next membership change (zb.elastic.ring), an
 already is within 10% of the best one found is kept, so noise in the figures moves nobody.
 
 What the figures are: TCP goodput of one stream for elastic.link_probe_seconds, taken while the
-run trains, so a measurement that overlaps an all-reduce on the same link reads low. The ring
+run trains, so a measurement that overlaps an all-reduce on the same link reads low, and the round trip
+of a few pings before it (the latency the reduce's shape is chosen by: zb.collectives.allreduce.pick_shape). The ring
 order only needs the links ranked, and the slow links the order must avoid are slow either way.
 Each ordered pair is measured once per pair of member processes; a node that restarts is measured
 again, both ways.
@@ -57,7 +58,7 @@ class LinkProber:
         self._connect, self._members, self._store_index = connect, members, store_index
         self._server = LinkServer(address, 0)
         self.endpoint = f"{address}:{self._server.port}"
-        self.rows: dict[str, float] = {}        # sender uid -> Mbit/s into this node
+        self.rows: dict[str, dict[str, float]] = {}   # sender uid -> {"mbps": into this node, "rtt_ms": if timed}
         self.sent: dict[str, str] = {}          # member -> the receiver endpoint measured (or given up on)
         self._tries: dict[str, int] = {}
         self._not_before: dict[str, float] = {}
@@ -105,7 +106,7 @@ class LinkProber:
             if m.mbps is None:
                 log.debug("link %s -> %s: not measured (%s)", src, self.uid, m.error)
                 continue
-            self.rows[src] = round(m.mbps, 3)
+            self.rows[src] = {"mbps": round(m.mbps, 3), **({"rtt_ms": round(m.rtt_ms, 3)} if m.rtt_ms else {})}
             log.info("link %s -> %s: %.1f Mbit/s, rtt %.2f ms (measured in the background)", src, self.uid,
                      m.mbps, m.rtt_ms or 0.0)
             store = self._publish(store, index)

@@ -413,7 +413,8 @@ class ElasticDeviceMesh:
 
     def _emit(self, view: WorldView) -> None:
         old_leader = self.view.leader if self.view else None
-        ring = f", ring order by links (slowest hop {view.ring_mbps:.1f} Mbit/s)" if view.ring_mbps is not None else ""
+        delay = f", longest delay {view.link_ms:.1f} ms" if view.link_ms is not None else ""
+        ring = f", ring order by links (slowest hop {view.ring_mbps:.1f} Mbit/s{delay})" if view.ring_mbps is not None else ""
         log.info("membership: mesh v%d, world size %d, rank %d, leader %s, joined %s, left %s, died %s%s",
                  view.mesh_version, view.global_world_size, view.global_rank, view.leader, view.joined,
                  view.left, view.died, ring)
@@ -424,4 +425,4 @@ class ElasticDeviceMesh:
                 mesh_version=view.mesh_version, global_world_size=view.global_world_size, leader=view.leader,
                 joined=view.joined, left=view.left, died=view.died, global_rank=view.global_rank,
                 new_leader=old_leader is not None and old_leader != view.leader, nodes=view.nodes,
-                ring_mbps=view.ring_mbps))
+                ring_mbps=view.ring_mbps, link_ms=view.link_ms))

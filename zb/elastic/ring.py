@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +50,19 @@ class RingPlan:
     mbps: float                     # slowest hop of that ring
     rank_order_mbps: float          # slowest hop of the ring in the order the world had
     exact: bool                     # the solver proved no order has a faster slowest hop
+    link_ms: float | None = None    # the longest one-way delay of the members' links (half the round trip
+                                    # timed), when every ordered pair has one; for the reduce's shape
 
 
 Links = dict[tuple[str, str], float | None]   # measured Mbit/s per (src, dst); None: measured, no answer
+Delays = dict[tuple[str, str], float]         # measured round trip in ms per (src, dst)
+MAX_RTT_MS = 60_000.0   # a round trip above a minute is no link's: a row claiming one is not read
 
 
-def read_links(store: StoreClient, nodes: list[str]) -> tuple[Links, LinkMatrix | None, dict[str, str]]:
-    """(measured links {(src, dst): Mbit/s}, the published file, {uid: gloo address}) for `nodes`."""
+def read_links(store: StoreClient, nodes: list[str]) -> tuple[Links, LinkMatrix | None, dict[str, str], Delays]:
+    """(measured links {(src, dst): Mbit/s}, the published file, {uid: gloo address}, measured round trips
+    {(src, dst): ms}) for `nodes`. A row's value is {"mbps": x, "rtt_ms": y} (zb.elastic.linkprobe), or a bare
+    Mbit/s figure; anything else, or a figure that is not finite and non-negative, is not read."""
     raw = read_many(store, [keys.LINK_FILE] + [keys.links_into(u) for u in nodes] + [keys.probe(u) for u in nodes])
     matrix = None
     if raw[0]:
@@ -64,12 +71,36 @@ def read_links(store: StoreClient, nodes: list[str]) -> tuple[Links, LinkMatrix 
         except InvalidInput as e:
             log.warning("ignoring the link matrix in the store: %s", e)
     measured: Links = {}
+    delays: Delays = {}
     for dst, value in zip(nodes, raw[1:1 + len(nodes)]):
-        for src, mbps in _json_object(value).items():
-            if src in nodes and src != dst and (mbps is None or isinstance(mbps, (int, float))):
-                measured[(src, dst)] = None if mbps is None else float(mbps)
+        for src, row in _json_object(value).items():
+            if src not in nodes or src == dst:
+                continue
+            if isinstance(row, dict) and "mbps" not in row:
+                continue
+            mbps, rtt = (row["mbps"], row.get("rtt_ms")) if isinstance(row, dict) else (row, None)
+            if mbps is not None and not _figure(mbps, math.inf):
+                continue
+            measured[(src, dst)] = None if mbps is None else float(mbps)
+            if rtt is not None and _figure(rtt, MAX_RTT_MS):
+                delays[(src, dst)] = float(rtt)
     addrs = {u: v.decode(errors="replace").rpartition(":")[0] for u, v in zip(nodes, raw[1 + len(nodes):]) if v}
-    return measured, matrix, addrs
+    return measured, matrix, addrs, delays
+
+
+def _figure(value: Any, most: float) -> bool:
+    """A measured figure as a row may hold one: a finite number from 0 to `most` (no bool)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= most and \
+        math.isfinite(value)
+
+
+def longest_delay_ms(nodes: list[str], delays: Delays) -> float | None:
+    """Half the longest round trip among the ordered pairs of `nodes`, or None when a pair has none timed: the
+    latency every step of a reduce among them may wait for (its slowest pair sets a step's pace)."""
+    pairs = [(a, b) for a in nodes for b in nodes if a != b]
+    if not pairs or any(p not in delays for p in pairs):
+        return None
+    return round(max(delays[p] for p in pairs) / 2, 3)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -114,7 +145,7 @@ class RingPlanner:
         if not store.check([keys.LINK_FILE]) and not store.check([keys.LINKS_MEASURED]):
             return None                # no link data at all: two requests, not 2N + 1 keys missing one by one
         members = sorted(nodes)
-        measured, matrix, addrs = read_links(store, members)
+        measured, matrix, addrs, delays = read_links(store, members)
         table, unknown = link_table(members, measured, matrix, addrs)
         if unknown:
             self._warn_unknown(members, unknown, matrix is not None or bool(measured))
@@ -128,7 +159,7 @@ class RingPlanner:
         old_mbps = bottleneck(table, old[::-1] if self.backward else old)
         if old_mbps >= KEEP_WITHIN * solved.bottleneck_mbps:
             order = list(nodes)   # good enough: no rebuild for noise
-        return RingPlan(order, solved.bottleneck_mbps, old_mbps, solved.exact)
+        return RingPlan(order, solved.bottleneck_mbps, old_mbps, solved.exact, longest_delay_ms(members, delays))
 
     def _warn_unknown(self, members: list[str], unknown: list[tuple[str, str]], have_data: bool) -> None:
         if not have_data or self._warned == tuple(members):
@@ -142,17 +173,20 @@ class RingPlanner:
 
 
 def apply_ring_order(old: World, new: World, plan: RingPlan | None) -> World:
-    """`new` with its members in ring order; the mesh version bumps if only the order changed."""
-    if plan is None:
-        return new
-    fields: dict[str, Any] = {"nodes": plan.nodes, "ring_mbps": round(plan.mbps, 3)}
-    if plan.nodes != new.nodes:
-        if new.version == old.version:
-            fields["version"] = new.version + 1
-        log.info("ring order: %s (slowest hop %.1f Mbit/s%s; rank order's: %.1f Mbit/s)",
-                 " -> ".join(plan.nodes + plan.nodes[:1]), plan.mbps, "" if plan.exact else ", best found",
-                 plan.rank_order_mbps)
-    return dataclasses.replace(new, **fields)
+    """`new` with its members in ring order and the plan's link figures. The mesh version bumps when only the
+    order changed, and when only the link delay did: it picks every member's reduce shape
+    (zb.collectives.allreduce.pick_shape), and a member that trains on with its last world while the store does
+    not answer it must not meet the others with another shape, only fail on another mesh version as for any
+    change."""
+    if plan is not None:
+        if plan.nodes != new.nodes:
+            log.info("ring order: %s (slowest hop %.1f Mbit/s%s; rank order's: %.1f Mbit/s)",
+                     " -> ".join(plan.nodes + plan.nodes[:1]), plan.mbps, "" if plan.exact else ", best found",
+                     plan.rank_order_mbps)
+        new = dataclasses.replace(new, nodes=plan.nodes, ring_mbps=round(plan.mbps, 3), link_ms=plan.link_ms)
+    if new.version == old.version and (new.nodes != old.nodes or new.link_ms != old.link_ms):
+        new = dataclasses.replace(new, version=new.version + 1)
+    return new
 
 
 def check_link_matrix(path: str, uid: str, addr: str) -> str:

@@ -26,6 +26,7 @@ class WorldView:
     store_epoch: int = 0           # bumps when local rank 0 re-created its store client
     store_index: int = 0           # the current store's position in elastic.addr (zb.elastic.stores)
     ring_mbps: float | None = None  # slowest hop of the ring when ranks follow measured links, else None
+    link_ms: float | None = None    # the longest one-way delay among the members' links, when all were timed
 
     @staticmethod
     def of(world: World, uid: str, token: str, *, changed: bool, store_ok: bool, store_epoch: int,
@@ -34,7 +35,8 @@ class WorldView:
                          global_world_size=len(world.nodes), nodes=list(world.nodes), leader=world.leader or "",
                          joined=list(world.joined), left=list(world.left), died=list(world.died),
                          is_joiner=uid in world.joined, changed=changed, store_ok=store_ok, uid=uid, token=token,
-                         store_epoch=store_epoch, store_index=store_index, ring_mbps=world.ring_mbps)
+                         store_epoch=store_epoch, store_index=store_index, ring_mbps=world.ring_mbps,
+                         link_ms=world.link_ms)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

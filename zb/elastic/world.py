@@ -10,6 +10,7 @@ and any node can apply it: there is no special node.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -25,6 +26,7 @@ class World:
     left: list[str] = field(default_factory=list)     # said goodbye (deathrattle)
     died: list[str] = field(default_factory=list)     # silent, missed the sync, or restarted
     ring_mbps: float | None = None         # slowest hop of the ring when nodes are in measured ring order (zb.elastic.ring)
+    link_ms: float | None = None           # ... and the longest one-way delay among the members' links, if all were timed
     run: str = ""                          # the run's id: set by its first world, kept through store failovers
     # Nodes dropped for silence (not proven out) -> the version of the last world they were in: with a failover
     # list they may have moved to a later store, and a side that drops more counts them (zb.elastic.partition)
@@ -54,7 +56,16 @@ class World:
         if world is not None and not (isinstance(world.silent, dict) and all(
                 isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in world.silent.values())):
             return None
+        if world is not None and not all(_link_figure(v) for v in (world.ring_mbps, world.link_ms)):
+            return None
         return world
+
+
+def _link_figure(value: object) -> bool:
+    """A world's link figure (Mbit/s or ms): None, or a finite non-negative number (what decides the reduce's
+    shape on every node must be a number every node reads the same)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                             and math.isfinite(value) and value >= 0)
 
 
 # Resolutions a join request stays admissible: its node asks again after that (zb.elastic.membership), and a
