@@ -8,7 +8,7 @@ P worker processes (threads inside a process), all against one `zb store` proces
   resolution takes from the first start to the last end;
 - for each: the store requests every client made (counted in the clients: check, get, multi_get, set, append,
   add, compare_set, wait, delete_key), the keys they named and the bytes that went each way, and the store
-  process's CPU seconds (from /proc, outside zb);
+  process's CPU seconds and the member processes' (from /proc, outside zb: their heartbeat threads included);
 - heartbeats alone: `--idle-s` seconds of nothing but the heartbeats: requests, keys and store CPU per second.
   A process's heartbeats are one thread for all its members (zb.testing.pump: the requests of one heartbeat
   thread each, without hundreds of threads starving each other on 2 cores); `late_beat_rounds` counts the
@@ -157,9 +157,9 @@ def membership(n: int, procs: int, resolutions: int, idle_s: float) -> dict:
     try:
         for phase in range(phases):
             barrier.wait(timeout=900)
-            cpu0 = _cpu_s(store.pid)
+            cpu0, members0 = _cpu_s(store.pid), sum(_cpu_s(w.pid) for w in workers if w.pid)
             got = [queue.get(timeout=900) for _ in workers]
-            cpu1 = _cpu_s(store.pid)
+            cpu1, members1 = _cpu_s(store.pid), sum(_cpu_s(w.pid) for w in workers if w.pid)
             starts = [t for g in got for t in g[2].values()]
             ends = [t for g in got for t in g[3].values()]
             tally: Counter = Counter()
@@ -174,7 +174,8 @@ def membership(n: int, procs: int, resolutions: int, idle_s: float) -> dict:
                          "median_end_s": round(ended[len(ended) // 2], 3),
                          "last_start_s": round(max(starts) - first, 3), "requests": tally["requests"],
                          "keys": tally["keys"], "bytes": tally["bytes_up"] + tally["bytes_down"],
-                         "store_cpu_s": round(cpu1 - cpu0, 3), "failures": failures[:3],
+                         "store_cpu_s": round(cpu1 - cpu0, 3), "members_cpu_s": round(members1 - members0, 3),
+                         "failures": failures[:3],
                          "worlds": versions,
                          "ops": {k[3:]: v for k, v in sorted(tally.items()) if k.startswith("op_")}})
         barrier.wait(timeout=900)
@@ -205,6 +206,7 @@ def membership(n: int, procs: int, resolutions: int, idle_s: float) -> dict:
             "resolve_requests_median": statistics.median(r["requests"] for r in resolves),
             "resolve_bytes_median": statistics.median(r["bytes"] for r in resolves),
             "resolve_store_cpu_median_s": statistics.median(r["store_cpu_s"] for r in resolves),
+            "resolve_members_cpu_median_s": statistics.median(r["members_cpu_s"] for r in resolves),
             "heartbeats": heartbeats}
 
 
@@ -253,14 +255,16 @@ def _nodes_table(rows: list[dict]) -> str:
 
 def _table(results: list[dict]) -> str:
     head = (f"{'members':>8} {'join s':>8} {'resolve s':>10} {'requests':>9} {'req/N':>6} {'keys':>9} "
-            f"{'bytes':>11} {'store CPU s':>11} | {'hb req/s':>8} {'hb keys/s':>10} {'hb store CPU':>12}")
+            f"{'bytes':>11} {'store CPU s':>11} {'members CPU s':>13} | {'hb req/s':>8} {'hb keys/s':>10} "
+            f"{'hb store CPU':>12}")
     lines = [head, "-" * len(head)]
     for r in results:
         hb = r["heartbeats"]
         lines.append(f"{r['members']:>8} {r['join']['seconds']:>8.2f} {r['resolve_median_s']:>10.3f} "
                      f"{r['resolve_requests_median']:>9.0f} {r['resolve_requests_median'] / r['members']:>6.1f} "
                      f"{statistics.median(x['keys'] for x in r['resolutions']):>9.0f} "
-                     f"{r['resolve_bytes_median']:>11.0f} {r['resolve_store_cpu_median_s']:>11.3f} | "
+                     f"{r['resolve_bytes_median']:>11.0f} {r['resolve_store_cpu_median_s']:>11.3f} "
+                     f"{r['resolve_members_cpu_median_s']:>13.3f} | "
                      f"{hb['requests_per_s']:>8.1f} {hb['keys_per_s']:>10} {hb['store_cpu_share']:>12.3f}")
     return "\n".join(lines)
 

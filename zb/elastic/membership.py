@@ -330,6 +330,7 @@ class Membership:
             self._check_snapshot(snap)
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
+                self._encoded = (world, snap.raw_world.decode())
                 return world
             if world is not None and not join_fresh(seen, world.resolution):
                 seen = self._ask_to_join(self.client)   # grown too old to be admitted: ask again
@@ -470,7 +471,7 @@ class Membership:
                 # A newer world that holds this node (its token, above): the resolution ended while this node's
                 # connection failed mid-way (a leader whose housekeeping after its write hit a counter someone
                 # junked). It is this outer step's world, as for every other member.
-                return self._accept(snap.world)
+                return self._accept(snap.world, snap.raw_world)
             if snap.raw_world.decode() != self._text(self.world):
                 return self._rejoin("the world moved on without this node")
             return self._roll_call(self.world)
@@ -513,7 +514,7 @@ class Membership:
                     continue
                 if light.written:
                     if light.raw_world.decode() != self._text(world) and not self._replayed(light, world):
-                        return self._accept(light.world)
+                        return self._accept(light.world, light.raw_world)
                     told = True
                     continue
                 woke = self._wait_written(world.resolution)
@@ -524,7 +525,7 @@ class Membership:
             self._check_snapshot(snap)
             out = standby.out_of(world, snap)
             if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
-                return self._accept(snap.world)
+                return self._accept(snap.world, snap.raw_world)
             self._observe(snap, world)
             # Members that answered too: a leader can crash between its answer and its write.
             self.closed_ports.check(self.client, [m for m in world.nodes if m != self.uid])
@@ -637,12 +638,14 @@ class Membership:
             raise LeavingRun("this node said goodbye (deathrattle sent): it leaves the run instead of "
                              "taking part in the outer step")
 
-    def _accept(self, new: World | None) -> World:
+    def _accept(self, new: World | None, raw: bytes) -> World:
+        """Take `new`, read from the store as `raw`, as this node's world (or rejoin when it is not in it)."""
         if new is None or new.rank_of(self.uid, self.token) is None:
             log.warning("this node is not in mesh version %s (evicted: late, silent or blamed)",
                         new.version if new else "-")
             return self._rejoin("evicted")
         self.world = new
+        self._encoded = (new, raw.decode())   # the record as read: what the next reads compare with (_text)
         return new
 
     def _in_ring_order(self, old: World, new: World) -> World:
