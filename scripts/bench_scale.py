@@ -89,17 +89,25 @@ def _worker(index: int, uids: list[str], port: int, barrier: Any, queue: Any, ph
     # thread each, without hundreds of threads on one interpreter lock starving the beats.
     pump = Pump(connect(beat_tally), members, cfg.heartbeat_interval)
     pump.start()
+    # A thread per member for the whole run, released at each phase: made at each phase, the last of a process's
+    # 125 threads started hundreds of ms after the first, and the resolution's span measured the harness.
+    go, done = threading.Barrier(len(members) + 1), threading.Barrier(len(members) + 1)
+    results: list[tuple[str, float, float, str | None]] = [("", 0.0, 0.0, None)] * len(members)
+
+    def member(i: int, m: Any) -> None:
+        for phase in range(phases):
+            go.wait()
+            _act(results, i, m, phase, total)
+            done.wait()
+
+    for i, m in enumerate(members):
+        threading.Thread(target=member, args=(i, m), daemon=True).start()
     try:
         for phase in range(phases):
             barrier.wait()
             node_tally.clear()
-            results: list[tuple[str, float, float, str | None]] = [("", 0.0, 0.0, None)] * len(members)
-            threads = [threading.Thread(target=_act, args=(results, i, m, phase, total), daemon=True)
-                       for i, m in enumerate(members)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            go.wait()
+            done.wait()
             starts = {uid: t0 for uid, t0, _, _ in results}
             ends = {uid: t1 for uid, _, t1, _ in results}
             failures = [f for _, _, _, f in results if f]
