@@ -458,7 +458,7 @@ class Membership:
                 self._answered()
                 self._check_snapshot(light)
                 if not light.written and store.check([keys.WORLD]):
-                    return self._roll_call(self.world)
+                    return self._roll_call(self.world, start=light)
             snap = read_light(store, None, world=True)
             self._answered()
             self._check_snapshot(snap)
@@ -490,7 +490,10 @@ class Membership:
         least = reform_quorum(quorum) if self.stores is not None and self.stores.has_other else 1
         return self._join(Quorum(full=quorum, least=least, grace_at=time.monotonic() + self.cfg.sync_deadline))
 
-    def _roll_call(self, world: World) -> World:
+    def _roll_call(self, world: World, start: Snapshot | None = None) -> World:
+        """Answer the roll call of `world` and wait for its next world (judging it when in line). `start`: what
+        the resolution's start read (read_light, the roll call still open): a member not in line then waits for
+        the roll call's end at once instead of reading the same few keys again (3 of its 14 requests)."""
         self.client.append(keys.roll_call(world.resolution), encode_line({
             "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
             "unreachable": sorted(self.unreachable)}))
@@ -506,8 +509,11 @@ class Membership:
             if not late and not told and not standby.judges(world, self.uid, self.liveness, out):
                 # Not in line to lead: wait for the roll call's end with a few hundred bytes a read
                 # (zb.elastic.standby), the world itself read once it is written (at once after a wake-up).
-                light = read_light(self.client, world.resolution, world=woke)
-                self._check_snapshot(light)
+                if start is not None:
+                    light, start = start, None   # read just before this node answered: used once
+                else:
+                    light = read_light(self.client, world.resolution, world=woke)
+                    self._check_snapshot(light)
                 out = standby.out_of(world, light)
                 if light.written and not woke:
                     woke = True
@@ -519,6 +525,7 @@ class Membership:
                     continue
                 woke = self._wait_written(world.resolution)
                 continue
+            start = None   # judging reads everything: a later wait reads its light keys anew
             if late:
                 late_judged = time.monotonic()
             snap = read_snapshot(self.client, world.resolution)
