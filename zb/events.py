@@ -236,7 +236,7 @@ class Membership(Event):
     new_leader: bool             # the leader changed
     nodes: list[str]             # every node, by rank
     ring_mbps: float | None      # the ring's slowest hop when ranks follow measured links (else null)
-    link_ms: float | None = None  # the longest one-way delay among the nodes' links, when all were timed (else null)
+    link_ms: float | None        # the longest one-way delay among the nodes' links, when all were timed (else null)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -236,8 +236,7 @@ class Membership:
         # link) starts at, or moves to, the next one, and with fewer it would start a second run there while the
         # others start the first one where they are (two disjoint majorities of one quorum cannot exist).
         self._first_quorum = quorum
-        least = reform_quorum(quorum) if self.stores is not None and self.stores.has_other else 1
-        seed = Quorum(full=quorum, least=least, grace_at=time.monotonic() + quorum_timeout)
+        seed = Quorum(full=quorum, least=self._least(quorum), grace_at=time.monotonic() + quorum_timeout)
         return self._or_fail_over(lambda: self._join(seed))
 
     # -- joining -----------------------------------------------------------------------------
@@ -254,8 +253,7 @@ class Membership:
             # (the next one of the list, or one restarted) its heartbeat thread may not have beaten yet, and a
             # counter the leader has read as missing for elastic.heartbeat_timeout is a dead node's.
             bump(store, keys.heartbeat(self.uid), 1)
-            self.world = self._wait_admitted(quorum, self._ask_to_join(store))
-            return self.world
+            return self._wait_admitted(quorum, self._ask_to_join(store))   # it holds the world it returns
         except store_errors() as e:
             raise self._drop_store(e) from None
 
@@ -330,8 +328,7 @@ class Membership:
             self._check_snapshot(snap)
             world = snap.world
             if world is not None and world.rank_of(self.uid, self.token) is not None:
-                self._encoded = (world, snap.raw_world.decode())
-                return world
+                return self._hold(world, snap.raw_world)
             if world is not None and not join_fresh(seen, world.resolution):
                 seen = self._ask_to_join(self.client)   # grown too old to be admitted: ask again
             if world is not None and world.stripes != self.stripes:
@@ -487,8 +484,12 @@ class Membership:
         quorum = len(self.world.nodes) if self.world else 1
         # With a failover list a store revived at its address is seeded by a majority of the world, as a new one
         # is: else a few nodes that saw it come back could train there apart from the rest, who moved on.
-        least = reform_quorum(quorum) if self.stores is not None and self.stores.has_other else 1
-        return self._join(Quorum(full=quorum, least=least, grace_at=time.monotonic() + self.cfg.sync_deadline))
+        return self._join(Quorum(full=quorum, least=self._least(quorum), grace_at=time.monotonic() + self.cfg.sync_deadline))
+
+    def _least(self, size: int) -> int:
+        """The fewest of `size` nodes that may seed a world at a store: with a failover list a majority (fewer could
+        train apart from nodes at another store of the list), else one."""
+        return reform_quorum(size) if self.stores is not None and self.stores.has_other else 1
 
     def _roll_call(self, world: World, start: Snapshot | None = None) -> World:
         """Answer the roll call of `world` and wait for its next world (judging it when in line). `start`: what
@@ -651,9 +652,13 @@ class Membership:
             log.warning("this node is not in mesh version %s (evicted: late, silent or blamed)",
                         new.version if new else "-")
             return self._rejoin("evicted")
-        self.world = new
-        self._encoded = (new, raw.decode())   # the record as read: what the next reads compare with (_text)
-        return new
+        return self._hold(new, raw)
+
+    def _hold(self, world: World, raw: bytes) -> World:
+        """`world` (read from the store as `raw`) is this node's from now on; its record as read is what the next
+        reads compare with (_text), never encoded again."""
+        self.world, self._encoded = world, (world, raw.decode())
+        return world
 
     def _in_ring_order(self, old: World, new: World) -> World:
         return apply_ring_order(old, new, self.ring.plan(self.client, new.nodes))

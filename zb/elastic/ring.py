@@ -25,13 +25,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from zb.elastic import keys
 from zb.elastic.tcpstore import read_many
-from zb.elastic.world import World
+from zb.elastic.world import World, is_figure
 from zb.errors import InvalidInput
 from zb.net.bottleneck import RingOrder, bottleneck, rotate_to, solve
 from zb.net.link_matrix import LinkMatrix, load_link_matrix, parse_link_matrix
@@ -79,19 +78,13 @@ def read_links(store: StoreClient, nodes: list[str]) -> tuple[Links, LinkMatrix 
             if isinstance(row, dict) and "mbps" not in row:
                 continue
             mbps, rtt = (row["mbps"], row.get("rtt_ms")) if isinstance(row, dict) else (row, None)
-            if mbps is not None and not _figure(mbps, math.inf):
+            if mbps is not None and not is_figure(mbps):
                 continue
             measured[(src, dst)] = None if mbps is None else float(mbps)
-            if rtt is not None and _figure(rtt, MAX_RTT_MS):
+            if rtt is not None and is_figure(rtt, MAX_RTT_MS):
                 delays[(src, dst)] = float(rtt)
     addrs = {u: v.decode(errors="replace").rpartition(":")[0] for u, v in zip(nodes, raw[1 + len(nodes):]) if v}
     return measured, matrix, addrs, delays
-
-
-def _figure(value: Any, most: float) -> bool:
-    """A measured figure as a row may hold one: a finite number from 0 to `most` (no bool)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= most and \
-        math.isfinite(value)
 
 
 def longest_delay_ms(nodes: list[str], delays: Delays) -> float | None:

@@ -58,16 +58,17 @@ class World:
         if world is not None and not (isinstance(world.silent, dict) and all(
                 isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in world.silent.values())):
             return None
-        if world is not None and not all(_link_figure(v) for v in (world.ring_mbps, world.link_ms)):
+        # The link figures pick every node's reduce shape: none, or numbers every node reads the same.
+        if world is not None and not all(v is None or is_figure(v) for v in (world.ring_mbps, world.link_ms)):
             return None
         return world
 
 
-def _link_figure(value: object) -> bool:
-    """A world's link figure (Mbit/s or ms): None, or a finite non-negative number (what decides the reduce's
-    shape on every node must be a number every node reads the same)."""
-    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                             and math.isfinite(value) and value >= 0)
+def is_figure(value: object, most: float = math.inf) -> bool:
+    """A measured figure (Mbit/s, ms) as a record from the store may hold one: a finite number from 0 to `most`,
+    not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and 0 <= value <= most
 
 
 # Resolutions a join request stays admissible: its node asks again after that (zb.elastic.membership), and a
