@@ -123,10 +123,7 @@ class Cluster:
 
     def close(self) -> None:
         for node in self.nodes.values():
-            if node.proc.poll() is None:
-                node.proc.send_signal(signal.SIGCONT)
-                node.proc.kill()
-            node.proc.wait(10)
+            kill_with_children(node.proc)
         self.hosted = None
         for store in [self.store, *self.standbys.values()]:
             if store is not None and store.poll() is None:
@@ -207,24 +204,8 @@ class TrainCluster(Cluster):
         return {e["outer_step"]: e["params_hash"] for e in self.metrics(uid, "outer_step") if e["applied"]}
 
     def close(self) -> None:
-        import psutil
-
         for proc in self.procs.values():
-            if proc.poll() is None:
-                # torch's launcher may start its ranks in sessions of their own: kill them by name too,
-                # or a SIGKILLed launcher leaves them training (orphans).
-                try:
-                    ranks = psutil.Process(proc.pid).children(recursive=True)
-                except psutil.NoSuchProcess:
-                    ranks = []
-                os.killpg(proc.pid, signal.SIGCONT)
-                os.killpg(proc.pid, signal.SIGKILL)
-                for rank in ranks:
-                    try:
-                        rank.kill()
-                    except psutil.NoSuchProcess:
-                        pass
-                proc.wait(10)
+            kill_with_children(proc, group=True)
         super().close()
 
 
@@ -319,3 +300,28 @@ STREAMING = ["--diloco.inner_steps", "6", "--diloco.fragments", "2", "--diloco.f
 
 def worst_relative(got: list[float], expected: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, expected))
+
+
+def kill_with_children(proc: subprocess.Popen, group: bool = False) -> None:
+    """SIGKILL a node (its process group when `group`: one started in a session of its own) and every process under
+    it, stopped ones included. torch's launcher may start its ranks in sessions of their own: a SIGKILLed launcher
+    left them running as orphans, which retried the test's dead store for half a minute into the next tests."""
+    import psutil
+
+    if proc.poll() is None:
+        try:
+            ranks = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            ranks = []
+        if group:
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        for rank in ranks:
+            try:
+                rank.kill()
+            except psutil.NoSuchProcess:
+                pass
+    proc.wait(10)
