@@ -66,6 +66,11 @@ def written(resolution: int) -> str:
     return f"{ROOT}/roll_call/{resolution}/written"
 
 
+ENDED = f"{ROOT}/ended"  # decimal: the last resolution whose roll call ended (set with keys.written). Unlike that key it
+                        # always exists once a world is seeded, so a light read tells an open roll call from an ended
+                        # one in the same round trip as the rest. A hint, never a decision: the world is read and checked
+
+
 def probe(uid: str) -> str:
     """"ip:port" of the node's reachability listener on its gloo interface."""
     return f"{ROOT}/probe/{uid}"

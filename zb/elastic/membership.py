@@ -396,7 +396,7 @@ class Membership:
                           join_end=len(snap.joins))
         new = self._in_ring_order(base, next_world(base, obs))
         if self._write(snap.raw_world, new):
-            self.client.set(keys.written(base.resolution), "1")   # wakes the joiners that do not seed
+            self._mark_written(base.resolution)   # wakes the joiners that do not seed
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
             # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
             # each read of the snapshot down the slow path of read_many, a round trip per key.
@@ -454,7 +454,7 @@ class Membership:
                 light = read_light(store, self.world.resolution)
                 self._answered()
                 self._check_snapshot(light)
-                if not light.written and store.check([keys.WORLD]):
+                if not light.written and light.has_world:
                     return self._roll_call(self.world, start=light)
             snap = read_light(store, None, world=True)
             self._answered()
@@ -516,15 +516,14 @@ class Membership:
                     light = read_light(self.client, world.resolution, world=woke)
                     self._check_snapshot(light)
                 out = standby.out_of(world, light)
-                if light.written and not woke:
-                    woke = True
-                    continue
-                if light.written:
+                if woke:   # keys.written is set: this read had the world
                     if light.raw_world.decode() != self._text(world) and not self._replayed(light, world):
                         return self._accept(light.world, light.raw_world)
                     told = True
                     continue
-                woke = self._wait_written(world.resolution)
+                # keys.ENDED says the roll call ended (its hint, read anyway): read the world next; else wait for it.
+                # Whether keys.written is set decides, so a junk keys.ENDED costs a read, never a busy loop.
+                woke = light.written or self._wait_written(world.resolution)
                 continue
             start = None   # judging reads everything: a later wait reads its light keys anew
             if late:
@@ -565,6 +564,12 @@ class Membership:
         """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
         n = self.client.add(keys.roll_call_events(resolution), 1)
         self.client.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
+
+    def _mark_written(self, resolution: int) -> None:
+        """The roll call of `resolution` ended (its next world is written): keys.written wakes its waiters, keys.ENDED
+        tells the next light reads in their one round trip."""
+        self.client.set(keys.written(resolution), "1")
+        self.client.set(keys.ENDED, str(resolution))
 
     def _wait_event(self, resolution: int, event: int) -> None:
         """Until the roll call's event number `event` (the one after which the verdict can change: the last answer
@@ -668,7 +673,7 @@ class Membership:
         new.silent = {m: v for m, v in sorted(silent.items()) if m not in new.nodes}   # back: no longer silent
         if self._write(snap.raw_world, new):
             self._announce(world.resolution)
-            self.client.set(keys.written(world.resolution), "1")
+            self._mark_written(world.resolution)
             if world.resolution >= 2:
                 self._forget(world.resolution - 2)
             keep_marker(self.store)   # one operation a resolution: a deleted marker is back for the next joiner

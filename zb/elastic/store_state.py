@@ -116,7 +116,8 @@ class Snapshot:
     evicted: set[str] = field(default_factory=set)   # unique ids excluded for the rest of the run (keys.EVICTED)
     finished: Finished | None = None   # the run reached its end (keys.FINISHED)
     stayed: Stayed | None = None   # the run went on at an earlier store without members gone silent (keys.STAYED)
-    written: bool = False   # the roll call read has ended: its next world is in the store (keys.written; light reads)
+    written: bool = False   # the roll call read has ended: its next world is in the store (keys.ENDED; light reads)
+    has_world: bool = True   # the store holds a world (light reads: one restarted empty has none)
 
 
 def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
@@ -139,18 +140,26 @@ def read_snapshot(store: StoreClient, resolution: int | None) -> Snapshot:
 
 def read_light(store: StoreClient, resolution: int | None, world: bool = False) -> Snapshot:
     """What a member that does not judge the roll call of `resolution` reads while it waits (zb.elastic.standby):
-    whether the roll call ended (keys.written) and what every read checks (goodbyes, evictions,
-    the run's end, a move); the world too when `world`. Never the roll call's answers or the join requests, whose
-    size grows with the run: a few hundred bytes at any size, the world's record apart."""
-    # written first: a world read after it is at least that new
-    written = resolution is not None and store.check([keys.written(resolution)])
-    names = [*([keys.WORLD] if world else []), keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED]
-    raw = dict(zip(names, read_many(store, names)))
+    whether the roll call ended (keys.ENDED), whether the store holds a world, and what every read checks (goodbyes,
+    evictions, the run's end, a move); the world too when `world`. Never the roll call's answers or the join
+    requests, whose size grows with the run: a few hundred bytes at any size, the world's record apart.
+
+    Two round trips in a seeded store (every key exists: zb.elastic.membership seeds them), one `check` and one
+    `multi_get`; a key missing (a store restarted, a key deleted) reads the keys one at a time."""
+    names = [keys.ENDED, *([keys.WORLD] if world else []), keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED,
+             keys.STAYED]
+    if store.check([*names, *([] if world else [keys.WORLD])]):
+        raw, has_world = dict(zip(names, store.multi_get(names))), True
+    else:
+        raw = dict(zip(names, read_many(store, names)))
+        has_world = bool(raw[keys.WORLD]) if world else store.check([keys.WORLD])
     text = raw.get(keys.WORLD, b"")
+    ended = counter_value(raw[keys.ENDED]) if raw[keys.ENDED] else -1
     return Snapshot(raw_world=text, world=World.decode(text) if world else None, gone=_gone(raw[keys.GONE]), joins=[],
                     answers=[], moved=counter_value(raw[keys.MOVED]) or None,
                     evicted=evicted_ids(raw[keys.EVICTED]), finished=Finished.decode(raw[keys.FINISHED]),
-                    stayed=Stayed.decode(raw[keys.STAYED]), written=written)
+                    stayed=Stayed.decode(raw[keys.STAYED]), written=resolution is not None and ended >= resolution,
+                    has_world=has_world)
 
 
 def ended_world(store: StoreClient) -> World | None:
