@@ -48,7 +48,7 @@ quiet_torch_log()   # as `zb` does, before torch loads: each timed-out store wai
 
 from zb.testing.procs import PYTHON, free_port, subprocess_env  # noqa: E402
 from zb.testing.pump import Pump  # noqa: E402
-from zb.testing.store_count import Counting  # noqa: E402
+from zb.testing.store_count import Tally  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -71,13 +71,13 @@ def _worker(index: int, uids: list[str], port: int, barrier: Any, queue: Any, ph
     from zb.elastic.membership import Membership
 
     cfg = _cfg()
-    node_tally: Counter = Counter()     # the members' own clients (joins, resolutions)
-    beat_tally: Counter = Counter()     # the heartbeat threads' clients
+    node_tally = Tally()     # the members' own clients (joins, resolutions)
+    beat_tally = Tally()     # the heartbeat threads' clients
 
-    def connect(tally: Counter):
+    def connect(tally: Tally):
         def make():
-            client = dist.TCPStore("127.0.0.1", port, use_libuv=True, timeout=timedelta(seconds=cfg.store_timeout))
-            return Counting(client, tally)
+            return tally.client(dist.TCPStore("127.0.0.1", port, use_libuv=True,
+                                              timeout=timedelta(seconds=cfg.store_timeout)))
         return make
 
     members = [Membership(cfg, uid, f"tok-{uid}", 1, Liveness(cfg.heartbeat_timeout), connect(node_tally))
@@ -112,11 +112,11 @@ def _worker(index: int, uids: list[str], port: int, barrier: Any, queue: Any, ph
             ends = {uid: t1 for uid, _, t1, _ in results}
             failures = [f for _, _, _, f in results if f]
             versions = sorted({m.world.version for m in members if m.world is not None})
-            queue.put((index, phase, starts, ends, dict(node_tally), failures, versions))
+            queue.put((index, phase, starts, ends, dict(node_tally.totals()), failures, versions))
         barrier.wait()                                  # the idle phase: heartbeats only
         beat_tally.clear()
         barrier.wait()
-        queue.put((index, "idle", dict(beat_tally), pump.late))
+        queue.put((index, "idle", dict(beat_tally.totals()), pump.late))
     finally:
         pump.stop()
 
