@@ -41,7 +41,8 @@ class Counting:
     """A store client that counts what it asks of the store: requests, keys named, bytes each way."""
 
     def __init__(self, inner: Any) -> None:
-        self._inner, self.counts = inner, Counter()
+        self._inner = inner
+        self.counts: Counter = Counter()
 
     def _count(self, op: str, keys: int, up: int, down: int) -> None:
         c = self.counts
