@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from zb.config_schema import ElasticConfig
-from zb.elastic import keys
+from zb.elastic import keys, standby
 from zb.elastic.heartbeat import Heartbeat, Liveness
 from zb.elastic.membership import Membership, roll_call_events_bound
 from zb.elastic.store_state import Finished, finished_without
@@ -21,6 +21,7 @@ from zb.elastic.world import World
 from zb.errors import RunFinishedWithout
 from zb.signed_store import prefixed
 from zb.swarm.registry import stage_namespace
+from zb.testing.store_count import Tally
 from zb.testing.threads import each_at_once
 
 # A live member beats 15 times per timeout: a busy machine does not make it look dead.
@@ -331,3 +332,37 @@ def test_a_wait_of_no_time_returns_at_once(members):
     out = each_at_once(members.nodes, ["a"], lambda m: (m._wait_key("zb/absent", 0.0), m._wait_key("zb/absent", -1.0)),
                        timeout=20)
     assert out["a"] == (False, False)
+
+
+@pytest.mark.parametrize("marker", [b"junk", b"999999", None])
+def test_a_wrong_or_missing_end_marker_still_ends_every_resolution(members, marker):
+    """keys.ENDED is a hint anyone reaching the store can overwrite or delete: junk (read as no roll call ended), one
+    far ahead (every member takes the full path and judges) or none (the light reads go key by key). Each costs
+    reads; every member still ends in the next world, twice over."""
+    uids = ["a", "b", "c", "d", "e"]
+    start(members, uids)
+    for _ in range(2):
+        if marker is None:
+            members.client().delete_key(keys.ENDED)
+        else:
+            members.client().set(keys.ENDED, marker)
+        after = members.together(uids, lambda m: m.resolve())
+        assert len({w.encode() for w in after.values()}) == 1 and sorted(after["a"].nodes) == uids
+
+
+def test_a_junk_end_marker_costs_a_read_not_a_busy_loop(members):
+    """A member not in line whose roll call has ended (keys.written set) while keys.ENDED holds junk: the wait on
+    keys.written decides, so it reads the world once and takes it: 8 requests, not a loop of reads that the
+    hint keeps saying are early."""
+    uids = ["a", "b", "c", "d", "e"]
+    old = start(members, uids)["a"]
+    last = old.nodes[-1]   # the last in rank order (the ring's, not the ids')
+    after = members.together(uids, lambda m: m.resolve())["a"]
+    node = members.nodes[last]
+    assert not standby.judges(old, last, node.liveness, set())
+    members.client().set(keys.ENDED, b"junk")
+    tally = Tally()
+    node.store = tally.client(node.client)
+    taken = each_at_once(members.nodes, [last], lambda m: m._roll_call(old), timeout=30)[last]
+    assert isinstance(taken, World) and taken.encode() == after.encode()
+    assert tally.totals()["requests"] <= 8, tally.totals()
