@@ -15,7 +15,8 @@ import torch.distributed as dist
 from zb.config_schema import ElasticConfig
 from zb.elastic import keys, standby
 from zb.elastic.heartbeat import Heartbeat, Liveness
-from zb.elastic.membership import Membership, roll_call_events_bound
+from zb.elastic.membership import Membership
+from zb.elastic.roll_call import RollCall, events_bound, wait_key
 from zb.elastic.store_state import Finished, finished_without
 from zb.elastic.world import World
 from zb.errors import RunFinishedWithout
@@ -214,9 +215,8 @@ def test_a_bumped_roll_call_counter_does_not_size_the_cleanup(members):
             deleted.append(key)
             return real.delete_key(key)
 
-    leader.store = Counting()
-    leader._forget(0)
-    assert len(deleted) == 3 + roll_call_events_bound(2)   # the answers, the counter, the end's wake-up (written)
+    RollCall(Counting(), 0).forget(2)
+    assert len(deleted) == 3 + events_bound(2)   # the answers, the counter, the end's wake-up (written)
 
 
 def test_a_roll_call_counter_that_is_no_integer_does_not_break_the_cleanup(members):
@@ -224,7 +224,7 @@ def test_a_roll_call_counter_that_is_no_integer_does_not_break_the_cleanup(membe
     start(members, ["a", "b"])
     members.client().set(keys.roll_call_events(0), b"x")
     leader = members.nodes["a"]
-    leader._forget(0)
+    RollCall(leader.client, 0).forget(2)
     assert leader.client.check([keys.WORLD])       # the same client still answers
     assert not members.client().check([keys.roll_call_events(0)])
 
@@ -329,7 +329,7 @@ def test_a_wait_of_no_time_returns_at_once(members):
     takes a zero or negative timeout as none and blocked the joiner for good (a lone node at the next store never
     gave up on the quorum under the suite's load)."""
     members.add("a").ensure_store()
-    out = each_at_once(members.nodes, ["a"], lambda m: (m._wait_key("zb/absent", 0.0), m._wait_key("zb/absent", -1.0)),
+    out = each_at_once(members.nodes, ["a"], lambda m: (wait_key(m.client, "zb/absent", 0.0), wait_key(m.client, "zb/absent", -1.0)),
                        timeout=20)
     assert out["a"] == (False, False)
 

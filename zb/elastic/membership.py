@@ -29,10 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING
-
-from torch.distributed import DistStoreError
 
 from zb.elastic import keys, standby
 from zb.elastic.closedport import ClosedPortDetector
@@ -41,10 +38,10 @@ from zb.elastic.identity import new_token
 from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
 from zb.elastic.partition_watch import PartitionWatch, RunMoved, RunStayed
 from zb.elastic.ring import RingPlanner, apply_ring_order
+from zb.elastic.roll_call import RollCall, wait_key
 from zb.elastic.store_state import (
     Finished,
     Snapshot,
-    counter_value,
     encode_line,
     evicted_ids,
     finished_without,
@@ -80,12 +77,6 @@ def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
         raise InvalidInput(f"the run evicted node id {uid!r} (listed in the store's {keys.EVICTED}): it takes no "
                            "further part in this run and is not admitted again under that id; see the other nodes' "
                            "logs for why")
-
-
-def roll_call_events_bound(members: int) -> int:
-    """The most events a roll call of a world of `members` can have: each member answers once per resolution it
-    takes part in, and every leader that writes the next world announces it (a few, racing), with room to spare."""
-    return 4 * members + 16
 
 
 @dataclass
@@ -336,7 +327,7 @@ class Membership:
                                          f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
             pace = self._seed_pace(world is not None, quorum)
             if not full:
-                self._wait_key(keys.written(world.resolution if world else 0), min(pace, full_at - time.monotonic()))
+                wait_key(self.client, keys.written(world.resolution if world else 0), min(pace, full_at - time.monotonic()))
                 continue
             full_at = time.monotonic() + pace
             self._observe(snap, world)
@@ -347,7 +338,7 @@ class Membership:
             elif not waiting_said and quorum.least > 1 and time.monotonic() >= quorum.grace_at:
                 waiting_said = True
                 log.warning("waiting for %s (up to elastic.store_timeout)", self._majority_wait(quorum))
-            self._wait_key(keys.written(world.resolution if world else 0), self.cfg.polling_interval)
+            wait_key(self.client, keys.written(world.resolution if world else 0), self.cfg.polling_interval)
         waited = f": still waiting for {self._majority_wait(quorum)}" if quorum.least > 1 else (
             ": no live member resolved the world (are the other nodes running and reaching the store?)")
         raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s){waited}")
@@ -396,26 +387,12 @@ class Membership:
                           join_end=len(snap.joins))
         new = self._in_ring_order(base, next_world(base, obs))
         if self._write(snap.raw_world, new):
-            self._mark_written(base.resolution)   # wakes the joiners that do not seed
+            RollCall(self.client, base.resolution).mark_written()   # wakes the joiners that do not seed
             log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
             # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
             # each read of the snapshot down the slow path of read_many, a round trip per key.
             for key in (keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED):
                 self.client.append(key, "")
-
-    def _forget(self, resolution: int) -> None:
-        """Delete a finished roll call's keys (every member has moved past it). Its events counter is unsealed (anyone
-        reaching the store can bump it), so the count of wake-up keys deleted is bounded by what a roll call of
-        this world can announce: an answer per member and a few worlds written; beyond that a bumped counter
-        names keys nobody wrote, which are left alone (deleting 10**9 of them hung the leader)."""
-        events = keys.roll_call_events(resolution)
-        # Read, not `add(events, 0)`: on a value that is no integer the store drops the connection (it answered an
-        # outsider's one write by re-keying this node's client before the marker was kept: zb.signed_store).
-        written = counter_value(read_many(self.client, [events])[0])
-        count = max(0, min(written, roll_call_events_bound(len(self.world.nodes) if self.world else 1)))
-        for key in (keys.roll_call(resolution), events, keys.written(resolution),
-                    *(f"{events}/{n}" for n in range(1, count + 1))):
-            self.client.delete_key(key)
 
     def _text(self, world: World) -> str:
         """world.encode(), kept for the world last asked about: a member compares the store's record with its own at
@@ -495,10 +472,10 @@ class Membership:
         """Answer the roll call of `world` and wait for its next world (judging it when in line). `start`: what
         the resolution's start read (read_light, the roll call still open): a member not in line then waits for
         the roll call's end at once instead of reading the same few keys again (3 of its 14 requests)."""
-        self.client.append(keys.roll_call(world.resolution), encode_line({
+        roll_call = RollCall(self.client, world.resolution)
+        roll_call.answer(encode_line({
             "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
             "unreachable": sorted(self.unreachable)}))
-        self._announce(world.resolution)
         self.failed, self.suspects, self.unreachable = False, set(), set()
         t0, late_judged, told, woke = time.monotonic(), float("-inf"), False, False
         out: set[str] = set()   # members said goodbye or evicted, as last read
@@ -523,7 +500,7 @@ class Membership:
                     continue
                 # keys.ENDED says the roll call ended (its hint, read anyway): read the world next; else wait for it.
                 # Whether keys.written is set decides, so a junk keys.ENDED costs a read, never a busy loop.
-                woke = light.written or self._wait_written(world.resolution)
+                woke = light.written or roll_call.wait_written(self.cfg.heartbeat_interval)
                 continue
             start = None   # judging reads everything: a later wait reads its light keys anew
             if late:
@@ -542,7 +519,7 @@ class Membership:
                 if silent is not None:
                     self._lead(world, snap, verdict.observation, silent)
                     continue
-            self._wait_event(world.resolution, snap.events + max(1, verdict.pending))
+            roll_call.wait_event(snap.events + max(1, verdict.pending), self.cfg.polling_interval)
 
     def _replayed(self, snap: Snapshot, world: World) -> bool:
         """The store holds an older world of this run that holds this node: a sealed record copied back over the
@@ -559,43 +536,6 @@ class Membership:
                     "over with the current world", old.resolution, world.resolution)
         self._write(snap.raw_world, world)
         return True
-
-    def _announce(self, resolution: int) -> None:
-        """Wake the nodes waiting in this roll call: something happened (an answer, the next world)."""
-        n = self.client.add(keys.roll_call_events(resolution), 1)
-        self.client.set(f"{keys.roll_call_events(resolution)}/{n}", b"")
-
-    def _mark_written(self, resolution: int) -> None:
-        """The roll call of `resolution` ended (its next world is written): keys.written wakes its waiters, keys.ENDED
-        tells the next light reads in their one round trip."""
-        self.client.set(keys.written(resolution), "1")
-        self.client.set(keys.ENDED, str(resolution))
-
-    def _wait_event(self, resolution: int, event: int) -> None:
-        """Until the roll call's event number `event` (the one after which the verdict can change: the last answer
-        still awaited), or elastic.polling_interval: the judge also decides on time alone (a silent member's
-        deadline), so the loop looks again either way. Waiting on the store instead of sleeping ends the roll
-        call as soon as its last answer or its next world lands, and waiting for the last answer instead of the
-        next one reads the roll call once, not at every answer."""
-        self._wait_key(f"{keys.roll_call_events(resolution)}/{event}", self.cfg.polling_interval)
-
-    def _wait_written(self, resolution: int) -> bool:
-        """A member that does not judge: until the roll call's world is written (True), or elastic.heartbeat_interval
-        (it then looks whether it must judge: members ahead of it died, or elastic.sync_deadline passed)."""
-        return self._wait_key(keys.written(resolution), self.cfg.heartbeat_interval)
-
-    def _wait_key(self, key: str, seconds: float) -> bool:
-        """Whether `key` was set within `seconds`. A wait of 0 s or less is none: torch's TCPStore takes a zero or
-        negative timeout as none at all and would block for good."""
-        if seconds < 0.001:
-            return self.client.check([key])
-        try:
-            self.client.wait([key], timedelta(seconds=seconds))
-            return True
-        except DistStoreError as e:
-            if "timeout" not in str(e):
-                raise
-            return False
 
     def mark_finished(self, outer_step: int, step: int) -> bool:
         """The run reached its end in this node's world: say so on the store (keys.FINISHED, the first node's
@@ -672,10 +612,11 @@ class Membership:
         new = self._in_ring_order(world, next_world(world, obs))
         new.silent = {m: v for m, v in sorted(silent.items()) if m not in new.nodes}   # back: no longer silent
         if self._write(snap.raw_world, new):
-            self._announce(world.resolution)
-            self._mark_written(world.resolution)
+            roll_call = RollCall(self.client, world.resolution)
+            roll_call.announce()
+            roll_call.mark_written()
             if world.resolution >= 2:
-                self._forget(world.resolution - 2)
+                RollCall(self.client, world.resolution - 2).forget(len(world.nodes))
             keep_marker(self.store)   # one operation a resolution: a deleted marker is back for the next joiner
         else:
             log.info("another node wrote resolution %d first", new.resolution)
