@@ -12,6 +12,11 @@ zb's model, data and inner optimizer, one process):
           what it dropped in its residual (so across rounds nothing is lost); the last hop's payload is the
           region's sum. A node sends 2 (W - 1) / W payloads, flat in W.
 
+  union   indices every node agrees on (Union below): each node nominates the top k / W of its accumulator in
+          each chunk, and every node sends its values at the union of the nominations, averaged over all W
+          nodes; int8 values (`union-exact`: fp32). A node sends about k x (12 / W x (W - 1) + 2 x 8) bits a
+          chunk, flat in W.
+
 `exact` is the gather with the picked values sent as fp32 (no 2-bit codes): what the quantizer costs.
 All against fp32 DiLoCo (the exact mean) at the same outer settings. The loss is the mean train loss of the
 last 30 steps over the nodes; bytes are what one node sends per outer step (fp32: gloo's ring, 2 (W-1)/W x 4n).
@@ -114,6 +119,51 @@ class Ring(Gather):
         return 2 * (w - 1) * self.scheme.payload_bytes(n) // w
 
 
+class Union(Gather):
+    """Indices every node agrees on: each node nominates the top k / W of its own accumulator in each chunk, the
+    union of the W nominations (at most k a chunk) is what every node sends, and those values are averaged over
+    all W nodes (a ring all-reduce of at most k values a chunk), each node keeping in its accumulator what it did
+    not send. A node sends W - 1 nominations of k / W indices (an all-gather) and 2 (W - 1) / W of k values:
+    flat in W. `bits`: the values' width on the wire (8: int8 with a per-chunk absmax scale, each node quantizing
+    its own values; 32: exact). Modelled per node: the product's quantized ring re-quantizes partial sums at every
+    hop, which this leaves out."""
+
+    def __init__(self, scheme: SparseScheme, beta: float, bits: int) -> None:
+        super().__init__(scheme, beta)
+        self.bits = bits
+
+    def _nominees(self, w: int) -> int:
+        return max(1, self.scheme.k // w)
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        n, w, chunk = self._start(deltas), len(deltas), self.scheme.chunk
+        chunks = -(-n // chunk)
+        accs = []
+        mask = torch.zeros(chunks, chunk, dtype=torch.bool)
+        for d, e in zip(deltas, self.residuals):
+            acc = torch.zeros(chunks * chunk)
+            acc[:n] = self.beta * e + d.float()
+            acc = acc.view(chunks, chunk)
+            mask.scatter_(1, acc.abs().topk(self._nominees(w), dim=1).indices, True)
+            accs.append(acc)
+        total = torch.zeros(chunks, chunk)
+        for acc, e in zip(accs, self.residuals):
+            sent = torch.where(mask, acc, torch.zeros_like(acc))
+            if self.bits < 32:
+                top = 2 ** (self.bits - 1) - 1
+                scale = sent.abs().amax(dim=1, keepdim=True).clamp_min(1e-30) / top
+                sent = torch.round(sent / scale).clamp(-top, top) * scale
+            total += sent
+            e.copy_((acc - sent).view(-1)[:n])
+        return total.view(-1)[:n] / w
+
+    def bytes_per_node(self, n: int, w: int) -> int:
+        chunks = self.scheme.chunks(n)
+        nominations = (w - 1) * chunks * -(-self._nominees(w) * self.scheme.index_bits // 8)
+        values = 2 * (w - 1) * chunks * (self.scheme.k * self.bits // 8 + 4) // w
+        return nominations + values
+
+
 def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     from diloco_reference import SimNode, mean_of, run_rule
 
@@ -133,7 +183,8 @@ def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     sims = [SimNode(cfg, tokenizer, placement, m, args.nodes) for m in range(args.nodes)]
     scheme = SparseScheme(args.chunk, args.k)
     average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "ring": Ring(scheme, args.beta),
-               "exact": Exact(scheme, args.beta)}[shape]
+               "exact": Exact(scheme, args.beta), "union": Union(scheme, args.beta, 8),
+               "union-exact": Union(scheme, args.beta, 32)}[shape]
     t0 = time.monotonic()
     run_rule(sims, "none", cfg.diloco, args.steps, average=average)
     n = sims[0].flat().numel()
