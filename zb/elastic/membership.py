@@ -471,7 +471,7 @@ class Membership:
     def _roll_call(self, world: World, start: Snapshot | None = None) -> World:
         """Answer the roll call of `world` and wait for its next world (judging it when in line). `start`: what
         the resolution's start read (read_light, the roll call still open): a member not in line then waits for
-        the roll call's end at once instead of reading the same few keys again (3 of its 14 requests)."""
+        the roll call's end at once instead of reading the same few keys again (of its 8 requests, 2 more)."""
         roll_call = RollCall(self.client, world.resolution)
         roll_call.answer(encode_line({
             "uid": self.uid, "token": self.token, "failed": self.failed, "suspects": sorted(self.suspects),
