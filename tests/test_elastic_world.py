@@ -184,11 +184,12 @@ def test_a_rejoin_waits_for_an_unreachable_member_instead_of_exiting(monkeypatch
     next outer step again, and exiting (the first join's answer to a misconfigured network) would
     lose a node to a transient fault. It waits until the member is reachable."""
     from zb.config_schema import ElasticConfig
+    from zb.elastic import admission
     from zb.elastic import membership as mod
 
     cfg = ElasticConfig(store_timeout=30, heartbeat_interval=0.01)
     world = World(version=2, resolution=3, nodes=["a", "b"], tokens={"a": "ta", "b": "tb"})
-    monkeypatch.setattr(mod, "read_snapshot", lambda store, round_: snap([], world=world))
+    monkeypatch.setattr(admission, "read_snapshot", lambda store, round_: snap([], world=world))
     tries = []
 
     def before_join(_snap):
@@ -198,15 +199,15 @@ def test_a_rejoin_waits_for_an_unreachable_member_instead_of_exiting(monkeypatch
 
     m = mod.Membership(cfg, "c", "tc", 1, Liveness(5.0), connect=lambda: None, before_join=before_join)
     with pytest.raises(EnvironmentFailure):           # a first join: a misconfigured network, fail at once
-        m._reachable_before_join(None, snap([], world=world))
+        m.admission._reachable_before_join(None, snap([], world=world))
     tries.clear()
     m.world = World(version=1, resolution=1, nodes=["a", "b", "c"], tokens={"a": "ta", "b": "tb", "c": "tc"})
-    m._reachable_before_join(None, snap([], world=world))   # a rejoin: waits, then goes on
+    m.admission._reachable_before_join(None, snap([], world=world))   # a rejoin: waits, then goes on
     assert len(tries) == 3
     tries.clear()
     monkeypatch.setattr(cfg, "store_timeout", 0.0)
     with pytest.raises(EnvironmentFailure, match="cannot reach peer b"):   # not forever
-        m._reachable_before_join(None, snap([], world=world))
+        m.admission._reachable_before_join(None, snap([], world=world))
 
 
 def test_a_change_read_after_a_pause_counts_from_when_it_was_read():

@@ -292,16 +292,16 @@ def test_a_leader_whose_connection_drops_after_its_write_keeps_its_place(members
     start(members, ["a", "b"])
     raw = members.client()
     leader = members.nodes[World.decode(raw.get(keys.WORLD)).nodes[0]]
-    wrote = leader._write
+    wrote = leader.write_world
 
     def write_then_junk(expected, new):
         ok = wrote(expected, new)
         raw.set(keys.roll_call_events(new.resolution - 1), b"junk")
         return ok
 
-    leader._write = write_then_junk
+    leader.write_world = write_then_junk
     worlds = members.together(["a", "b"], lambda m: m.resolve())
-    leader._write = wrote
+    leader.write_world = wrote
     assert worlds["a"].encode() == worlds["b"].encode()
     assert not worlds["a"].died and not worlds["a"].joined, worlds["a"]
     again = members.together(["a", "b"], lambda m: m.resolve())

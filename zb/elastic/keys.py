@@ -23,7 +23,7 @@ FINISHED = f"{ROOT}/finished"    # JSON {run, version, outer_step, step, time}: 
 EVICTED = f"{ROOT}/evicted"      # append-only: one unique id per line, excluded for the rest of the run (the layer
                                  # above decides whom: zb.elastic.membership.exclude); the leader drops it, never admits it
 JOIN_COUNT = f"{ROOT}/join_count"  # counter (`add`) bumped after each join request: where a request is in line, a hint
-                                 # for who seeds first (zb.elastic.membership._seed_pace), never a decision
+                                 # for who seeds first (zb.elastic.admission._seed_pace), never a decision
 RUNS = f"{ROOT}/runs"            # append-only, at the store's root whatever the namespace, never sealed: one JSON line
                                  # per node that starts or finishes a run (zb.elastic.runs); for listing runs only,
                                  # never read by a node

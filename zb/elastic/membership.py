@@ -1,7 +1,8 @@
-"""The membership protocol of one node (its local rank 0): join, answer the roll call, lead, accept.
+"""The membership protocol of one node (its local rank 0): join, answer the roll call, lead, accept. Membership owns
+the store session and the node's world; the join itself is zb.elastic.admission's.
 
-- join: append a request to keys.JOINS and wait until a world holds this node (uid and token).
-  With no world in the store yet (a fresh or restarted store), any waiting node seeds one once the
+- join (zb.elastic.admission): append a request to keys.JOINS and wait until a world holds this node (uid and
+  token). With no world in the store yet (a fresh or restarted store), any waiting node seeds one once the
   quorum is there or its deadline passed; with a world whose members are all gone or dead, a joiner
   seeds the next one itself. Bounded by elastic.store_timeout.
 - resolve (every outer step): answer the roll call of the current resolution, then poll. The acting
@@ -28,17 +29,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from zb.elastic import keys, standby
+from zb.elastic.admission import Admission, Quorum
 from zb.elastic.closedport import ClosedPortDetector
 from zb.elastic.heartbeat import Heartbeat, Liveness, observe_counters, stall_hint
-from zb.elastic.identity import new_token
-from zb.elastic.judge import RoundDeadlines, admissible_joiners, judge, members_all_out
+from zb.elastic.judge import RoundDeadlines, judge
 from zb.elastic.partition_watch import PartitionWatch, RunMoved, RunStayed
 from zb.elastic.ring import RingPlanner, apply_ring_order
-from zb.elastic.roll_call import RollCall, wait_key
+from zb.elastic.roll_call import RollCall
 from zb.elastic.store_state import (
     Finished,
     Snapshot,
@@ -49,8 +49,8 @@ from zb.elastic.store_state import (
     read_snapshot,
 )
 from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, boundary_action, reform_quorum
-from zb.elastic.tcpstore import bump, read_many, reset_if_junk, store_errors
-from zb.elastic.world import Observation, World, join_fresh, next_world
+from zb.elastic.tcpstore import read_many, reset_if_junk, store_errors
+from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
 from zb.signed_store import keep_marker
 from zb.store_clients import StoreUnreachable
@@ -79,21 +79,6 @@ def refuse_if_evicted(uid: str, evicted: set[str]) -> None:
                            "logs for why")
 
 
-@dataclass
-class Quorum:
-    """When a waiting node may seed a world: `full` nodes asked to join, or at least `least` once `grace_at`
-    (monotonic) has passed."""
-
-    full: int
-    least: int
-    grace_at: float
-    members: frozenset[str] | None = None   # re-forming: only the last world's members count (None: anyone)
-
-    def met(self, live: set[str], now: float) -> bool:
-        count = len(live if self.members is None else live & self.members)
-        return count >= self.full or (count >= self.least and now >= self.grace_at)
-
-
 class Membership:
     def __init__(self, cfg: ElasticConfig, uid: str, token: str, stripes: int, liveness: Liveness,
                  connect: Callable[[], StoreClient], before_join: Callable[[Snapshot], None] | None = None,
@@ -101,7 +86,7 @@ class Membership:
         self.cfg, self.uid, self.token, self.stripes = cfg, uid, token, stripes
         self.stores = stores     # the run's stores (None: one, with no failover)
         self._told_silent = False  # the store's silence was logged (once per outage)
-        self.liveness, self._connect, self._before_join = liveness, connect, before_join
+        self.liveness, self._connect = liveness, connect
         self.deadlines = RoundDeadlines.from_config(cfg)
         self.closed_ports = ClosedPortDetector(liveness, cfg.heartbeat_interval)
         self.store: StoreClient | None = None   # None until ensure_store, and after a failure
@@ -112,11 +97,10 @@ class Membership:
         self.unreachable: set[str] = set()   # members this node's probe could not reach (after a failure)
         self.ring = RingPlanner(backward=ring_backward)
         self.heartbeat: Heartbeat | None = None   # this node's own, to say why it was evicted when it knows
-        self._seat = 1   # where this node's last join request is in line (_ask_to_join)
-        self._asked_with_world = False   # ... and whether the store held a world then
         self._encoded: tuple[World | None, str] = (None, "")   # _text's one entry
         self._first_quorum = 1   # the initial quorum the first join was asked for (elastic.world_size)
         self.partition = PartitionWatch(cfg, stores, liveness)   # which side of a partition this node is on
+        self.admission = Admission(self, before_join)   # how this node gets into a world (join, rejoin, re-form)
 
     def watched(self) -> list[str]:
         """Whose heartbeats this node's heartbeat thread reads (zb.elastic.standby.watched)."""
@@ -140,7 +124,7 @@ class Membership:
         assert self.store is not None, "ensure_store() comes first"
         return self.store
 
-    def _drop_store(self, e: BaseException) -> StoreUnreachable:
+    def drop_store(self, e: BaseException) -> StoreUnreachable:
         self.store = None
         if self._told_silent:   # once per outage: the wait at a boundary asks again every second
             log.debug("store still unreachable: %s", str(e).splitlines()[0][:160])
@@ -154,7 +138,7 @@ class Membership:
         self._told_silent = True
         return StoreUnreachable(str(e))
 
-    def _answered(self) -> None:
+    def answered(self) -> None:
         self._told_silent = False
         if self.stores is not None:
             self.stores.answered()
@@ -180,7 +164,7 @@ class Membership:
             except RunStayed as stayed:
                 self.partition.go_back(stayed, self.world.run if self.world else "")
                 self.store, moved_on = None, False
-                attempt = lambda: self._join(Quorum(full=1, least=1, grace_at=time.monotonic()))  # noqa: E731
+                attempt = lambda: self.admission.enter(Quorum(full=1, least=1, grace_at=time.monotonic()))  # noqa: E731
                 continue
             except StoreUnreachable:
                 if self.stores is None:
@@ -202,7 +186,7 @@ class Membership:
             store = self.ensure_store()
             snap = read_snapshot(store, None)
         except store_errors() as e:
-            raise self._drop_store(e) from None
+            raise self.drop_store(e) from None
         my_run = last.run if last else ""
         if arrival(my_run, snap.world.run if snap.world else None) == OTHER_RUN:
             assert snap.world is not None
@@ -216,7 +200,7 @@ class Membership:
         size = len(last.nodes) if last else self._first_quorum
         quorum = Quorum(full=size, least=reform_quorum(size), grace_at=time.monotonic() + self.cfg.heartbeat_timeout,
                         members=frozenset(last.nodes) if last else None)
-        return self._join(quorum)
+        return self.admission.enter(quorum)
 
     # -- joining -----------------------------------------------------------------------------
     def join(self, quorum: int, quorum_timeout: float) -> World:
@@ -228,42 +212,7 @@ class Membership:
         # others start the first one where they are (two disjoint majorities of one quorum cannot exist).
         self._first_quorum = quorum
         seed = Quorum(full=quorum, least=self._least(quorum), grace_at=time.monotonic() + quorum_timeout)
-        return self._or_fail_over(lambda: self._join(seed))
-
-    # -- joining -----------------------------------------------------------------------------
-    def _join(self, quorum: Quorum) -> World:
-        try:
-            store = self.ensure_store()
-            self.check_same_stores(store)
-            snap = read_light(store, None, world=True)
-            self._answered()
-            self._check_snapshot(snap)
-            if snap.world is not None and self._before_join is not None:
-                self._reachable_before_join(store, read_snapshot(store, None))   # its renewed members: the joins
-            # The counter moves before the request names this node: on a store it reaches through a new client
-            # (the next one of the list, or one restarted) its heartbeat thread may not have beaten yet, and a
-            # counter the leader has read as missing for elastic.heartbeat_timeout is a dead node's.
-            bump(store, keys.heartbeat(self.uid), 1)
-            return self._wait_admitted(quorum, self._ask_to_join(store))   # it holds the world it returns
-        except store_errors() as e:
-            raise self._drop_store(e) from None
-
-    def _ask_to_join(self, store: StoreClient) -> int:
-        """Append this node's join request; returns the resolution it names (JoinRequest.seen: the request is
-        admissible for JOIN_FRESH resolutions from it, so the node asks again when it grew older). Sets
-        self._seat: roughly where the request is among those the world has not taken in (keys.JOIN_COUNT, a
-        hint anyone can bump: a wrong one only slows seeding down to the backstop's pace)."""
-        seen = World.decode(read_many(store, [keys.WORLD])[0])
-        last = self.world
-        resolution = seen.resolution if seen else 0
-        store.append(keys.JOINS, encode_line({
-            "uid": self.uid, "token": self.token, "pref_rank": self.cfg.rank,
-            "last_version": last.version if last else 0,
-            "last_rank": last.rank_of(self.uid) or 0 if last else 0, "stripes": self.stripes,
-            "run": last.run if last else "", "seen": resolution}))
-        self._seat = bump(store, keys.JOIN_COUNT, 1) - (seen.join_cursor if seen else 0)
-        self._asked_with_world = seen is not None
-        return resolution
+        return self._or_fail_over(lambda: self.admission.enter(seed))
 
     def check_same_stores(self, store: StoreClient) -> None:
         """Every node of a run names the same stores in the same order: else they would fail over apart. Checked
@@ -276,123 +225,10 @@ class Membership:
             raise InvalidInput(f"elastic.addr (GLOBAL_ADDR) names the stores {mine} but the run's nodes name {held}: "
                                "every node must list the same stores in the same order")
 
-    def _reachable_before_join(self, store: StoreClient, snap: Snapshot) -> None:
-        """A first join fails at once on an unreachable member (a misconfigured network). A rejoin (this
-        node was a member: a partition or a link down evicted it) waits for the path to come back,
-        up to elastic.store_timeout: admitted now, it would break the next outer step again."""
-        before_join = self._before_join
-        assert before_join is not None  # join calls this only with a before_join check
-        if self.world is None:
-            before_join(snap)
-            return
-        give_up, warned = time.monotonic() + self.cfg.store_timeout, False
-        while True:
-            try:
-                before_join(snap)
-                return
-            except EnvironmentFailure as e:
-                if time.monotonic() >= give_up:
-                    raise
-                if not warned:
-                    log.warning("not rejoining yet: %s; retrying until it is reachable (up to elastic.store_timeout)",
-                                str(e).split(" (NAT")[0])
-                    warned = True
-            time.sleep(max(self.cfg.heartbeat_interval, 0.5))
-            snap = read_snapshot(store, None)
-            self._check_snapshot(snap)
-            if snap.world is None:
-                return
-
-    def _wait_admitted(self, quorum: Quorum, seen: int) -> World:
-        # Never before the quorum's grace has passed (elastic.start_timeout can exceed elastic.store_timeout):
-        # a first node whose peers start slowly seeds with those present then, as start_timeout promises.
-        give_up = max(time.monotonic() + self.cfg.store_timeout, quorum.grace_at + self.cfg.heartbeat_timeout)
-        waiting_said = False
-        # When this joiner next reads the join requests and the members' heartbeats (_seed_pace): at once for the
-        # first in line, which seed; the others wait for the world (all asking at once, each would seed, its ring
-        # plan included, and all but one write in vain).
-        full_at = time.monotonic() + self._seed_pace(self._asked_with_world, quorum, first=True)
-        while time.monotonic() < give_up:
-            full = time.monotonic() >= full_at
-            snap = read_snapshot(self.client, None) if full else read_light(self.client, None, world=True)
-            self._answered()
-            self._check_snapshot(snap)
-            world = snap.world
-            if world is not None and world.rank_of(self.uid, self.token) is not None:
-                return self._hold(world, snap.raw_world)
-            if world is not None and not join_fresh(seen, world.resolution):
-                seen = self._ask_to_join(self.client)   # grown too old to be admitted: ask again
-            if world is not None and world.stripes != self.stripes:
-                raise EnvironmentFailure(f"this node's outer state is in {self.stripes} stripes but the run's is in "
-                                         f"{world.stripes} (diloco.stripes); leave diloco.stripes unset to take the run's")
-            pace = self._seed_pace(world is not None, quorum)
-            if not full:
-                wait_key(self.client, keys.written(world.resolution if world else 0), min(pace, full_at - time.monotonic()))
-                continue
-            full_at = time.monotonic() + pace
-            self._observe(snap, world)
-            if world is None and quorum.least > 1:
-                self.partition.look_back(self.world)
-            if self._may_seed(world, snap, quorum):
-                self._seed(world, snap)
-            elif not waiting_said and quorum.least > 1 and time.monotonic() >= quorum.grace_at:
-                waiting_said = True
-                log.warning("waiting for %s (up to elastic.store_timeout)", self._majority_wait(quorum))
-            wait_key(self.client, keys.written(world.resolution if world else 0), self.cfg.polling_interval)
-        waited = f": still waiting for {self._majority_wait(quorum)}" if quorum.least > 1 else (
-            ": no live member resolved the world (are the other nodes running and reaching the store?)")
-        raise EnvironmentFailure(f"not admitted within elastic.store_timeout ({self.cfg.store_timeout:g} s){waited}")
-
-    def _majority_wait(self, quorum: Quorum) -> str:
-        """What a node waiting for a majority at this store waits for, and why (one line's part)."""
-        if self.world is None:
-            return (f"{quorum.least} of the {quorum.full} nodes of elastic.world_size to ask to join at this store "
-                    "before the run's first world forms here: with a failover list in elastic.addr, fewer could start "
-                    "a second run apart from nodes that start it at another store of the list")
-        return (f"{quorum.least} of the last world's {quorum.full} nodes to reach this store before the world "
-                "re-forms here: fewer could train apart from nodes that still reach the earlier store")
-
-    def _seed_pace(self, has_world: bool, quorum: Quorum, first: bool = False) -> float:
-        """Seconds between a joiner's reads of every join request and heartbeat (what seeding a world needs): the
-        first STANDBY joiners in line seed and read at every poll; the others, which only wait for a world that
-        holds them, read a few hundred bytes at each world written (keys.written) and in full only as a
-        backstop: every half heartbeat timeout while a world stands (its members all out is a seed too), and
-        once the quorum's grace plus a heartbeat timeout passed with none (the first in line died)."""
-        if self._seat <= standby.STANDBY:
-            return 0.0 if first else self.cfg.polling_interval
-        if has_world:
-            return self.cfg.heartbeat_timeout / 2
-        backstop = quorum.grace_at + self.cfg.heartbeat_timeout
-        return max(self.cfg.heartbeat_interval, backstop - time.monotonic())
-
-    def _observe(self, snap: Snapshot, world: World | None) -> None:
+    def observe(self, snap: Snapshot, world: World | None) -> None:
         cursor = world.join_cursor if world else 0
         uids = {r.uid for r in snap.joins[cursor:] if r.uid} | set(world.nodes if world else [])
         observe_counters(self.client, self.liveness, sorted(uids))
-
-    def _may_seed(self, world: World | None, snap: Snapshot, quorum: Quorum) -> bool:
-        """With no world, or one whose members are all out (a whole run restarted against a store that
-        outlived it), once the quorum asked to join: as a fresh store would."""
-        if world is not None and not members_all_out(world, snap, self.liveness):
-            return False
-        live = {r.uid for r in admissible_joiners(world or World(stripes=self.stripes), snap, self.liveness)}
-        return quorum.met(live, time.monotonic())
-
-    def _seed(self, world: World | None, snap: Snapshot) -> None:
-        # The run's id goes on from the newest world any joiner was in; a run's first world gets a new one.
-        runs = sorted((r.last_version, r.run) for r in snap.joins if r.run)
-        base = world or World(stripes=self.stripes, run=runs[-1][1] if runs else new_token())
-        joiners = admissible_joiners(base, snap, self.liveness)
-        obs = Observation(answered=set(), gone=snap.gone, excluded=set(base.nodes), joiners=joiners,
-                          join_end=len(snap.joins))
-        new = self._in_ring_order(base, next_world(base, obs))
-        if self._write(snap.raw_world, new):
-            RollCall(self.client, base.resolution).mark_written()   # wakes the joiners that do not seed
-            log.info("seeded mesh version %d with %d nodes: %s", new.version, len(new.nodes), new.nodes)
-            # Every list a resolution reads exists from now on (an empty goodbye list): one key missing sends
-            # each read of the snapshot down the slow path of read_many, a round trip per key.
-            for key in (keys.GONE, keys.MOVED, keys.EVICTED, keys.FINISHED, keys.STAYED):
-                self.client.append(key, "")
 
     def _text(self, world: World) -> str:
         """world.encode(), kept for the world last asked about: a member compares the store's record with its own at
@@ -402,7 +238,7 @@ class Membership:
             self._encoded = (world, world.encode())
         return self._encoded[1]
 
-    def _write(self, expected: bytes, new: World) -> bool:
+    def write_world(self, expected: bytes, new: World) -> bool:
         """compare_set against the exact text read: only one writer per resolution can win."""
         text = new.encode()
         return self.client.compare_set(keys.WORLD, expected.decode(), text).decode() == text
@@ -429,13 +265,13 @@ class Membership:
             # over it meanwhile (a replay) is the judges' to write back (_replayed).
             if self.world is not None:
                 light = read_light(store, self.world.resolution)
-                self._answered()
-                self._check_snapshot(light)
+                self.answered()
+                self.check_snapshot(light)
                 if not light.written and light.has_world:
                     return self._roll_call(self.world, start=light)
             snap = read_light(store, None, world=True)
-            self._answered()
-            self._check_snapshot(snap)
+            self.answered()
+            self.check_snapshot(snap)
             if self.world is not None and self._replayed(snap, self.world):
                 return self._roll_call(self.world)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
@@ -450,7 +286,7 @@ class Membership:
                 return self._rejoin("the world moved on without this node")
             return self._roll_call(self.world)
         except store_errors() as e:
-            raise self._drop_store(e) from None
+            raise self.drop_store(e) from None
 
     def _rejoin(self, why: str) -> World:
         hint = ""
@@ -461,7 +297,7 @@ class Membership:
         quorum = len(self.world.nodes) if self.world else 1
         # With a failover list a store revived at its address is seeded by a majority of the world, as a new one
         # is: else a few nodes that saw it come back could train there apart from the rest, who moved on.
-        return self._join(Quorum(full=quorum, least=self._least(quorum), grace_at=time.monotonic() + self.cfg.sync_deadline))
+        return self.admission.enter(Quorum(full=quorum, least=self._least(quorum), grace_at=time.monotonic() + self.cfg.sync_deadline))
 
     def _least(self, size: int) -> int:
         """The fewest of `size` nodes that may seed a world at a store: with a failover list a majority (fewer could
@@ -491,7 +327,7 @@ class Membership:
                     light, start = start, None   # read just before this node answered: used once
                 else:
                     light = read_light(self.client, world.resolution, world=woke)
-                    self._check_snapshot(light)
+                    self.check_snapshot(light)
                 out = standby.out_of(world, light)
                 if woke:   # keys.written is set: this read had the world
                     if light.raw_world.decode() != self._text(world) and not self._replayed(light, world):
@@ -506,11 +342,11 @@ class Membership:
             if late:
                 late_judged = time.monotonic()
             snap = read_snapshot(self.client, world.resolution)
-            self._check_snapshot(snap)
+            self.check_snapshot(snap)
             out = standby.out_of(world, snap)
             if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
                 return self._accept(snap.world, snap.raw_world)
-            self._observe(snap, world)
+            self.observe(snap, world)
             # Members that answered too: a leader can crash between its answer and its write.
             self.closed_ports.check(self.client, [m for m in world.nodes if m != self.uid])
             verdict = judge(world, snap, self.uid, self.liveness, time.monotonic() - t0, self.deadlines)
@@ -534,7 +370,7 @@ class Membership:
             return False
         log.warning("the store's world is resolution %d, older than this node's %d: a replayed record, written "
                     "over with the current world", old.resolution, world.resolution)
-        self._write(snap.raw_world, world)
+        self.write_world(snap.raw_world, world)
         return True
 
     def mark_finished(self, outer_step: int, step: int) -> bool:
@@ -552,7 +388,7 @@ class Membership:
             log.warning("could not mark the run finished on the store: %s", str(e).splitlines()[0])
             return False
 
-    def _check_snapshot(self, snap: Snapshot) -> None:
+    def check_snapshot(self, snap: Snapshot) -> None:
         """Every snapshot read: this node did not say goodbye, the run did not evict it or finish without it, and
         the run has not moved on from this store."""
         self._check_not_leaving(snap)
@@ -597,21 +433,21 @@ class Membership:
             log.warning("this node is not in mesh version %s (evicted: late, silent or blamed)",
                         new.version if new else "-")
             return self._rejoin("evicted")
-        return self._hold(new, raw)
+        return self.hold(new, raw)
 
-    def _hold(self, world: World, raw: bytes) -> World:
+    def hold(self, world: World, raw: bytes) -> World:
         """`world` (read from the store as `raw`) is this node's from now on; its record as read is what the next
         reads compare with (_text), never encoded again."""
         self.world, self._encoded = world, (world, raw.decode())
         return world
 
-    def _in_ring_order(self, old: World, new: World) -> World:
+    def in_ring_order(self, old: World, new: World) -> World:
         return apply_ring_order(old, new, self.ring.plan(self.client, new.nodes))
 
     def _lead(self, world: World, snap: Snapshot, obs: Observation, silent: dict[str, int]) -> None:
-        new = self._in_ring_order(world, next_world(world, obs))
+        new = self.in_ring_order(world, next_world(world, obs))
         new.silent = {m: v for m, v in sorted(silent.items()) if m not in new.nodes}   # back: no longer silent
-        if self._write(snap.raw_world, new):
+        if self.write_world(snap.raw_world, new):
             roll_call = RollCall(self.client, world.resolution)
             roll_call.announce()
             roll_call.mark_written()
