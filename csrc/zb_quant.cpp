@@ -21,6 +21,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -28,6 +29,7 @@
 #include <limits>
 #include <numeric>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -564,7 +566,7 @@ void reduce_quantize(const at::Tensor& in_codes, const at::Tensor& in_scales, at
 // Sparse top-k (diloco.compression = sparse; the twin zb/collectives/sparse_twins.py defines it):
 // per chunk of C values (the last may be shorter: L values), the K' = min(K, L) entries of largest
 // |acc| (acc = beta * e + x, two roundings; acc = x without a residual), ties to the lower index,
-// sent in ascending index order as log2(C)-bit indices and 2-bit codes under one float32 scale:
+// sent in ascending index order (an Elias-Fano code, below) with 2-bit codes under one float32 scale:
 //   scale = (|acc_p0| + |acc_p1| + ..., ascending index, one addition at a time) / K'
 //   code  = 2 * (acc < 0) + (|acc| >= scale * 9/8); value = +-scale * 7/8 (code 0, 2) or 11/8 (1, 3)
 //   e     = acc - value at the picked entries, acc elsewhere.
@@ -573,10 +575,13 @@ void reduce_quantize(const at::Tensor& in_codes, const at::Tensor& in_scales, at
 // NaN (0x7fc00000): with two NaN operands, which one's sign and payload the result keeps depends on the
 // CPU and the operand order (torch keeps the second's, x86 code the first's), so the twin and these
 // kernels canonicalize instead of agreeing on an order.
-// Payload: all scales, then every chunk's K indices (a little-endian bit stream), then every chunk's
-// K codes (four to a byte, slot j in bits 2 (j % 4)); slots past K' of a short last chunk are zero
-// bits. C is a power of two and K a multiple of 8, so every chunk's fields start on a byte: chunks
-// are independent, and threads split them without changing a bit.
+// Payload: all scales, then every chunk's index field, then every chunk's K codes (four to a byte,
+// slot j in bits 2 (j % 4)); slots past K' of a short last chunk are zero bits. An index field is the
+// Elias-Fano code of the chunk's ascending indices, with l the largest l where K 2^l <= C: the K low
+// parts i_j mod 2^l (a little-endian stream of l-bit values), then K + C / 2^l bits with bit
+// floor(i_j / 2^l) + j set for each live slot j (64 bytes at C = 4096, K = 64, where 12-bit indices
+// took 96). C is a power of two and K a multiple of 8, so every chunk's fields start on a byte:
+// chunks are independent, and threads split them without changing a bit.
 
 constexpr float kSparseLow = 0.875f;    // sparse_twins.LOW, HIGH, SPLIT: exact in fp32
 constexpr float kSparseHigh = 1.375f;
@@ -586,7 +591,7 @@ constexpr int64_t kSelectBlock = 32;    // values per block max (select_top: its
 inline float canonical_nan(float v) { return std::isnan(v) ? std::numeric_limits<float>::quiet_NaN() : v; }
 
 struct Sparse {
-  int64_t n, chunk, k, count, index_bits, index_bytes, code_bytes;
+  int64_t n, chunk, k, count, low_bits, low_bytes, high_bytes, index_bytes, code_bytes;
   int64_t len(int64_t c) const { return std::min(chunk, n - c * chunk); }
   int64_t live(int64_t c) const { return std::min(k, len(c)); }  // K'
   int64_t payload_bytes() const { return count * (4 + index_bytes + code_bytes); }
@@ -605,9 +610,11 @@ Sparse check_sparse(const at::Tensor& values, const at::Tensor& payload, int64_t
   TORCH_CHECK(threads >= 1, "threads must be at least 1, got ", threads);
   TORCH_CHECK(values.scalar_type() == at::kFloat && values.is_contiguous() && values.device().is_cpu(),
               "expected a contiguous float32 CPU tensor");
-  int64_t bits = 0;
-  while ((int64_t{1} << bits) < chunk) ++bits;
-  Sparse s{values.numel(), chunk, k, (values.numel() + chunk - 1) / chunk, bits, k * bits / 8, k / 4};
+  int64_t low = 0;  // SparseScheme.low_bits
+  while ((k << (low + 1)) <= chunk) ++low;
+  const int64_t low_bytes = k * low / 8, high_bytes = (k + (chunk >> low)) / 8;
+  Sparse s{values.numel(), chunk, k, (values.numel() + chunk - 1) / chunk, low, low_bytes, high_bytes,
+           low_bytes + high_bytes, k / 4};
   TORCH_CHECK(payload.scalar_type() == at::kByte && payload.is_contiguous() && payload.device().is_cpu() &&
                   payload.numel() == s.payload_bytes(),
               "payload must be a contiguous uint8 CPU tensor of SparseScheme(", chunk, ", ", k, ").payload_bytes(",
@@ -723,6 +730,19 @@ inline void pack_bits(const int32_t* values, int64_t count, int64_t slots, int b
   }
 }
 
+// The Elias-Fano field of a chunk's kk ascending picks idx (the layout above); lows: kk values of scratch.
+inline void pack_indices(const Sparse& s, const int32_t* idx, int64_t kk, int32_t* lows, uint8_t* out) {
+  const int32_t mask = static_cast<int32_t>((int64_t{1} << s.low_bits) - 1);
+  for (int64_t j = 0; j < kk; ++j) lows[j] = idx[j] & mask;
+  pack_bits(lows, kk, s.k, static_cast<int>(s.low_bits), out);
+  uint8_t* high = out + s.low_bytes;
+  std::memset(high, 0, s.high_bytes);
+  for (int64_t j = 0; j < kk; ++j) {
+    const int64_t b = (idx[j] >> s.low_bits) + j;
+    high[b / 8] = static_cast<uint8_t>(high[b / 8] | (1u << (b % 8)));
+  }
+}
+
 // Reads a little-endian stream of `bits`-bit values, one at a time.
 struct BitReader {
   const uint8_t* in;
@@ -741,6 +761,24 @@ struct BitReader {
   }
 };
 
+// The kk indices of a chunk's Elias-Fano field into idx, in slot order; false (a forged field) when its
+// high-part bits are not exactly kk ones or an index is len or more. Low parts past kk are not read.
+inline bool read_indices(const Sparse& s, const uint8_t* field, int64_t kk, int64_t len, int32_t* idx) {
+  BitReader low{field, static_cast<int>(s.low_bits)};
+  const uint8_t* high = field + s.low_bytes;
+  int64_t j = 0;
+  for (int64_t byte = 0; byte < s.high_bytes; ++byte) {
+    for (uint32_t bits = high[byte], b = 0; bits != 0; bits >>= 1, ++b) {
+      if ((bits & 1u) == 0) continue;
+      if (j == kk) return false;
+      const int64_t i = ((byte * 8 + b - j) << s.low_bits) | low.next();
+      if (i >= len) return false;
+      idx[j++] = static_cast<int32_t>(i);
+    }
+  }
+  return j == kk;
+}
+
 // A code's value under a scale: +-(scale * 7/8) or +-(scale * 11/8), one multiplication; the sign
 // flip is exact (NaN's sign bit included, as the twin's negation).
 inline float sparse_value(uint32_t code, float scale) {
@@ -754,6 +792,7 @@ void sparse_compress_impl(const Sparse& s, const Plan& p, const float* xp, uint8
   run(p, [&](int64_t begin, int64_t end, int worker) {
     SelectScratch& w = scratch[worker];
     std::vector<uint8_t> codes(s.code_bytes);
+    std::vector<int32_t> lows(s.k);
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * s.chunk, len = s.len(c), kk = s.live(c);
       const float* acc = xp + first;
@@ -788,7 +827,7 @@ void sparse_compress_impl(const Sparse& s, const Plan& p, const float* xp, uint8
         }
       }
       std::memcpy(pay + 4 * c, &scale, sizeof(scale));
-      pack_bits(idx, kk, s.k, static_cast<int>(s.index_bits), pay + s.indices_at(c));
+      pack_indices(s, idx, kk, lows.data(), pay + s.indices_at(c));
       std::memcpy(pay + s.codes_at(c), codes.data(), codes.size());
       if (rp != nullptr) {
         float* r = rp + first;
@@ -818,41 +857,42 @@ void sparse_compress(const at::Tensor& x, at::Tensor& payload, int64_t chunk, in
 
 // acc += the payload's values, chunk by chunk, slot by slot (one rounding per addition; a repeated
 // index, possible only in a forged payload, adds in slot order as in the twin, and a chunk is never
-// split between threads). An index past the last chunk's end refuses the payload before anything
-// is added: only a short last chunk can hold one (log2(C) bits cannot name an index >= C).
+// split between threads). Every chunk's index field is read once before anything is added, so a
+// forged one refuses the payload whole (read_indices).
 bool sparse_decode_add(const at::Tensor& payload, at::Tensor& acc, int64_t chunk, int64_t k, int64_t threads) {
   Sparse s = check_sparse(acc, payload, chunk, k, threads);
   if (s.n == 0) return true;
   const uint8_t* pay = payload.const_data_ptr<uint8_t>();
   float* ap = acc.mutable_data_ptr<float>();
-  const int64_t last = s.count - 1, tail = s.len(last);
-  if (tail < s.chunk) {
-    BitReader in{pay + s.indices_at(last), static_cast<int>(s.index_bits)};
-    for (int64_t j = 0; j < s.live(last); ++j) {
-      if (in.next() >= static_cast<uint32_t>(tail)) return false;
+  const Plan plan = sparse_plan(s, threads);
+  std::atomic<bool> forged{false};
+  run(plan, [&](int64_t begin, int64_t end, int) {
+    std::vector<int32_t> idx(s.k);
+    for (int64_t c = begin; c < end && !forged.load(std::memory_order_relaxed); ++c) {
+      if (!read_indices(s, pay + s.indices_at(c), s.live(c), s.len(c), idx.data())) forged = true;
     }
-  }
+  });
+  if (forged) return false;
   // The entries a chunk adds to are scattered over its lines, too sparsely for the hardware to
   // prefetch: each chunk's are asked for while the chunk before it is added.
-  constexpr int64_t kAhead = 1;
-  auto prefetch = [&](int64_t c) ZB_INLINE {
-    BitReader in{pay + s.indices_at(c), static_cast<int>(s.index_bits)};
-    const float* a = ap + c * s.chunk;
-    for (int64_t j = 0, kk = s.live(c); j < kk; ++j) ZB_PREFETCH_WRITE(a + in.next());
-  };
-  run(sparse_plan(s, threads), [&](int64_t begin, int64_t end, int) {
-    for (int64_t c = begin; c < std::min(end, begin + kAhead); ++c) prefetch(c);
+  run(plan, [&](int64_t begin, int64_t end, int) {
+    std::vector<int32_t> cur(s.k), next(s.k);
+    auto indices = [&](int64_t c, int32_t* into) ZB_INLINE {
+      read_indices(s, pay + s.indices_at(c), s.live(c), s.len(c), into);
+      const float* a = ap + c * s.chunk;
+      for (int64_t j = 0, kk = s.live(c); j < kk; ++j) ZB_PREFETCH_WRITE(a + into[j]);
+    };
+    if (begin < end) indices(begin, cur.data());
     for (int64_t c = begin; c < end; ++c) {
-      if (c + kAhead < end) prefetch(c + kAhead);
+      if (c + 1 < end) indices(c + 1, next.data());
       float scale;
       std::memcpy(&scale, pay + 4 * c, sizeof(scale));
-      BitReader in{pay + s.indices_at(c), static_cast<int>(s.index_bits)};
       const uint8_t* codes = pay + s.codes_at(c);
       float* a = ap + c * s.chunk;
       for (int64_t j = 0, kk = s.live(c); j < kk; ++j) {
-        uint32_t i = in.next();
-        a[i] = canonical_nan(a[i] + sparse_value((codes[j / 4] >> (2 * (j % 4))) & 3u, scale));
+        a[cur[j]] = canonical_nan(a[cur[j]] + sparse_value((codes[j / 4] >> (2 * (j % 4))) & 3u, scale));
       }
+      std::swap(cur, next);
     }
   });
   return true;

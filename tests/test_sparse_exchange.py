@@ -134,5 +134,7 @@ def test_a_payload_naming_an_index_past_the_end_is_refused() -> None:
     twin.compress(torch.randn(20), p, scheme)
     acc = torch.zeros(20)
     scales, indices, _ = twin._sections(p, 20, scheme)
-    indices[1].fill_(0xFF)            # the last chunk (4 values) now names index 15
+    # The last chunk (4 values) now names indices 0 1 2 4 (l = 1: low bits 0 1 0 0, high parts 0 0 1 2 at bits
+    # 0 1 3 5): a well-formed code of an index past the end.
+    indices[1].copy_(torch.tensor([0x02, 0x2B, 0x00], dtype=torch.uint8))
     assert not twin.decode_add(p, acc, scheme) and torch.equal(acc, torch.zeros(20))

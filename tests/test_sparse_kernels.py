@@ -145,7 +145,10 @@ def test_packing_by_hand() -> None:
     # codes -1 -> 3, 0 -> 0, 0.5 -> 1, -0.25 -> 2, 0 -> 0; slots 5 .. 7 zero.
     scale1 = torch.tensor(1.75) / torch.tensor(5.0)
     scales = torch.stack([torch.tensor(2.875), scale1]).view(torch.uint8).tolist()
-    indices = [0x21, 0x53, 0x76, 0xF9, 0x10, 0x32, 0x04, 0x00]
+    # Elias-Fano with l = 1 (8 x 2 <= 16): chunk 0's indices 1 2 3 5 6 7 9 15 have low bits 1 0 1 1 0 1 1 1 (0xED)
+    # and high parts 0 1 1 2 3 3 4 7, so bits 0 2 3 5 7 8 10 14 of 16 (0xAD 0x45); chunk 1's 0 .. 4: low bits
+    # 0 1 0 1 0 (0x0A), high parts 0 0 1 1 2 at bits 0 1 3 4 6 (0x5B 0x00).
+    indices = [0xED, 0xAD, 0x45, 0x0A, 0x5B, 0x00]
     codes = [0x03, 0x42, 0x93, 0x00]
     lo, hi = 2.875 * 0.875, 2.875 * 1.375
     want = torch.zeros(21)
@@ -186,50 +189,85 @@ def _short_tail_payload(s: SparseScheme) -> tuple[torch.Tensor, int]:
     return _compress(_laplace(n, 30), s, 1), n
 
 
-@pytest.mark.parametrize("scheme", SCHEMES[:3], ids=SCHEME_IDS[:3])
-def test_an_index_past_the_last_chunk_is_refused(scheme: SparseScheme) -> None:
-    """Both paths refuse the payload whole (acc untouched, bit for bit); slots past K' are not read."""
-    payload, n = _short_tail_payload(scheme)
-    tail = n - 2 * scheme.chunk
-    at = 4 * 3 + 2 * scheme.index_bytes()   # the last chunk's index stream
-    bits = scheme.index_bits
-    acc0 = _laplace(n, 31)
-    for slot in (0, tail - 1):                  # the first and the last live slot name index `tail`
-        bad = payload.clone()
-        stream = int.from_bytes(bytes(bad[at:at + scheme.index_bytes()].tolist()), "little")
-        stream = stream & ~(((1 << bits) - 1) << (slot * bits)) | (tail << (slot * bits))
-        bad[at:at + scheme.index_bytes()] = torch.tensor(list(stream.to_bytes(scheme.index_bytes(), "little")),
-                                                         dtype=torch.uint8)
-        for threads in (None, 1, 2):
-            acc = acc0.clone()
-            assert _decode_add(bad, acc, scheme, threads) is False, (slot, threads)
-            assert _same(acc, acc0), (slot, threads)
-    # junk in the slots past K' (tail .. k - 1) is ignored
-    junk = payload.clone()
-    stream = int.from_bytes(bytes(junk[at:at + scheme.index_bytes()].tolist()), "little")
-    stream |= ((1 << ((scheme.k - tail) * bits)) - 1) << (tail * bits)
-    junk[at:at + scheme.index_bytes()] = torch.tensor(list(stream.to_bytes(scheme.index_bytes(), "little")),
-                                                      dtype=torch.uint8)
-    results = []
+def _field(s: SparseScheme, bits: list[int], lows: list[int]) -> torch.Tensor:
+    """A chunk's index field written by hand: the high-part bits set at `bits`, low parts `lows` in slot order."""
+    low = sum(v << (j * s.low_bits) for j, v in enumerate(lows)).to_bytes(s.low_bytes(), "little")
+    high = sum(1 << b for b in bits).to_bytes(s.index_bytes() - s.low_bytes(), "little")
+    return torch.tensor(list(low + high), dtype=torch.uint8)
+
+
+def _field_of(s: SparseScheme, indices: list[int]) -> torch.Tensor:
+    """The Elias-Fano field of these indices (any order: slot j's high part at bit high + j)."""
+    mask = (1 << s.low_bits) - 1
+    return _field(s, [(i >> s.low_bits) + j for j, i in enumerate(indices)], [i & mask for i in indices])
+
+
+def _with_field(payload: torch.Tensor, n: int, s: SparseScheme, c: int, field: torch.Tensor) -> torch.Tensor:
+    out = payload.clone()
+    at = 4 * s.chunks(n) + c * s.index_bytes()
+    out[at:at + s.index_bytes()] = field
+    return out
+
+
+def _refused_everywhere(payload: torch.Tensor, acc0: torch.Tensor, s: SparseScheme) -> bool:
     for threads in (None, 1, 2):
         acc = acc0.clone()
-        assert _decode_add(junk, acc, scheme, threads), threads
-        results.append(acc)
+        if _decode_add(payload, acc, s, threads) is not False or not _same(acc, acc0):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:3], ids=SCHEME_IDS[:3])
+def test_forged_index_fields_are_refused_whole(scheme: SparseScheme) -> None:
+    """Both paths refuse the payload whole (acc untouched, bit for bit): an index past the short last chunk's end,
+    one past a whole chunk's end (a high part the code can carry but no chunk has), and high-part bits that are
+    not exactly K' ones; the same fields written honestly are accepted, and low parts past K' are not read."""
+    payload, n = _short_tail_payload(scheme)
+    s, c, k, tail = scheme, scheme.chunk, scheme.k, n - 2 * scheme.chunk
+    acc0 = _laplace(n, 31)
+    last = list(range(tail - 1))
+    honest = _with_field(payload, n, s, 2, _field_of(s, [*last, tail - 1]))
+    forged = {
+        "past the last chunk's end": _with_field(payload, n, s, 2, _field_of(s, [*last, tail])),
+        "first slot past the end": _with_field(payload, n, s, 2, _field_of(s, [tail, *range(1, tail)])),
+        "past a whole chunk's end": _with_field(payload, n, s, 0, _field_of(s, [*range(k - 1), c])),
+        "one 1 too few": _with_field(payload, n, s, 0, _field(s, list(range(k - 1)), [0] * k)),
+        "one 1 too many": _with_field(payload, n, s, 1, _field(s, list(range(k + 1)), [0] * k)),
+        "a 1 past the last chunk's K'": _with_field(payload, n, s, 2, _field(s, list(range(tail + 1)), [0] * k)),
+    }
+    for what, bad in forged.items():
+        assert _refused_everywhere(bad, acc0, s), what
+    junk_lows = honest.clone()      # junk in the low parts of the slots past K' (tail .. k - 1) is ignored
+    at = 4 * 3 + 2 * s.index_bytes()
+    if s.low_bits:
+        stream = int.from_bytes(bytes(junk_lows[at:at + s.low_bytes()].tolist()), "little")
+        stream |= ((1 << ((k - tail) * s.low_bits)) - 1) << (tail * s.low_bits)
+        junk_lows[at:at + s.low_bytes()] = torch.tensor(list(stream.to_bytes(s.low_bytes(), "little")),
+                                                        dtype=torch.uint8)
+    results = []
+    for p in (honest, junk_lows):
+        for threads in (None, 1, 2):
+            acc = acc0.clone()
+            assert _decode_add(p, acc, s, threads), threads
+            results.append(acc)
     assert all(_same(r, results[0]) for r in results)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES[:3], ids=SCHEME_IDS[:3])
 def test_forged_payloads_decode_alike(scheme: SparseScheme) -> None:
-    """Random bytes: repeated indices (added in slot order), any code, scales of any bits (NaN of any sign and
-    payload, Inf, subnormal); refused or added identically on every path."""
+    """Random bytes: index fields of any bits, repeated and unordered indices (added in slot order), any code, scales
+    of any bits (NaN of any sign and payload, Inf, subnormal); refused or added identically on every path."""
     g = torch.Generator().manual_seed(40)
     accepted = 0
     for n in (40_003, 3 * scheme.chunk, scheme.k - 3):
         for trial in range(4):
             payload = torch.randint(0, 256, (scheme.payload_bytes(n),), dtype=torch.uint8, generator=g)
-            if trial % 2:   # small indices in every chunk: the short last chunk accepts them, repeats abound
-                at = 4 * scheme.chunks(n)
-                payload[at:at + scheme.chunks(n) * scheme.index_bytes()] &= 0x11
+            if trial % 2:   # every chunk's K' high parts 0 and random low parts: repeats abound, most accepted
+                live = min(scheme.k, n)
+                for c in range(scheme.chunks(n)):
+                    kk = min(live, n - c * scheme.chunk)
+                    lows = torch.randint(0, 1 << scheme.low_bits, (scheme.k,), generator=g).tolist()
+                    payload = _with_field(payload, n, scheme, c, _field(scheme, list(range(kk)), lows))
             scales = payload[:4 * scheme.chunks(n)].view(torch.float32)
             if trial < 2:   # a -NaN with a payload and an Inf among the scales; decoded onto NaNs
                 _set_bits(scales, 0, 0xFFC00001)

@@ -16,14 +16,32 @@ class SparseScheme:
 
     @property
     def index_bits(self) -> int:
+        """Bits of one index written out whole: log2(C)."""
         return self.chunk.bit_length() - 1
+
+    @property
+    def low_bits(self) -> int:
+        """The low bits an index keeps in the Elias-Fano code of a chunk's indices: the largest l with K 2^l <= C."""
+        low = 0
+        while self.k << (low + 1) <= self.chunk:
+            low += 1
+        return low
+
+    @property
+    def buckets(self) -> int:
+        """C / 2^l: the values an index's high part can take."""
+        return self.chunk >> self.low_bits
 
     def chunks(self, n: int) -> int:
         return -(-n // self.chunk)
 
+    def low_bytes(self) -> int:
+        return self.k * self.low_bits // 8
+
     def index_bytes(self) -> int:
-        """Bytes of one chunk's indices."""
-        return self.k * self.index_bits // 8
+        """Bytes of one chunk's indices: K low parts of l bits, then K + C / 2^l bits of high parts in unary (at
+        most K (log2(C / K) + 2) bits, against K log2(C) written out whole)."""
+        return self.low_bytes() + (self.k + self.buckets) // 8
 
     def code_bytes(self) -> int:
         return self.k // 4
