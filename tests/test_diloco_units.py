@@ -150,6 +150,10 @@ def test_fingerprint_names_the_differing_keys():
     with pytest.raises(InvalidInput, match=r"stage_params \(run: 'a{56}\.\.\. \(402 chars\)") as e:
         check_against({**a, "stage_params": "b" * 400}, encode({**a, "stage_params": "a" * 400}))
     assert len(str(e.value)) < 300
+    # A node of another wire format (an older build's fingerprint has no such key) is refused, naming it.
+    older = {k: v for k, v in a.items() if k != "wire_format"}
+    with pytest.raises(InvalidInput, match=r"wire_format \(run: .*, this node: 2\)"):
+        check_against(a, encode(older))
 
 
 def test_live_recovery_that_cannot_catch_up_falls_back_instead_of_failing(monkeypatch, tmp_path):

@@ -25,10 +25,16 @@ from zb.errors import InvalidInput
 
 RUN_DEFINING = [key for key, spec in KEYS.items() if spec.run_defining]
 
+# The layout of the bytes nodes send each other, raised whenever one changes: zb's version string does not
+# move with every commit, and two nodes that would misread each other's payloads must be refused at join,
+# naming this, not fail every exchange. 2: the sparse scheme's indices in the Elias-Fano code (1: 12-bit
+# indices; fingerprints before this key had none).
+WIRE_FORMAT = 2
+
 
 def fingerprint(cfg: Config, local_world_size: int, vocab_size: int) -> dict[str, Any]:
     values = {key: get(cfg, key) for key in RUN_DEFINING}
-    values.update({"vocab_size_resolved": vocab_size, "zb_version": __version__})
+    values.update({"vocab_size_resolved": vocab_size, "zb_version": __version__, "wire_format": WIRE_FORMAT})
     if cfg.diloco is not None:   # the outer state's layout; without DiLoCo nothing depends on it
         values["stripes"] = cfg.diloco.stripes or local_world_size
     return values

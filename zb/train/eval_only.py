@@ -40,9 +40,9 @@ from zb.position import JSON_KEY, RunPosition
 
 log = logging.getLogger("zb.train")
 
-# Fingerprint keys an evaluation does not depend on: the version, the local rank count (the checkpoint is
+# Fingerprint keys an evaluation does not depend on: the version and wire format, the local rank count (the checkpoint is
 # resharded), and DiLoCo's outer settings and stripes (the outer state is not read).
-_NOT_EVALUATED = ("zb_version", "local_world_size", "stripes")
+_NOT_EVALUATED = ("zb_version", "wire_format", "local_world_size", "stripes")
 
 
 @dataclass(frozen=True)

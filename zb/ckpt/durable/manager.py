@@ -100,7 +100,8 @@ __all__ = ["CheckpointManager", "Resumed", "TrainState"]
 # local_world_size: in the fingerprints of checkpoints written before diloco.stripes; the local rank count
 # may differ now (the checkpoint is resharded). diloco.clip and diloco.evict_clipped: every node of a run shares
 # them, but a run may resume with robust aggregation turned on or off (and older checkpoints lack them).
-_MAY_DIFFER = ("zb_version", "local_world_size", "diloco.clip", "diloco.evict_clipped")
+# wire_format: a checkpoint holds no payload, so one written by a build of another wire format resumes.
+_MAY_DIFFER = ("zb_version", "wire_format", "local_world_size", "diloco.clip", "diloco.evict_clipped")
 
 
 class CheckpointManager:
