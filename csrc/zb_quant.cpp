@@ -779,8 +779,6 @@ struct BitReader {
   }
 };
 
-// The kk indices of a chunk's Elias-Fano field into idx, in slot order; false (a forged field) when its
-// high-part bits are not exactly kk ones or an index is len or more. Low parts past kk are not read.
 // Bits at..at+63 of a high-part field of `bytes` bytes (past its end: zeros).
 inline uint64_t high_word(const uint8_t* high, int64_t bytes, int64_t at) {
   uint64_t word = 0;
@@ -790,6 +788,8 @@ inline uint64_t high_word(const uint8_t* high, int64_t bytes, int64_t at) {
   return word;
 }
 
+// The kk indices of a chunk's Elias-Fano field into idx, in slot order; false (a forged field) when its
+// high-part bits are not exactly kk ones or an index is len or more. Low parts past kk are not read.
 inline bool read_indices(const Sparse& s, const uint8_t* field, int64_t kk, int64_t len, int32_t* idx) {
   BitReader low{field, static_cast<int>(s.low_bits)};
   const uint8_t* high = field + s.low_bytes;
@@ -898,8 +898,8 @@ void sparse_compress(const at::Tensor& x, at::Tensor& payload, int64_t chunk, in
 
 // acc += the payload's values, chunk by chunk, slot by slot (one rounding per addition; a repeated
 // index, possible only in a forged payload, adds in slot order as in the twin, and a chunk is never
-// split between threads). Every chunk's index field is read once before anything is added, so a
-// forged one refuses the payload whole (read_indices).
+// split between threads). Every chunk's index field is checked (well_formed) before anything is
+// added, so a forged one refuses the payload whole.
 bool sparse_decode_add(const at::Tensor& payload, at::Tensor& acc, int64_t chunk, int64_t k, int64_t threads) {
   Sparse s = check_sparse(acc, payload, chunk, k, threads);
   if (s.n == 0) return true;

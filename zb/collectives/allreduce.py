@@ -112,8 +112,8 @@ def _sparse(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, 
         out = flat[a:b].zero_()
         for owner, payload in enumerate(payloads):
             if not kernels.sparse_decode_add(payload, out, scheme):
-                raise PeerFailure(f"sparse exchange: rank {owner}'s payload names an index past its last chunk",
-                                  rank=owner, observer=g.rank())
+                raise PeerFailure(f"sparse exchange: rank {owner}'s payload is forged (an index field that is "
+                                  "not K' indices inside its chunk)", rank=owner, observer=g.rank())
     if avg:
         flat.div_(groups[0].size())
     return wire

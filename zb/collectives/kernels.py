@@ -6,7 +6,7 @@ block); `wire_bytes(n, scheme)` is its size. All functions work in place on cont
 and return None. `residual` (error feedback) is a float32 tensor of n values, updated in place.
 The sparse pair (zb.collectives.sparse_twins): `sparse_compress` writes one payload of
 `SparseScheme.payload_bytes(n)` bytes, `sparse_decode_add` adds one payload's values and returns False
-(adding nothing) for a payload that names an index past its last chunk.
+(adding nothing) for a payload whose index fields are forged (not the code of K' indices inside their chunk).
 
 Threads: the kernels split their blocks over `threads()` threads, the cores this process may use
 divided by the ranks that share its host (`set_colocated`; by default torchrun's LOCAL_WORLD_SIZE),
