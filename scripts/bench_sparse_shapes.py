@@ -1,7 +1,7 @@
 """Which exchange shape for diloco.compression = sparse: the paper's all-gather, or a ring that re-selects?
 
 Issue 41 asks how the sparse exchange's traffic grows with the node count, and whether a shape whose
-per-node traffic does not grow serves better. Two shapes, each modelled exactly with the kernels' twins
+per-node traffic does not grow serves better. The shapes, each modelled with the kernels' twins
 (zb.collectives.sparse_twins) inside the single-process DiLoCo simulation (tests/drivers/diloco_reference.py:
 zb's model, data and inner optimizer, one process):
 
@@ -16,6 +16,11 @@ zb's model, data and inner optimizer, one process):
           each chunk, and every node sends its values at the union of the nominations, averaged over all W
           nodes; int8 values (`union-exact`: fp32). A node sends about k x (12 / W x (W - 1) + 2 x 8) bits a
           chunk, flat in W.
+
+  shared  random indices every node agrees on (Shared below): at each sync `--shared-k` positions of every chunk
+          drawn from a generator every node seeds alike (no index travels), every node's values there at int2
+          (the quantized ring's codes), averaged over all W nodes (`shared-exact`: fp32). A node sends
+          2 (W - 1) / W of chunks x shared-k values at 2 bits: flat in W.
 
 `exact` is the gather with the picked values sent as fp32 (no 2-bit codes): what the quantizer costs.
 All against fp32 DiLoCo (the exact mean) at the same outer settings. The loss is the mean train loss of the
@@ -164,6 +169,52 @@ class Union(Gather):
         return nominations + values
 
 
+class Shared(Gather):
+    """Random indices every node agrees on: at sync t, `per_chunk` positions of each chunk drawn from a generator
+    seeded by t (so no index travels), every node sends its accumulator's values there through the quantized
+    ring's int2 codes, and those are averaged over all W nodes, each node keeping in its accumulator what it did
+    not send (including what its codes dropped). A node sends 2 (W - 1) / W of the masked values at 2 bits plus a
+    scale a block: flat in W. `bits` 32: the values exact. Modelled per node: the product's ring re-quantizes
+    partial sums at every hop, which this leaves out."""
+
+    def __init__(self, scheme: SparseScheme, beta: float, per_chunk: int, bits: int) -> None:
+        super().__init__(scheme, beta)
+        self.per_chunk, self.bits, self.sync = per_chunk, bits, 0
+        from zb.collectives.kernels import SCHEMES
+        self.int2 = SCHEMES["int2"]
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        from zb.collectives import twins
+        n, w, chunk = self._start(deltas), len(deltas), self.scheme.chunk
+        chunks = -(-n // chunk)
+        gen = torch.Generator().manual_seed(1_000_003 * self.sync + 17)
+        self.sync += 1
+        picks = torch.rand(chunks, chunk, generator=gen).topk(self.per_chunk, dim=1).indices
+        flat = (picks + torch.arange(chunks)[:, None] * chunk).view(-1)
+        flat = flat[flat < n].sort().values
+        total = torch.zeros(n)
+        for d, e in zip(deltas, self.residuals):
+            acc = self.beta * e + d.float()
+            vals = acc[flat]
+            if self.bits < 32:
+                codes = torch.empty(twins.code_bytes(vals.numel(), self.int2), dtype=torch.uint8)
+                scales = torch.empty(-(-vals.numel() // self.int2.block))
+                twins.quantize(vals.clone(), codes, scales, self.int2)
+                sent = torch.empty_like(vals)
+                twins.dequantize(codes, scales, sent, self.int2)
+            else:
+                sent = vals
+            total[flat] += sent
+            acc[flat] -= sent
+            e.copy_(acc)
+        return total / w
+
+    def bytes_per_node(self, n: int, w: int) -> int:
+        m = min(n, self.scheme.chunks(n) * self.per_chunk)
+        wire = m * self.bits // 8 + (4 * -(-m // self.int2.block) if self.bits < 32 else 0)
+        return 2 * (w - 1) * wire // w
+
+
 def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     from diloco_reference import SimNode, mean_of, run_rule
 
@@ -184,7 +235,8 @@ def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     scheme = SparseScheme(args.chunk, args.k)
     average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "ring": Ring(scheme, args.beta),
                "exact": Exact(scheme, args.beta), "union": Union(scheme, args.beta, 8),
-               "union-exact": Union(scheme, args.beta, 32)}[shape]
+               "union-exact": Union(scheme, args.beta, 32), "shared": Shared(scheme, args.beta, args.shared_k, 2),
+               "shared-exact": Shared(scheme, args.beta, args.shared_k, 32)}[shape]
     t0 = time.monotonic()
     run_rule(sims, "none", cfg.diloco, args.steps, average=average)
     n = sims[0].flat().numel()
@@ -211,6 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--k", type=int, default=64)
     p.add_argument("--beta", type=float, default=0.95)
+    p.add_argument("--shared-k", type=int, default=512, help="The shared shapes' random positions per chunk.")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

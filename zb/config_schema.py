@@ -212,7 +212,7 @@ class DilocoConfig:
     compression: str = knob("none", "Pseudo-gradient all-reduce: none (fp32), int8, int4 or int2 (4x, 7.5x or 15x "
                                     "fewer bytes on the wire; blockwise scales, the same bits on every node), or sparse "
                                     "(SparseLoCo: the diloco.sparse_k largest of every diloco.sparse_chunk values of the "
-                                    "error-feedback accumulator at 2 bits, 141x fewer bytes a payload at the defaults, "
+                                    "error-feedback accumulator at 2 bits, 195x fewer bytes a payload at the defaults, "
                                     "gathered by every node: docs/slow-links.md says when to pick it).",
                             choices=("none", "int8", "int4", "int2", "sparse"), aliases={"no": "none", "uint8": "int8"},
                             run_defining=True)
