@@ -229,7 +229,7 @@ def test_forged_index_fields_are_refused_whole(scheme: SparseScheme) -> None:
     honest = _with_field(payload, n, s, 2, _field_of(s, [*last, tail - 1]))
     forged = {
         "past the last chunk's end": _with_field(payload, n, s, 2, _field_of(s, [*last, tail])),
-        "first slot past the end": _with_field(payload, n, s, 2, _field_of(s, [tail, *range(1, tail)])),
+        "every slot past the end": _with_field(payload, n, s, 2, _field_of(s, list(range(tail, 2 * tail)))),
         "past a whole chunk's end": _with_field(payload, n, s, 0, _field_of(s, [*range(k - 1), c])),
         "one 1 too few": _with_field(payload, n, s, 0, _field(s, list(range(k - 1)), [0] * k)),
         "one 1 too many": _with_field(payload, n, s, 1, _field(s, list(range(k + 1)), [0] * k)),
