@@ -19,7 +19,7 @@ zb's model, data and inner optimizer, one process):
 
   shared  random indices every node agrees on (Shared below): at each sync `--shared-k` positions of every chunk
           drawn from a generator every node seeds alike (no index travels), every node's values there at int2
-          (the quantized ring's codes), averaged over all W nodes (`shared-exact`: fp32). A node sends
+          (the quantized ring's codes), averaged over all W nodes. A node sends
           2 (W - 1) / W of chunks x shared-k values at 2 bits: flat in W.
 
 `exact` is the gather with the picked values sent as fp32 (no 2-bit codes): what the quantizer costs.
@@ -45,9 +45,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "drivers"))
 
 from zb.collectives import sparse_twins as twin  # noqa: E402
+from zb.collectives import twins  # noqa: E402
+from zb.collectives.kernels import SCHEMES  # noqa: E402
 from zb.collectives.sparse_twins import SparseScheme  # noqa: E402
 
 TAIL = 30
+INT2 = SCHEMES["int2"]
 
 
 class Gather:
@@ -174,17 +177,14 @@ class Shared(Gather):
     seeded by t (so no index travels), every node sends its accumulator's values there through the quantized
     ring's int2 codes, and those are averaged over all W nodes, each node keeping in its accumulator what it did
     not send (including what its codes dropped). A node sends 2 (W - 1) / W of the masked values at 2 bits plus a
-    scale a block: flat in W. `bits` 32: the values exact. Modelled per node: the product's ring re-quantizes
+    scale a block: flat in W. Modelled per node: the product's ring re-quantizes
     partial sums at every hop, which this leaves out."""
 
-    def __init__(self, scheme: SparseScheme, beta: float, per_chunk: int, bits: int) -> None:
+    def __init__(self, scheme: SparseScheme, beta: float, per_chunk: int) -> None:
         super().__init__(scheme, beta)
-        self.per_chunk, self.bits, self.sync = per_chunk, bits, 0
-        from zb.collectives.kernels import SCHEMES
-        self.int2 = SCHEMES["int2"]
+        self.per_chunk, self.sync = per_chunk, 0
 
     def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        from zb.collectives import twins
         n, w, chunk = self._start(deltas), len(deltas), self.scheme.chunk
         chunks = -(-n // chunk)
         gen = torch.Generator().manual_seed(1_000_003 * self.sync + 17)
@@ -196,14 +196,11 @@ class Shared(Gather):
         for d, e in zip(deltas, self.residuals):
             acc = self.beta * e + d.float()
             vals = acc[flat]
-            if self.bits < 32:
-                codes = torch.empty(twins.code_bytes(vals.numel(), self.int2), dtype=torch.uint8)
-                scales = torch.empty(-(-vals.numel() // self.int2.block))
-                twins.quantize(vals.clone(), codes, scales, self.int2)
-                sent = torch.empty_like(vals)
-                twins.dequantize(codes, scales, sent, self.int2)
-            else:
-                sent = vals
+            codes = torch.empty(twins.code_bytes(vals.numel(), INT2), dtype=torch.uint8)
+            scales = torch.empty(-(-vals.numel() // INT2.block))
+            twins.quantize(vals, codes, scales, INT2)
+            sent = torch.empty_like(vals)
+            twins.dequantize(codes, scales, sent, INT2)
             total[flat] += sent
             acc[flat] -= sent
             e.copy_(acc)
@@ -211,7 +208,7 @@ class Shared(Gather):
 
     def bytes_per_node(self, n: int, w: int) -> int:
         m = min(n, self.scheme.chunks(n) * self.per_chunk)
-        wire = m * self.bits // 8 + (4 * -(-m // self.int2.block) if self.bits < 32 else 0)
+        wire = m * INT2.bits // 8 + 4 * -(-m // INT2.block)
         return 2 * (w - 1) * wire // w
 
 
@@ -235,8 +232,7 @@ def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     scheme = SparseScheme(args.chunk, args.k)
     average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "ring": Ring(scheme, args.beta),
                "exact": Exact(scheme, args.beta), "union": Union(scheme, args.beta, 8),
-               "union-exact": Union(scheme, args.beta, 32), "shared": Shared(scheme, args.beta, args.shared_k, 2),
-               "shared-exact": Shared(scheme, args.beta, args.shared_k, 32)}[shape]
+               "union-exact": Union(scheme, args.beta, 32), "shared": Shared(scheme, args.beta, args.shared_k)}[shape]
     t0 = time.monotonic()
     run_rule(sims, "none", cfg.diloco, args.steps, average=average)
     n = sims[0].flat().numel()
