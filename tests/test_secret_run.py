@@ -61,6 +61,7 @@ def test_a_run_with_a_secret_ignores_forged_records_and_refuses_nodes_without_it
         assert common and all(cluster.hashes("a")[s] == cluster.hashes("b")[s] for s in common)
         logs = (tmp_path / "a.log").read_text() + (tmp_path / "b.log").read_text()
         assert "store record zb/joins does not open" in logs and "store record zb/world does not open" in logs
+        assert "rejoining" not in logs   # the forged world is written over: not read as a restarted store
         # The refused nodes wrote nothing the run could act on: no heartbeat counter, no join request.
         assert not raw.check([keys.heartbeat("c")]) and not raw.check([keys.heartbeat("d")])
         assert b'"c"' not in honest.get(keys.JOINS) and b'"d"' not in honest.get(keys.JOINS)

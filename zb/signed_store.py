@@ -321,6 +321,14 @@ def authenticated(client: Any, secret: bytes | None, where: str, counters: Calla
     return signed(client, record_key(secret, nonce), counters, marker=marker)
 
 
+def holds(store: Any, key: str) -> bool:
+    """Whether `key` exists at the store, whatever it holds: a record that does not open with the run secret (which
+    reads as absent) included. What tells a record someone forged from a key a restarted store lost."""
+    if isinstance(store, SignedRecords):
+        return bool(store.inner.check([store._full(key)]))
+    return bool(store.check([key]))
+
+
 def keep_marker(store: Any) -> bool:
     """While the run goes on, its marker stays what its records' key came from: one compare_set that writes it
     back when someone deleted it (a joiner then waits for it instead of writing a fresh one: two runs) and reads

@@ -52,7 +52,7 @@ from zb.elastic.stores import MOVE, OTHER_RUN, TRAIN_ON, StoreList, arrival, bou
 from zb.elastic.tcpstore import read_many, reset_if_junk, store_errors
 from zb.elastic.world import Observation, World, next_world
 from zb.errors import EnvironmentFailure, InvalidInput, LeavingRun, RunFinishedWithout, ZbError
-from zb.signed_store import keep_marker
+from zb.signed_store import holds, keep_marker
 from zb.store_clients import StoreUnreachable
 
 if TYPE_CHECKING:
@@ -262,7 +262,7 @@ class Membership:
             # What the start of a resolution needs, without the join requests and answers whose size grows with
             # the run (a judge reads those in the roll call), nor the world when its roll call is open: no world
             # written after it (keys.written) and one in the store (a restarted store has none). A world copied
-            # over it meanwhile (a replay) is the judges' to write back (_replayed).
+            # over it meanwhile (a replay), or one forged, is the judges' to write back (_restored).
             if self.world is not None:
                 light = read_light(store, self.world.resolution)
                 self.answered()
@@ -272,7 +272,7 @@ class Membership:
             snap = read_light(store, None, world=True)
             self.answered()
             self.check_snapshot(snap)
-            if self.world is not None and self._replayed(snap, self.world):
+            if self.world is not None and self._restored(snap, self.world):
                 return self._roll_call(self.world)
             if snap.world is None or snap.world.rank_of(self.uid, self.token) is None:
                 return self._rejoin("the store restarted" if snap.world is None else "evicted while away")
@@ -330,7 +330,7 @@ class Membership:
                     self.check_snapshot(light)
                 out = standby.out_of(world, light)
                 if woke:   # keys.written is set: this read had the world
-                    if light.raw_world.decode() != self._text(world) and not self._replayed(light, world):
+                    if light.raw_world.decode() != self._text(world) and not self._restored(light, world):
                         return self._accept(light.world, light.raw_world)
                     told = True
                     continue
@@ -344,7 +344,7 @@ class Membership:
             snap = read_snapshot(self.client, world.resolution)
             self.check_snapshot(snap)
             out = standby.out_of(world, snap)
-            if snap.raw_world.decode() != self._text(world) and not self._replayed(snap, world):
+            if snap.raw_world.decode() != self._text(world) and not self._restored(snap, world):
                 return self._accept(snap.world, snap.raw_world)
             self.observe(snap, world)
             # Members that answered too: a leader can crash between its answer and its write.
@@ -357,19 +357,29 @@ class Membership:
                     continue
             roll_call.wait_event(snap.events + max(1, verdict.pending), self.cfg.polling_interval)
 
-    def _replayed(self, snap: Snapshot, world: World) -> bool:
-        """The store holds an older world of this run that holds this node: a sealed record copied back over the
-        current one (the seal is bound to the key and the run, not to the resolution). A member's world never goes
-        back, so it is a replay: this node's world is written back in its place (compare_set against what was
-        read) and the roll call goes on, instead of every node taking the old world. True when it was one."""
+    def _restored(self, snap: Snapshot, world: World) -> bool:
+        """The store's world is not the run's, and this node's world was written back in its place (compare_set
+        against what was read) for the roll call to go on, instead of every node taking it. True when it was:
+        - a replay: an older world of this run that holds this node, a sealed record copied back over the current
+          one (the seal is bound to the key and the run, not to the resolution). A member's world never goes back.
+        - no world at all, though the key is there: junk, or a record someone without the run secret wrote (it
+          reads as absent). Read as a restarted store's, it made a node rejoin and seed a world of its own while
+          the others trained on in theirs: the key is there, so the store did not restart.
+        False for anything else: a newer world, another run's, or none (a restarted store, whose world is
+        re-seeded; with a failover list by a majority)."""
         old = snap.world
+        if old is None:
+            if not snap.raw_world and not holds(self.client, keys.WORLD):
+                return False
+            log.warning("the store's world record is no world (junk, or written by someone without the run "
+                        "secret): written over with the current world")
         # Only a world this node is in, with its token, of the same run: after a store restart the others re-seed
         # the run at a low resolution without it, and it must rejoin that world, not write its own over it.
-        if old is None or old.resolution >= world.resolution or old.run != world.run \
-                or old.rank_of(self.uid, self.token) is None:
+        elif old.resolution >= world.resolution or old.run != world.run or old.rank_of(self.uid, self.token) is None:
             return False
-        log.warning("the store's world is resolution %d, older than this node's %d: a replayed record, written "
-                    "over with the current world", old.resolution, world.resolution)
+        else:
+            log.warning("the store's world is resolution %d, older than this node's %d: a replayed record, written "
+                        "over with the current world", old.resolution, world.resolution)
         self.write_world(snap.raw_world, world)
         return True
 
