@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _convergence_procs import run_nodes, run_single  # noqa: E402
 from _convergence_report import report  # noqa: E402
 
+from zb.config_schema import DilocoConfig  # noqa: E402
+
 DEFAULT_ROWS = "single,dp,diloco-h10-fp32,diloco-h10-int8,diloco-h50-fp32,diloco-h50-int8,elastic-h10-fp32"
 ROW = re.compile(r"^(single|dp|(diloco|elastic|eager|streaming|poison|flip)-h(\d+)-(fp32|int8|int4|int2|sparse)(-noef)?"
                  r"(-clip([\d.]+))?)$")
@@ -62,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sparse-outer-lr", type=float, default=4.0,
                    help="diloco.outer_lr of sparse rows (no outer momentum; 4 was the best of 1, 2, 4, 8, 16 in "
                         "scripts/bench_sparse_shapes.py).")
+    p.add_argument("--sparse-beta", type=float, default=DilocoConfig().sparse_beta,
+                   help="diloco.sparse_beta of sparse rows (default: zb's).")
     p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of streaming rows.")
     p.add_argument("--fragment-delay", type=int, default=1, help="diloco.fragment_delay of streaming rows.")
     p.add_argument("--fragment-alpha", type=float, default=0.5, help="diloco.fragment_alpha of streaming rows.")
@@ -112,6 +116,8 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
         diloco = [*feedback, "--diloco.inner_steps", str(h), "--diloco.compression", compression, "--diloco.outer_lr",
                   str(lr), "--diloco.outer_momentum", str(momentum), "--train.log_model_hash",
                   "--diloco.overlap", m.group(2) if m.group(2) in ("eager", "streaming") else "none"]
+        if compression == "sparse":
+            diloco += ["--diloco.sparse_beta", str(args.sparse_beta)]
         if m.group(7):
             diloco += ["--diloco.clip", m.group(7)]
         if m.group(2) == "streaming":
@@ -162,7 +168,9 @@ def reused_runs(paths: list[str], args: argparse.Namespace) -> list[dict]:
         if differ:
             raise SystemExit(f"--reuse {path}: settings differ ({', '.join(differ)}); rerun those rows instead")
         same_outer = all(earlier["config"][k] == getattr(args, k) for k in ("outer_lr", "outer_momentum"))
-        same_sparse = earlier["config"].get("sparse_outer_lr") == args.sparse_outer_lr
+        # Runs from before --sparse-beta ran at 0.95, zb's default then.
+        same_sparse = (earlier["config"].get("sparse_outer_lr"), earlier["config"].get("sparse_beta", 0.95)) \
+            == (args.sparse_outer_lr, args.sparse_beta)
         for r in earlier["runs"]:
             if r["row"] in args.rows and r["seed"] in args.seeds and "error" not in r \
                     and (r["row"] in ("single", "dp") or (same_sparse if "sparse" in r["row"] else same_outer)):
