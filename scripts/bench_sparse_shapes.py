@@ -48,6 +48,7 @@ from zb.collectives import sparse_twins as twin  # noqa: E402
 from zb.collectives import twins  # noqa: E402
 from zb.collectives.kernels import SCHEMES  # noqa: E402
 from zb.collectives.sparse_twins import SparseScheme  # noqa: E402
+from zb.config_schema import DilocoConfig  # noqa: E402
 
 TAIL = 30
 INT2 = SCHEMES["int2"]
@@ -258,7 +259,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="The sparse shapes' outer momentum (Nesterov; 0: SparseLoCo's outer step).")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--k", type=int, default=64)
-    p.add_argument("--beta", type=float, default=0.95)
+    p.add_argument("--beta", type=float, default=DilocoConfig().sparse_beta,
+                   help="The accumulator's decay (default: zb's diloco.sparse_beta; runs before 2026-12-02 used 0.95).")
     p.add_argument("--shared-k", type=int, default=512, help="The shared shapes' random positions per chunk.")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

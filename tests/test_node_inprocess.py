@@ -679,7 +679,9 @@ def test_streaming_with_a_round_budget_weighs_each_fragment_by_the_tokens_behind
 
 # -- error feedback (diloco.error_feedback) with int4 and int2, and sparse's accumulator ------------------------
 PLAIN_OUTER = {"diloco.outer_lr": "1.0", "diloco.outer_momentum": "0", "diloco.nesterov": "false"}
-SPARSE = {"diloco.compression": "sparse", "diloco.sparse_chunk": "16", "diloco.sparse_k": "8"}
+SPARSE_BETA = 0.9   # not the default: the setting reaches the accumulator
+SPARSE = {"diloco.compression": "sparse", "diloco.sparse_chunk": "16", "diloco.sparse_k": "8",
+          "diloco.sparse_beta": str(SPARSE_BETA)}
 
 
 def sparse_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], beta: float, lr: float,
@@ -715,7 +717,7 @@ def test_sparse_outer_steps_equal_the_single_process_sparseloco_rule(overlap):
         else:
             run_rounds(nodes, [round_moves])
         assert len({n.reports[-1].params_hash for n in nodes}) == 1 and nodes[0].reports[-1].applied
-    expected = sparse_reference(start, moves, 0.95, 0.7, SparseScheme(16, 8))
+    expected = sparse_reference(start, moves, SPARSE_BETA, 0.7, SparseScheme(16, 8))
     assert torch.allclose(nodes[0].diloco.outer.flat.detach(), expected, atol=1e-6)
     sent = nodes[0].reports[-1].wire_bytes
     assert sent == 2 * (SparseScheme(16, 8).payload_bytes(start.numel()) + 8)   # two payloads forwarded, headers
@@ -979,7 +981,7 @@ def test_sparse_with_clip_scales_what_enters_the_accumulator_and_passes_its_chec
         norms = [float(m.norm()) for m in round_moves]
         bound = 2.0 * sorted(norms)[(len(norms) - 1) // 2]
         clipped.append([m * min(1.0, bound / n) for m, n in zip(round_moves, norms)])
-    expected = sparse_reference(start, clipped, 0.95, 0.7, SparseScheme(16, 8))
+    expected = sparse_reference(start, clipped, SPARSE_BETA, 0.7, SparseScheme(16, 8))
     for node in nodes:
         assert torch.allclose(node.model.flat(), expected, atol=1e-5)
         assert node.reports[-1].applied and node.reports[-1].clipped == ["b"]

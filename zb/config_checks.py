@@ -123,8 +123,8 @@ def _sparse_problems(d: DilocoConfig) -> Iterator[tuple[str, str]]:
     if wrong is not None:
         yield f"diloco.sparse_{wrong[0]}", f"is wrong: {wrong[1]}"
     if not 0.0 <= d.sparse_beta < 1.0:
-        yield "diloco.sparse_beta", (f"{d.sparse_beta:g} is outside [0, 1): the accumulator's decay (0.95 is "
-                                     "SparseLoCo's)")
+        yield "diloco.sparse_beta", (f"{d.sparse_beta:g} is outside [0, 1): the accumulator's decay (zb's default "
+                                     "is 0.8, SparseLoCo's 0.95)")
     if d.error_feedback is False:
         yield "diloco.error_feedback", ("cannot be off with diloco.compression = sparse: what a chunk does not send "
                                         "waits in the accumulator (without it 98% of every pseudo-gradient is lost)")
