@@ -81,6 +81,17 @@ def run_concurrent(spec: dict, groups: list, rank: int, outdir: Path) -> None:
     groups[0].barrier().wait()
 
 
+def linger(spec: dict, world: int, outdir: Path, limit_s: float = 60.0) -> None:
+    """A rank that raised stays up until every other survivor has its result, as a node's process does (its outer
+    step goes on to the check-in): exiting at once closes its sockets while its FAILED notice may still be on the
+    way (a loaded machine), and the rank downstream then names it instead of the rank that died."""
+    others = [r for r in range(world) if r != spec.get("die")]
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not all(
+            (outdir / f"rank{r}.pt").exists() or (outdir / f"rank{r}.err").exists() for r in others):
+        time.sleep(0.1)
+
+
 def main() -> None:
     rank, world, port, outdir = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     spec = json.loads(sys.argv[5])
@@ -120,6 +131,7 @@ def main() -> None:
     except PeerFailure as e:
         err = {"rank": e.rank, "observer": e.observer, "message": str(e), "at": time.time()}
         (outdir / f"rank{rank}.err").write_text(json.dumps(err))
+        linger(spec, world, outdir)
         return
     torch.save(results, outdir / f"rank{rank}.pt")
     groups[0].barrier().wait()  # the store lives in rank 0: nobody leaves before everyone is done

@@ -60,6 +60,18 @@ def _no_stop_signal_yet(monkeypatch):
     monkeypatch.setattr(stop_signals, "_received", None)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_store_memory(monkeypatch):
+    """zb.signed_store remembers, per process, the run marker used at each store address and which forged
+    records it has logged: a node process serves one run. Tests in one worker reuse addresses ("test-store")
+    with fresh stores, so each starts with none of it: otherwise a fresh store gets an earlier test's marker
+    back, and its forged record was already logged (CI failed so once)."""
+    from zb import signed_store
+
+    monkeypatch.setattr(signed_store, "_used", {})
+    monkeypatch.setattr(signed_store, "_warned", set())
+
+
 @pytest.fixture
 def cli_runner():
     return CliRunner()
