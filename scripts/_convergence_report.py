@@ -128,7 +128,8 @@ def report(runs: list[dict], args: argparse.Namespace) -> dict:
                config=dict(model=args.model, seq=args.seq, batch=args.batch, nodes=args.nodes, steps=args.steps,
                            lr=args.lr, warmup=args.warmup, outer_lr=args.outer_lr,
                            outer_momentum=args.outer_momentum, sparse_outer_lr=args.sparse_outer_lr,
-                           sparse_beta=args.sparse_beta, eval_batches=args.eval_batches, seeds=args.seeds),
+                           sparse_beta=args.sparse_beta, sparse_average=args.sparse_average,
+                           eval_batches=args.eval_batches, seeds=args.seeds),
                rows=rows, targets=targets(rows), runs=runs)
     if not args.json:
         print_table(doc)

@@ -61,11 +61,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20, help="optim.warmup_steps.")
     p.add_argument("--outer-lr", type=float, default=0.7, help="diloco.outer_lr.")
     p.add_argument("--outer-momentum", type=float, default=0.9, help="diloco.outer_momentum.")
-    p.add_argument("--sparse-outer-lr", type=float, default=4.0,
-                   help="diloco.outer_lr of sparse rows (no outer momentum; 4 was the best of 1, 2, 4, 8, 16 in "
-                        "scripts/bench_sparse_shapes.py).")
+    p.add_argument("--sparse-outer-lr", type=float, default=None,
+                   help="diloco.outer_lr of sparse rows (no outer momentum). Default: zb's for --sparse-average (4 for "
+                        "nodes, 2 for senders: the best measured in scripts/bench_sparse_shapes.py).")
     p.add_argument("--sparse-beta", type=float, default=DilocoConfig().sparse_beta,
                    help="diloco.sparse_beta of sparse rows (default: zb's).")
+    p.add_argument("--sparse-average", choices=("nodes", "senders"), default=DilocoConfig().sparse_average,
+                   help="diloco.sparse_average of sparse rows (default: zb's; runs before 2026-12-03 averaged over "
+                        "nodes).")
     p.add_argument("--fragments", type=int, default=2, help="diloco.fragments of streaming rows.")
     p.add_argument("--fragment-delay", type=int, default=1, help="diloco.fragment_delay of streaming rows.")
     p.add_argument("--fragment-alpha", type=float, default=0.5, help="diloco.fragment_alpha of streaming rows.")
@@ -78,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Take (row, seed) runs from an earlier JSON line of this script instead of running them "
                         "(same training settings; for DiLoCo rows also the same outer settings). Repeatable.")
     args = p.parse_args(argv)
+    if args.sparse_outer_lr is None:
+        args.sparse_outer_lr = DilocoConfig(compression="sparse", sparse_average=args.sparse_average).lr()
     if args.quick:
         args.steps, args.batch, args.seq, args.nodes, args.warmup, args.eval_batches = 20, 4, 64, 2, 2, 4
     args.rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -117,7 +122,7 @@ def run_row(row: str, seed: int, args: argparse.Namespace, workdir: Path) -> dic
                   str(lr), "--diloco.outer_momentum", str(momentum), "--train.log_model_hash",
                   "--diloco.overlap", m.group(2) if m.group(2) in ("eager", "streaming") else "none"]
         if compression == "sparse":
-            diloco += ["--diloco.sparse_beta", str(args.sparse_beta)]
+            diloco += ["--diloco.sparse_beta", str(args.sparse_beta), "--diloco.sparse_average", args.sparse_average]
         if m.group(7):
             diloco += ["--diloco.clip", m.group(7)]
         if m.group(2) == "streaming":
@@ -168,9 +173,10 @@ def reused_runs(paths: list[str], args: argparse.Namespace) -> list[dict]:
         if differ:
             raise SystemExit(f"--reuse {path}: settings differ ({', '.join(differ)}); rerun those rows instead")
         same_outer = all(earlier["config"][k] == getattr(args, k) for k in ("outer_lr", "outer_momentum"))
-        # Runs from before --sparse-beta ran at 0.95, zb's default then.
-        same_sparse = (earlier["config"].get("sparse_outer_lr"), earlier["config"].get("sparse_beta", 0.95)) \
-            == (args.sparse_outer_lr, args.sparse_beta)
+        # Runs from before --sparse-beta ran at 0.95, and from before --sparse-average over nodes: zb's defaults then.
+        same_sparse = (earlier["config"].get("sparse_outer_lr"), earlier["config"].get("sparse_beta", 0.95),
+                       earlier["config"].get("sparse_average", "nodes")) \
+            == (args.sparse_outer_lr, args.sparse_beta, args.sparse_average)
         for r in earlier["runs"]:
             if r["row"] in args.rows and r["seed"] in args.seeds and "error" not in r \
                     and (r["row"] in ("single", "dp") or (same_sparse if "sparse" in r["row"] else same_outer)):

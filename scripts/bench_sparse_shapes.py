@@ -22,6 +22,7 @@ zb's model, data and inner optimizer, one process):
           (the quantized ring's codes), averaged over all W nodes. A node sends
           2 (W - 1) / W of chunks x shared-k values at 2 bits: flat in W.
 
+`senders` is the gather averaged per entry over the nodes that sent it, not over all W (Senders below).
 `exact` is the gather with the picked values sent as fp32 (no 2-bit codes): what the quantizer costs.
 All against fp32 DiLoCo (the exact mean) at the same outer settings. The loss is the mean train loss of the
 last 30 steps over the nodes; bytes are what one node sends per outer step (fp32: gloo's ring, 2 (W-1)/W x 4n).
@@ -79,6 +80,23 @@ class Gather:
 
     def bytes_per_node(self, n: int, w: int) -> int:
         return (w - 1) * self.scheme.payload_bytes(n)
+
+
+class Senders(Gather):
+    """The gather averaged per entry over the nodes that sent it (at least one), not over all W: an entry only one
+    node picked moves by that node's value, not by a W-th of it (what the outer lr makes up for in the gather)."""
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        n = self._start(deltas)
+        total, senders = torch.zeros(n), torch.zeros(n)
+        for d, e in zip(deltas, self.residuals):
+            p = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
+            twin.compress(d.float(), p, self.scheme, e, self.beta)
+            mine = torch.zeros(n)
+            assert twin.decode_add(p, mine, self.scheme)
+            total += mine
+            senders += (mine != 0).float()
+        return total / senders.clamp(min=1)
 
 
 class Exact(Gather):
@@ -231,7 +249,8 @@ def run(args: argparse.Namespace, shape: str, seed: int) -> dict:
     placement = pick_placement(cfg.train, LocalWorld(0, 1))
     sims = [SimNode(cfg, tokenizer, placement, m, args.nodes) for m in range(args.nodes)]
     scheme = SparseScheme(args.chunk, args.k)
-    average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "ring": Ring(scheme, args.beta),
+    average = {"fp32": mean_of, "gather": Gather(scheme, args.beta), "senders": Senders(scheme, args.beta),
+               "ring": Ring(scheme, args.beta),
                "exact": Exact(scheme, args.beta), "union": Union(scheme, args.beta, 8),
                "union-exact": Union(scheme, args.beta, 32), "shared": Shared(scheme, args.beta, args.shared_k)}[shape]
     t0 = time.monotonic()

@@ -332,6 +332,11 @@ def test_evict_clipped_without_clip_is_refused_in_one_line():
     ({"diloco.sparse_beta": "-0.1"}, r"^diloco.sparse_beta = -0.1.* outside \[0, 1\)"),
     ({"diloco.error_feedback": "false"}, r"^diloco.error_feedback = false .*cannot be off with diloco.compression = sparse"),
     ({"diloco.overlap": "eager"}, r"^diloco.compression = 'sparse' .*cannot combine with diloco.overlap = eager"),
+    ({"diloco.sparse_average": "senders", "diloco.clip": "2"},
+     r"^diloco.sparse_average = 'senders' .*cannot combine with diloco.clip yet.*set diloco.sparse_average = nodes"),
+    ({"diloco.sparse_average": "senders", "diloco.round_seconds": "5"},
+     r"^diloco.sparse_average = 'senders' .*cannot combine with diloco.round_seconds yet.*sparse_average = nodes"),
+    ({"diloco.sparse_average": "mean"}, r"diloco.sparse_average"),
 ])
 def test_sparse_settings_that_cannot_work_are_refused_in_one_line(flags, line):
     with pytest.raises(ConfigError, match=line):
@@ -346,12 +351,17 @@ def test_sparse_defaults_follow_the_paper_and_its_keys_alone_are_warned_about():
     sparse = load_config([], {"diloco.compression": "sparse"}, environ={})
     assert sparse.diloco.momentum() == 0.0 and (sparse.diloco.sparse_chunk, sparse.diloco.sparse_k) == (4096, 64)
     assert sparse.diloco.lr() == 4.0 and load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.lr() == 0.7
+    assert load_config([], {"diloco.compression": "sparse", "diloco.sparse_average": "senders"},
+                       environ={}).diloco.lr() == 2.0
     assert load_config([], {"diloco.compression": "sparse", "diloco.outer_lr": "1"}, environ={}).diloco.lr() == 1.0
     assert load_config([], {"diloco.compression": "sparse", "diloco.outer_momentum": "0.5"},
                        environ={}).diloco.momentum() == 0.5
     assert load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.momentum() == 0.9
     alone = load_config([], {"diloco.sparse_k": "32"}, environ={})
     assert [k for k, _ in advisories(alone)] == ["diloco.sparse_k"]
+    assert sparse.diloco.sparse_average == "nodes"     # measured: BENCHMARKS.md, "Sparse pseudo-gradients"
+    assert [k for k, _ in advisories(load_config([], {"diloco.sparse_average": "senders"}, environ={}))] == \
+        ["diloco.sparse_average"]
 
 
 @pytest.mark.parametrize("compression, exchange", [("none", "gloo"), ("sparse", "the sparse gather")])

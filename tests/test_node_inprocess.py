@@ -685,27 +685,33 @@ SPARSE = {"diloco.compression": "sparse", "diloco.sparse_chunk": "16", "diloco.s
 
 
 def sparse_reference(start: torch.Tensor, moves: list[list[torch.Tensor]], beta: float, lr: float,
-                     scheme: SparseScheme) -> torch.Tensor:
+                     scheme: SparseScheme, average: str = "nodes") -> torch.Tensor:
     """SparseLoCo (arXiv 2508.15706, Algorithm 1) with zb's sparse form: every node folds its pseudo-gradient
     into its accumulator (e <- beta e + delta), sends the top-k of each chunk at 2 bits and keeps the rest; the
-    outer params step by the payloads' average times the outer lr, no momentum (the accumulator is it)."""
+    outer params step by the payloads' average times the outer lr, no momentum (the accumulator is it). The
+    average is over all nodes (`average` nodes: the paper's, zb's default) or each entry's over the nodes that sent
+    it (senders); the senders are counted here from the decoded values, not from the marks zb decodes."""
     theta = start.clone()
     residuals = [torch.zeros_like(start) for _ in moves[0]]
     for round_moves in moves:
-        total = torch.zeros_like(start)
+        total, senders = torch.zeros_like(start), torch.zeros_like(start)
         for move, residual in zip(round_moves, residuals):
             payload = torch.empty(scheme.payload_bytes(start.numel()), dtype=torch.uint8)
             sparse_twins.compress(move, payload, scheme, residual, beta)
-            assert sparse_twins.decode_add(payload, total, scheme)
-        theta -= lr * (total / len(round_moves))
+            mine = torch.zeros_like(start)
+            assert sparse_twins.decode_add(payload, mine, scheme) and sparse_twins.decode_add(payload, total, scheme)
+            senders += (mine != 0).float()
+        theta -= lr * (total / (senders.clamp(min=1) if average == "senders" else len(round_moves)))
     return theta
 
 
+@pytest.mark.parametrize("average", ["nodes", "senders"])
 @pytest.mark.parametrize("overlap", ["none", "streaming"])
-def test_sparse_outer_steps_equal_the_single_process_sparseloco_rule(overlap):
+def test_sparse_outer_steps_equal_the_single_process_sparseloco_rule(overlap, average):
     """Three nodes on diloco.compression = sparse end every outer step on the same bits, at SparseLoCo's rule
-    computed in one process; streaming with one fragment, no delay and alpha 0 is the same rule."""
-    flags = dict(SPARSE, **{"diloco.overlap": overlap})
+    computed in one process (each entry averaged over its senders, or over every node); streaming with one
+    fragment, no delay and alpha 0 is the same rule."""
+    flags = dict(SPARSE, **{"diloco.overlap": overlap, "diloco.sparse_average": average})
     if overlap == "streaming":
         flags.update({"diloco.fragments": "1", "diloco.fragment_delay": "0", "diloco.fragment_alpha": "0"})
     _, nodes = start_world(["a", "b", "c"], **flags)
@@ -717,7 +723,7 @@ def test_sparse_outer_steps_equal_the_single_process_sparseloco_rule(overlap):
         else:
             run_rounds(nodes, [round_moves])
         assert len({n.reports[-1].params_hash for n in nodes}) == 1 and nodes[0].reports[-1].applied
-    expected = sparse_reference(start, moves, SPARSE_BETA, 0.7, SparseScheme(16, 8))
+    expected = sparse_reference(start, moves, SPARSE_BETA, 0.7, SparseScheme(16, 8), average)
     assert torch.allclose(nodes[0].diloco.outer.flat.detach(), expected, atol=1e-6)
     sent = nodes[0].reports[-1].wire_bytes
     assert sent == 2 * (SparseScheme(16, 8).payload_bytes(start.numel()) + 8)   # two payloads forwarded, headers

@@ -37,7 +37,7 @@ def advisories(cfg: Config) -> Iterator[tuple[str, str]]:
         yield from mode_of(cfg.diloco.overlap).advisories(cfg.diloco)
     if cfg.diloco is not None and cfg.diloco.compression != "sparse":
         default = DilocoConfig()
-        for key in ("sparse_chunk", "sparse_k", "sparse_beta"):
+        for key in ("sparse_chunk", "sparse_k", "sparse_beta", "sparse_average"):
             if getattr(cfg.diloco, key) != getattr(default, key):
                 yield f"diloco.{key}", "has no effect without diloco.compression = sparse"
     if cfg.diloco is not None and cfg.diloco.error_feedback and cfg.diloco.compression == "none":
@@ -128,6 +128,14 @@ def _sparse_problems(d: DilocoConfig) -> Iterator[tuple[str, str]]:
     if d.error_feedback is False:
         yield "diloco.error_feedback", ("cannot be off with diloco.compression = sparse: what a chunk does not send "
                                         "waits in the accumulator (without it 98% of every pseudo-gradient is lost)")
+    if d.sparse_average == "senders" and (d.clip is not None or d.round_seconds is not None):
+        other = "diloco.clip" if d.clip is not None else "diloco.round_seconds"
+        yield "diloco.sparse_average", (f"senders cannot combine with {other} yet: "
+                                        + ("the checked average splits the sum into parts that add up, and a mean "
+                                           "over each entry's senders does not" if d.clip is not None else
+                                           "a node's weight by its tokens is its own to know, and the mean over an "
+                                           "entry's senders would need every sender's")
+                                        + "; set diloco.sparse_average = nodes")
     if d.overlap == "eager":
         yield "diloco.compression", ("sparse cannot combine with diloco.overlap = eager yet: eager stands in this node's "
                                      "dense pseudo-gradient for its share of the average in flight, while the average "

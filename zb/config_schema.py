@@ -187,7 +187,9 @@ class LogConfig:
                            choices=("auto", "online", "offline"))
 
 
-SPARSE_OUTER_LR = 4.0   # diloco.outer_lr's default with diloco.compression = sparse (BENCHMARKS.md)
+# diloco.outer_lr's default with diloco.compression = sparse, by diloco.sparse_average (BENCHMARKS.md, "Sparse
+# pseudo-gradients"): the mean over every node divides an entry one node sent by the node count
+SPARSE_OUTER_LR = {"senders": 2.0, "nodes": 4.0}
 
 
 @dataclass
@@ -198,10 +200,10 @@ class DilocoConfig:
                                           "of the last outer step) and the average weighs nodes by their tokens. "
                                           "Under diloco.overlap = streaming the round's diloco.fragments boundaries "
                                           "share it equally.", check="positive", run_defining=True)
-    outer_lr: Optional[float] = knob(None, "Outer learning rate. Default: 0.7, or 4 with diloco.compression = sparse "
-                                           "(the best of 1, 2, 4, 8 and 16 for it on the convergence benchmark; "
-                                           "BENCHMARKS.md, \"Sparse pseudo-gradients\").", check="positive",
-                                     run_defining=True)
+    outer_lr: Optional[float] = knob(None, "Outer learning rate. Default: 0.7; with diloco.compression = sparse 4 "
+                                           "(diloco.sparse_average = nodes) or 2 (senders), the best measured for each "
+                                           "on the convergence benchmark (BENCHMARKS.md, \"Sparse pseudo-gradients\").",
+                                     check="positive", run_defining=True)
     outer_momentum: Optional[float] = knob(None, "Outer optimizer momentum. Default: 0.9, or 0 with diloco.compression = "
                                            "sparse (SparseLoCo's outer step: the error-feedback accumulator, decayed by "
                                            "diloco.sparse_beta, takes momentum's place).", check="non_negative",
@@ -229,6 +231,13 @@ class DilocoConfig:
     sparse_beta: float = knob(0.8, "Sparse: decay of the error-feedback accumulator at every outer step "
                                    "(e <- beta e + pseudo-gradient), in [0, 1). 0.8 trained best of 0.7 to 0.95 on "
                                    "the convergence benchmark; SparseLoCo's is 0.95.", run_defining=True)
+    sparse_average: str = knob("nodes", "Sparse: each entry of the update averaged over every contributing node, as "
+                                        "SparseLoCo (nodes: an entry one node sent moves by its value over the node "
+                                        "count, which a larger outer lr makes up for), or over the nodes that sent it "
+                                        "(senders: by that node's value). nodes trained best from 1.87M params up, "
+                                        "senders far better at 0.15M (docs/slow-links.md). senders cannot combine with "
+                                        "diloco.clip or diloco.round_seconds yet.",
+                               choices=("nodes", "senders"), run_defining=True)
     error_feedback: Optional[bool] = knob(None, "Keep what quantization dropped from this node's pseudo-gradient and "
                                                 "send it at the next outer step (8 bytes per parameter on the host). "
                                                 "Default: on for int4, int2 and sparse (which needs it), off for int8.")
@@ -275,7 +284,7 @@ class DilocoConfig:
         """diloco.outer_lr as it applies (its default depends on diloco.compression)."""
         if self.outer_lr is not None:
             return self.outer_lr
-        return SPARSE_OUTER_LR if self.compression == "sparse" else 0.7
+        return SPARSE_OUTER_LR[self.sparse_average] if self.compression == "sparse" else 0.7
 
     def momentum(self) -> float:
         """diloco.outer_momentum as it applies (its default depends on diloco.compression)."""

@@ -144,12 +144,14 @@ def mean_of(deltas: list[torch.Tensor]) -> torch.Tensor:
 class SparseMean:
     """SparseLoCo's average (arXiv 2508.15706, diloco.compression = sparse): node m folds its pseudo-gradient into
     its accumulator, e_m <- beta e_m + D_m, sends the top-k of every chunk at 2 bits (the scheme as
-    zb.collectives.sparse_twins defines it) and keeps the rest; the average is the mean of the M payloads."""
+    zb.collectives.sparse_twins defines it) and keeps the rest; the average is the mean of the M payloads, each
+    entry's over the payloads that sent it under diloco.sparse_average = senders."""
 
     def __init__(self, dcfg) -> None:
         from zb.collectives.sparse_twins import SparseScheme
 
         self.scheme, self.beta = SparseScheme(dcfg.sparse_chunk, dcfg.sparse_k), dcfg.sparse_beta
+        self.by_senders = dcfg.sparse_average == "senders"
         self.kept: list[torch.Tensor] = []
 
     def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
@@ -157,12 +159,14 @@ class SparseMean:
 
         n = deltas[0].numel()
         self.kept = self.kept or [torch.zeros(n) for _ in deltas]
-        total = torch.zeros(n)
+        total, senders = torch.zeros(n), torch.zeros(n)
         for d, e in zip(deltas, self.kept):
             payload = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
             sparse_twins.compress(d.float().cpu(), payload, self.scheme, e, self.beta)
             assert sparse_twins.decode_add(payload, total, self.scheme)
-        return (total / len(deltas)).to(deltas[0].device)
+            assert sparse_twins.decode_add(sparse_twins.marks(payload, n, self.scheme), senders, self.scheme)
+        divisor = (senders / sparse_twins.MARK).clamp(min=1) if self.by_senders else len(deltas)
+        return (total / divisor).to(deltas[0].device)
 
 
 def run_rule(sims: list, rule: str, dcfg, total: int, average=mean_of, on_round=None) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zb.collectives import kernels
+from zb.collectives import kernels, sparse_twins
 from zb.collectives.gather import run_gathers
 from zb.collectives.halving import run_halving
 from zb.collectives.kernels import SCHEMES, SparseScheme, num_blocks
@@ -66,7 +66,7 @@ class AllReduceStats:
 
 def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
            groups: Sequence[dist.ProcessGroup], residual: torch.Tensor | None, sparse: SparseScheme | None,
-           sparse_beta: float, shape: str = "ring") -> None:
+           sparse_beta: float, shape: str = "ring", senders: torch.Tensor | None = None) -> None:
     if residual is not None and (compression == "none" or residual.dtype != torch.float32 or
                                  residual.numel() != tensor.numel() or not residual.is_contiguous()):
         raise InvalidInput("an error-feedback residual needs a quantized compression and one contiguous float32 "
@@ -78,6 +78,10 @@ def _check(tensor: torch.Tensor, op: ReduceOp.RedOpType, compression: str,
     if shape == "halving" and compression not in SCHEMES:
         raise InvalidInput(f"shape 'halving' with compression {compression!r}: the halving shape applies to "
                            f"{'/'.join(SCHEMES)} only")
+    if senders is not None and (compression != "sparse" or senders.dtype != torch.float32 or
+                                senders.numel() != tensor.numel() or not senders.is_contiguous()):
+        raise InvalidInput("a senders count needs sparse compression and one contiguous float32 value per value of "
+                           "the tensor")
     if sparse is not None and (wrong := sparse.problem()) is not None:
         raise InvalidInput(f"sparse compression with {wrong[1]}")
     if not 0.0 <= sparse_beta <= 1.0:
@@ -97,9 +101,10 @@ def _slices(n: int, parts: int, align: int = ALIGN) -> list[tuple[int, int]]:
 
 
 def _sparse(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, deadlines: TransferDeadlines,
-            scheme: SparseScheme, residual: torch.Tensor | None, beta: float) -> int:
+            scheme: SparseScheme, residual: torch.Tensor | None, beta: float, senders: torch.Tensor | None) -> int:
     """Each stream's chunk-aligned slice compressed (zb.collectives.sparse_twins), every rank's payload gathered
-    (zb.collectives.gather), then decoded in rank order into zeros: the same bytes in the same order everywhere."""
+    (zb.collectives.gather), then decoded in rank order into zeros: the same bytes in the same order everywhere.
+    `senders`: filled with how many ranks sent each entry (each payload's marks decoded: sparse_twins.marks)."""
     slices = [(a, b, g) for g, (a, b) in zip(groups, _slices(flat.numel(), len(groups), scheme.chunk)) if b > a]
     parts = []
     for a, b, g in slices:
@@ -114,6 +119,11 @@ def _sparse(flat: torch.Tensor, groups: Sequence[dist.ProcessGroup], avg: bool, 
             if not kernels.sparse_decode_add(payload, out, scheme):
                 raise PeerFailure(f"sparse exchange: rank {owner}'s payload is forged (an index field that is "
                                   "not K' indices inside its chunk)", rank=owner, observer=g.rank())
+        if senders is not None:
+            count = senders[a:b].zero_()
+            for payload in payloads:
+                kernels.sparse_decode_add(sparse_twins.marks(payload, b - a, scheme), count, scheme)
+            count.div_(sparse_twins.MARK)
     if avg:
         flat.div_(groups[0].size())
     return wire
@@ -148,15 +158,18 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
                start_timeout_s: float = 300.0, piece_values: int = 1 << 20,
                window: int = 4, residual: torch.Tensor | None = None, sparse: SparseScheme | None = None,
                sparse_beta: float = 1.0, shape: str = "ring", link_ms: float | None = None,
-               link_mbps: float | None = None) -> AllReduceStats:
+               link_mbps: float | None = None, senders: torch.Tensor | None = None) -> AllReduceStats:
     """All-reduce `tensor` in place over `group` (+ the extra `streams` groups); see the package doc. `shape`
     ("ring", "halving": quantized compressions only, or "auto": pick_shape, with the links' measured delay and
-    bandwidth `link_ms` and `link_mbps` when known) picks the ring or recursive halving-doubling."""
+    bandwidth `link_ms` and `link_mbps` when known) picks the ring or recursive halving-doubling. `senders`
+    (sparse only: one float32 per value) is filled with how many ranks sent each entry (1 everywhere alone)."""
     groups = [group, *streams]
-    _check(tensor, op, compression, groups, residual, sparse, sparse_beta, shape)
+    _check(tensor, op, compression, groups, residual, sparse, sparse_beta, shape, senders)
     t0 = time.perf_counter()
     world = group.size()
     if world == 1 or tensor.numel() == 0:
+        if senders is not None:
+            senders.fill_(1.0)
         return AllReduceStats(compression, tensor.numel(), world, 0, 0.0)
     if compression != "none" and tensor.is_cuda:
         raise InvalidInput(f"the {compression} ring runs on CPU tensors over a gloo group; use compression='none' "
@@ -168,7 +181,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, *, op: ReduceOp.R
         wire = _fp32(flat, groups, avg, deadlines)
     elif compression == "sparse":
         wire = _sparse(flat, groups, avg, deadlines, sparse or SparseScheme(),
-                       residual.view(-1) if residual is not None else None, sparse_beta)
+                       residual.view(-1) if residual is not None else None, sparse_beta, senders)
     else:
         res = residual.view(-1) if residual is not None else None
         parts = [(flat[a:b], g, res[a:b] if res is not None else None)

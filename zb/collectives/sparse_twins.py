@@ -45,10 +45,11 @@ import torch
 
 from zb.sparse_scheme import SparseScheme
 
-__all__ = ["SparseScheme", "compress", "decode_add", "TINY", "LOW", "HIGH", "SPLIT"]
+__all__ = ["SparseScheme", "compress", "decode_add", "marks", "TINY", "LOW", "HIGH", "SPLIT", "MARK"]
 
 TINY = 2.0**-100
 LOW, HIGH, SPLIT = 0.875, 1.375, 1.125   # the two magnitudes and the boundary, in units of the scale (exact in fp32)
+MARK = 7.0                               # what a payload's marks add at an entry it sends: LOW at scale 8, exact
 
 
 def _sections(payload: torch.Tensor, n: int, s: SparseScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,3 +185,19 @@ def decode_add(payload: torch.Tensor, acc: torch.Tensor, scheme: SparseScheme) -
         flat[rows, cols] = _canonical(flat[rows, cols] + vals[rows, j])
     acc.copy_(flat.view(-1)[:n])
     return True
+
+
+def marks(payload: torch.Tensor, n: int, scheme: SparseScheme) -> torch.Tensor:
+    """A copy of one payload of n values that `decode_add` turns into MARK at every entry it sends and nothing
+    elsewhere: every code 0, and scale 8 in each chunk that sends values (a finite, nonzero scale), 0 in the others
+    (a chunk of zeros, as a joiner's, or one holding a NaN). Decoding every rank's marks counts each entry's
+    senders (diloco.sparse_average = senders) with the decode kernel itself: one pass over the sent entries, not
+    over the whole vector."""
+    out = payload.clone()
+    if n == 0:
+        return out
+    scales, _, codes = _sections(out, n, scheme)
+    sends = torch.isfinite(scales) & (scales != 0)
+    scales.copy_(torch.where(sends, torch.full_like(scales, 8.0), torch.zeros_like(scales)))
+    codes.zero_()
+    return out

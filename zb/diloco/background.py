@@ -23,7 +23,7 @@ from torch.distributed import ReduceOp
 
 from zb.collectives import PeerFailure, all_reduce
 from zb.config_schema import DilocoConfig
-from zb.diloco.sync import bucket_ranges, wire_options
+from zb.diloco.sync import bucket_ranges, reduce_bucket, wire_options
 from zb.elastic.view import WorldView
 
 log = logging.getLogger("zb.diloco")
@@ -81,19 +81,14 @@ class BackgroundAllReduce(threading.Thread):
     def run(self) -> None:
         try:
             group, *streams = self.groups()
-            scale = self.scale
             if self.tokens is not None:
-                self.weight, scale = self._token_share(group), 1
+                self.weight = self._token_share(group)
                 self.buffer.mul_(self.weight)
             with self.feedback() as residual:
                 for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
-                    bucket = self.buffer[a:b]
-                    stats = all_reduce(bucket, group, op=ReduceOp.SUM, streams=streams,
-                                       min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
-                                       residual=residual[a:b] if residual is not None else None,
-                                       **self.wire)
-                    if scale != 1:
-                        bucket.div_(scale)
+                    stats = reduce_bucket(self.buffer[a:b], group, streams, self.cfg, self.wire,
+                                          residual[a:b] if residual is not None else None, self.scale,
+                                          self.tokens is not None)
                     self.wire_bytes += stats.wire_bytes
         except PeerFailure as e:
             self.error = e

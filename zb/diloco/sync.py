@@ -53,6 +53,24 @@ def wire_options(cfg: DilocoConfig, view: WorldView | None = None) -> dict[str, 
             "sparse_beta": cfg.sparse_beta}
 
 
+def reduce_bucket(bucket: torch.Tensor, group: dist.ProcessGroup, streams: Sequence[dist.ProcessGroup],
+                  cfg: DilocoConfig, wire: dict[str, Any], residual: torch.Tensor | None, nodes: int,
+                  weighted: bool) -> Any:
+    """All-reduce (SUM) one bucket of the `nodes` contributors' pseudo-gradients and make it their average in
+    place: the sum over `nodes`, or as it is when weighted (the weights sum to 1). Under diloco.sparse_average =
+    senders (never weighted: config_checks) each entry is averaged over the nodes that sent it instead. Returns
+    all_reduce's stats."""
+    senders = torch.empty_like(bucket) if cfg.compression == "sparse" and cfg.sparse_average == "senders" else None
+    assert senders is None or not weighted
+    stats = all_reduce(bucket, group, op=ReduceOp.SUM, streams=streams, min_bandwidth_mbps=cfg.min_bandwidth_mbps,
+                       residual=residual, senders=senders, **wire)
+    if senders is not None:
+        bucket.div_(senders.clamp_(min=1.0))
+    elif not weighted and nodes != 1:
+        bucket.div_(nodes)
+    return stats
+
+
 def bucket_ranges(numel: int, bucket_values: int) -> list[tuple[int, int]]:
     bucket_values = max(1, bucket_values)
     return [(a, min(a + bucket_values, numel)) for a in range(0, numel, bucket_values)]
@@ -67,7 +85,7 @@ class _Reducer(threading.Thread):
         self.outer, self.group, self.streams, self.cfg = outer, group, streams, cfg
         self.wire = wire_options(cfg, view)
         self.residual = residual
-        self.scale = 1
+        self.nodes, self.weighted = 1, False
         self.todo: queue.Queue[tuple[int, int] | None] = queue.Queue()   # bucket ranges; None: the last
         self.error: BaseException | None = None
         self.wire_bytes = 0
@@ -83,12 +101,9 @@ class _Reducer(threading.Thread):
                 grad = self.outer.flat.grad
                 assert grad is not None  # OuterState's pseudo-gradient buffer, never cleared
                 bucket = grad[a:b]
-                stats = all_reduce(bucket, self.group, op=ReduceOp.SUM, streams=self.streams,
-                                   min_bandwidth_mbps=self.cfg.min_bandwidth_mbps,
-                                   residual=self.residual[a:b] if self.residual is not None else None,
-                                   **self.wire)
-                if self.scale != 1:
-                    bucket.div_(self.scale)
+                stats = reduce_bucket(bucket, self.group, self.streams, self.cfg, self.wire,
+                                      self.residual[a:b] if self.residual is not None else None, self.nodes,
+                                      self.weighted)
                 self.wire_bytes += stats.wire_bytes
                 self.busy_s += time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
@@ -111,7 +126,8 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
     t0 = time.perf_counter()
     ranges = bucket_ranges(outer.numel, int(cfg.bucket_mb * 1e6 / 4))
     reducer = _Reducer(outer, group, streams, cfg, residual, view)
-    reducer.scale = 1 if weight is not None else group.size() if scale is None else scale
+    reducer.nodes = group.size() if scale is None else scale
+    reducer.weighted = weight is not None
     if zeros:
         assert outer.flat.grad is not None  # OuterState's pseudo-gradient buffer, never cleared
         outer.flat.grad.zero_()
