@@ -133,8 +133,8 @@ def _sparse_problems(d: DilocoConfig) -> Iterator[tuple[str, str]]:
         yield "diloco.sparse_average", (f"senders cannot combine with {other} yet: "
                                         + ("the checked average splits the sum into parts that add up, and a mean "
                                            "over each entry's senders does not" if d.clip is not None else
-                                           "a node's weight by its tokens is its own to know, and the mean over an "
-                                           "entry's senders would need every sender's")
+                                           "the token weights sum to 1 over every contributor, not over an entry's "
+                                           "senders, and a weighted mean over those is not built")
                                         + "; set diloco.sparse_average = nodes")
     if d.overlap == "eager":
         yield "diloco.compression", ("sparse cannot combine with diloco.overlap = eager yet: eager stands in this node's "
