@@ -334,8 +334,6 @@ def test_evict_clipped_without_clip_is_refused_in_one_line():
     ({"diloco.overlap": "eager"}, r"^diloco.compression = 'sparse' .*cannot combine with diloco.overlap = eager"),
     ({"diloco.sparse_average": "senders", "diloco.clip": "2"},
      r"^diloco.sparse_average = 'senders' .*cannot combine with diloco.clip yet.*set diloco.sparse_average = nodes"),
-    ({"diloco.sparse_average": "senders", "diloco.round_seconds": "5"},
-     r"^diloco.sparse_average = 'senders' .*cannot combine with diloco.round_seconds yet.*sparse_average = nodes"),
     ({"diloco.sparse_average": "mean"}, r"diloco.sparse_average"),
 ])
 def test_sparse_settings_that_cannot_work_are_refused_in_one_line(flags, line):

@@ -18,6 +18,7 @@ from torch import nn
 
 from zb.config import load_config
 from zb.config_schema import DilocoConfig
+from zb.diloco.background import BackgroundAllReduce
 from zb.diloco.checkin import run_step
 from zb.diloco.outer import OuterState
 from zb.diloco.rounds import RoundClock, token_weight, weighted_average
@@ -28,17 +29,25 @@ from zb.testing.procs import free_port
 
 
 # -- the weighting ------------------------------------------------------------------------------------
-def _weighted_sync_over_gloo(deltas: list[torch.Tensor], tokens: list[int], compression: str) -> list[torch.Tensor]:
+def _weighted_sync_over_gloo(deltas: list[torch.Tensor], tokens: list[int], compression: str,
+                             sparse_average: str = "nodes", background: bool = False) -> list[torch.Tensor]:
     """Each of len(deltas) ranks (threads on one gloo group) moved its copy of a shared model by -delta
-    and syncs with its token weight, as DilocoNode does; returns every rank's summed buffer."""
+    and syncs with its token weight, as DilocoNode does (`background`: as streaming does, the buffer all-reduced
+    behind the inner steps, weighted by its tokens); returns every rank's summed buffer."""
     n, port, out = len(deltas), free_port(), {}
     master = dist.TCPStore("127.0.0.1", port, n, True, timeout=timedelta(seconds=20), use_libuv=True,
                            wait_for_workers=False)
-    dcfg = DilocoConfig(compression=compression, bucket_mb=0.0004, sparse_chunk=16, sparse_k=8)  # several buckets
+    dcfg = DilocoConfig(compression=compression, bucket_mb=0.0004, sparse_chunk=16, sparse_k=8,  # several buckets
+                        sparse_average=sparse_average)
 
     def rank(r: int) -> None:
         store = master if r == 0 else dist.TCPStore("127.0.0.1", port, n, False, timeout=timedelta(seconds=20))
         pg = dist.ProcessGroupGloo(dist.PrefixStore("w", store), r, n, timedelta(seconds=20))
+        if background:
+            arrival = BackgroundAllReduce(deltas[r].clone(), lambda: [pg], dcfg, scale=n, tokens=tokens[r]).wait()
+            assert arrival.error is None and arrival.buffer is not None
+            out[r] = arrival.buffer
+            return
         torch.manual_seed(0)
         model = nn.Linear(16, 20)   # the same start on every rank
         outer = OuterState(model, dcfg)
@@ -241,15 +250,23 @@ def _check_agreement(run: TrainCluster, uids: list[str], batch: dict[str, int], 
 STREAMING = ("--diloco.overlap", "streaming", "--diloco.fragments", "2", "--diloco.fragment_delay", "1")
 
 
-@pytest.mark.parametrize("overlap", ["none", pytest.param("eager", marks=pytest.mark.soak), "streaming"])
+SENDERS = ("--diloco.compression", "sparse", "--diloco.sparse_average", "senders")
+
+
+@pytest.mark.parametrize("overlap", ["none", pytest.param("eager", marks=pytest.mark.soak), "streaming",
+                                     pytest.param("none-senders", marks=pytest.mark.soak),
+                                     pytest.param("streaming-senders", marks=pytest.mark.soak)])
 def test_nodes_of_unlike_speed_train_the_steps_that_fit_and_agree(tmp_path, overlap):
     """Two nodes whose steps take honestly different times (4x the batch), one budget: the light node
     trains more steps per round, both agree on the params at every outer step (under eager and streaming:
     the shared params, each share weighted by its tokens; the math is held in-process against a
-    reference). Streaming shares each round's budget between its two fragments' boundaries."""
+    reference). Streaming shares each round's budget between its two fragments' boundaries. `-senders`: sparse
+    averaged over each entry's senders (the weighted rule held in-process in
+    test_token_weighted_sparse_all_reduce_equals_the_one_process_rule)."""
     run = TrainCluster(tmp_path, 2)
     batch = {"n0": 8, "n1": 2}
-    flags = STREAMING if overlap == "streaming" else ("--diloco.overlap", overlap)
+    overlap, _, senders = overlap.partition("-")
+    flags = (STREAMING if overlap == "streaming" else ("--diloco.overlap", overlap)) + (SENDERS if senders else ())
     try:
         for i, uid in enumerate(batch):
             run.start_train(uid, "--optim.total_steps", "400", "--diloco.round_seconds", "0.5",
@@ -398,9 +415,13 @@ def test_a_budget_shorter_than_one_step_exits_2_in_one_line(tmp_path):
         run.close()
 
 
-def test_token_weighted_sparse_all_reduce_equals_the_one_process_rule():
+@pytest.mark.parametrize("background", [False, True], ids=["blocking", "streaming"])
+@pytest.mark.parametrize("average", ["nodes", "senders"])
+def test_token_weighted_sparse_all_reduce_equals_the_one_process_rule(average, background):
     """Sparse with a round budget: each node compresses its token-weighted pseudo-gradient bucket by bucket; the
-    sum of the decoded payloads (not divided) is the same bits on every node as in one process."""
+    sum of the decoded payloads (not divided) is the same bits on every node as in one process. Under
+    diloco.sparse_average = senders each node sends weight x nodes of its pseudo-gradient, and each entry is the
+    mean of what its senders sent (sparse_twins.marks counts them)."""
     from zb.collectives import sparse_twins
     from zb.collectives.sparse_twins import SparseScheme
     from zb.diloco.sync import bucket_ranges
@@ -408,12 +429,17 @@ def test_token_weighted_sparse_all_reduce_equals_the_one_process_rule():
     tokens = [4096, 1024, 2048]
     gen = torch.Generator().manual_seed(3)
     deltas = [torch.randn(340, generator=gen) for _ in tokens]
-    got = _weighted_sync_over_gloo(deltas, tokens, "sparse")
+    got = _weighted_sync_over_gloo(deltas, tokens, "sparse", average, background)
     assert all(torch.equal(g, got[0]) for g in got)
-    scheme, want = SparseScheme(16, 8), torch.zeros(340)
+    scheme, want, count = SparseScheme(16, 8), torch.zeros(340), torch.zeros(340)
+    factor = len(tokens) if average == "senders" else 1
     for a, b in bucket_ranges(340, 100):
         for r, d in enumerate(deltas):
             payload = torch.empty(scheme.payload_bytes(b - a), dtype=torch.uint8)
-            sparse_twins.compress(d[a:b] * token_weight(tokens, [0, 1, 2], r), payload, scheme)
+            sparse_twins.compress(d[a:b] * (token_weight(tokens, [0, 1, 2], r) * factor), payload, scheme)
             assert sparse_twins.decode_add(payload, want[a:b], scheme)
+            sparse_twins.decode_add(sparse_twins.marks(payload, b - a, scheme), count[a:b], scheme)
+    if average == "senders":
+        assert 0 < int((count == sparse_twins.MARK).sum()) < int((count > 0).sum())   # entries of 1 and of more
+        want /= (count / sparse_twins.MARK).clamp(min=1)
     torch.testing.assert_close(got[0], want, rtol=0, atol=1e-6)

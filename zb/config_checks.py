@@ -128,14 +128,10 @@ def _sparse_problems(d: DilocoConfig) -> Iterator[tuple[str, str]]:
     if d.error_feedback is False:
         yield "diloco.error_feedback", ("cannot be off with diloco.compression = sparse: what a chunk does not send "
                                         "waits in the accumulator (without it 98% of every pseudo-gradient is lost)")
-    if d.sparse_average == "senders" and (d.clip is not None or d.round_seconds is not None):
-        other = "diloco.clip" if d.clip is not None else "diloco.round_seconds"
-        yield "diloco.sparse_average", (f"senders cannot combine with {other} yet: "
-                                        + ("the checked average splits the sum into parts that add up, and a mean "
-                                           "over each entry's senders does not" if d.clip is not None else
-                                           "the token weights sum to 1 over every contributor, not over an entry's "
-                                           "senders, and a weighted mean over those is not built")
-                                        + "; set diloco.sparse_average = nodes")
+    if d.sparse_average == "senders" and d.clip is not None:
+        yield "diloco.sparse_average", ("senders cannot combine with diloco.clip yet: the checked average splits the "
+                                        "sum into parts that add up, and a mean over each entry's senders does not; "
+                                        "set diloco.sparse_average = nodes")
     if d.overlap == "eager":
         yield "diloco.compression", ("sparse cannot combine with diloco.overlap = eager yet: eager stands in this node's "
                                      "dense pseudo-gradient for its share of the average in flight, while the average "

@@ -23,7 +23,7 @@ from torch.distributed import ReduceOp
 
 from zb.collectives import PeerFailure, all_reduce
 from zb.config_schema import DilocoConfig
-from zb.diloco.sync import bucket_ranges, reduce_bucket, wire_options
+from zb.diloco.sync import bucket_ranges, reduce_bucket, share_factor, wire_options
 from zb.elastic.view import WorldView
 
 log = logging.getLogger("zb.diloco")
@@ -83,7 +83,7 @@ class BackgroundAllReduce(threading.Thread):
             group, *streams = self.groups()
             if self.tokens is not None:
                 self.weight = self._token_share(group)
-                self.buffer.mul_(self.weight)
+                self.buffer.mul_(share_factor(self.cfg, self.weight, self.scale))
             with self.feedback() as residual:
                 for a, b in bucket_ranges(self.buffer.numel(), int(self.cfg.bucket_mb * 1e6 / 4)):
                     stats = reduce_bucket(self.buffer[a:b], group, streams, self.cfg, self.wire,

@@ -53,15 +53,28 @@ def wire_options(cfg: DilocoConfig, view: WorldView | None = None) -> dict[str, 
             "sparse_beta": cfg.sparse_beta}
 
 
+def by_senders(cfg: DilocoConfig) -> bool:
+    """Whether each entry of the average is over the nodes that sent it (diloco.sparse_average = senders)."""
+    return cfg.compression == "sparse" and cfg.sparse_average == "senders"
+
+
+def share_factor(cfg: DilocoConfig, weight: float, nodes: int) -> float:
+    """What a node multiplies its pseudo-gradient by for a token-weighted average (diloco.round_seconds), its
+    `weight` of the `nodes` contributors' (the weights sum to 1). Summed, the shares are the weighted average.
+    Under diloco.sparse_average = senders the share is weight x nodes: the contribution whose mean over every
+    contributor is that weighted average, so its mean over an entry's senders is the same rule as unweighted
+    (equal weights give factor 1)."""
+    return weight * nodes if by_senders(cfg) else weight
+
+
 def reduce_bucket(bucket: torch.Tensor, group: dist.ProcessGroup, streams: Sequence[dist.ProcessGroup],
                   cfg: DilocoConfig, wire: dict[str, Any], residual: torch.Tensor | None, nodes: int,
                   weighted: bool) -> Any:
     """All-reduce (SUM) one bucket of the `nodes` contributors' pseudo-gradients and make it their average in
-    place: the sum over `nodes`, or as it is when weighted (the weights sum to 1). Under diloco.sparse_average =
-    senders (never weighted: config_checks) each entry is averaged over the nodes that sent it instead. Returns
-    all_reduce's stats."""
-    senders = torch.empty_like(bucket) if cfg.compression == "sparse" and cfg.sparse_average == "senders" else None
-    assert senders is None or not weighted
+    place: the sum over `nodes`, or as it is when weighted (the shares sum to the average). Under
+    diloco.sparse_average = senders each entry is averaged over the nodes that sent it instead, weighted or not
+    (share_factor). Returns all_reduce's stats."""
+    senders = torch.empty_like(bucket) if by_senders(cfg) else None
     stats = all_reduce(bucket, group, op=ReduceOp.SUM, streams=streams, min_bandwidth_mbps=cfg.min_bandwidth_mbps,
                        residual=residual, senders=senders, **wire)
     if senders is not None:
@@ -140,7 +153,7 @@ def sync_pseudo_gradient(outer: OuterState, group: dist.ProcessGroup, cfg: Diloc
                 t1 = time.perf_counter()
                 g = outer.pseudo_gradient_of(index)
                 if weight is not None or clip != 1.0:
-                    g.mul_((1.0 if weight is None else weight) * clip)
+                    g.mul_((1.0 if weight is None else share_factor(cfg, weight, reducer.nodes)) * clip)
                 d2h_s += time.perf_counter() - t1
             while next_bucket < len(ranges) and ranges[next_bucket][1] <= end:
                 reducer.todo.put(ranges[next_bucket])
