@@ -350,7 +350,7 @@ def test_sparse_defaults_follow_the_paper_and_its_keys_alone_are_warned_about():
     assert sparse.diloco.momentum() == 0.0 and (sparse.diloco.sparse_chunk, sparse.diloco.sparse_k) == (4096, 64)
     assert sparse.diloco.lr() == 4.0 and load_config([], {"diloco.inner_steps": "10"}, environ={}).diloco.lr() == 0.7
     assert load_config([], {"diloco.compression": "sparse", "diloco.sparse_average": "senders"},
-                       environ={}).diloco.lr() == 2.0
+                       environ={}).diloco.lr() == 2.5
     assert load_config([], {"diloco.compression": "sparse", "diloco.outer_lr": "1"}, environ={}).diloco.lr() == 1.0
     assert load_config([], {"diloco.compression": "sparse", "diloco.outer_momentum": "0.5"},
                        environ={}).diloco.momentum() == 0.5

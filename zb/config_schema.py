@@ -189,7 +189,7 @@ class LogConfig:
 
 # diloco.outer_lr's default with diloco.compression = sparse, by diloco.sparse_average (BENCHMARKS.md, "Sparse
 # pseudo-gradients"): the mean over every node divides an entry one node sent by the node count
-SPARSE_OUTER_LR = {"senders": 2.0, "nodes": 4.0}
+SPARSE_OUTER_LR = {"senders": 2.5, "nodes": 4.0}
 
 
 @dataclass
@@ -201,7 +201,7 @@ class DilocoConfig:
                                           "Under diloco.overlap = streaming the round's diloco.fragments boundaries "
                                           "share it equally.", check="positive", run_defining=True)
     outer_lr: Optional[float] = knob(None, "Outer learning rate. Default: 0.7; with diloco.compression = sparse 4 "
-                                           "(diloco.sparse_average = nodes) or 2 (senders), the best measured for each "
+                                           "(diloco.sparse_average = nodes) or 2.5 (senders), the best measured for each "
                                            "on the convergence benchmark (BENCHMARKS.md, \"Sparse pseudo-gradients\").",
                                      check="positive", run_defining=True)
     outer_momentum: Optional[float] = knob(None, "Outer optimizer momentum. Default: 0.9, or 0 with diloco.compression = "
