@@ -104,9 +104,8 @@ def test_streams_split_on_chunks(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("hang", [False, pytest.param(True, marks=pytest.mark.soak)])
 def test_a_dead_or_hung_peer_makes_every_survivor_raise_naming_it(hang: bool, tmp_path: Path) -> None:
-    # A killed peer is seen at once (its connections close), so its case keeps the worker's 20 s floor: with 3 s, a
-    # survivor on a loaded machine timed out on the live rank between it and the dead one before that rank's
-    # FAILED notice came, and named it. Only a hung peer needs the deadline to find it.
+    # The killed case keeps the worker's 20 s floor: with 3 s, a survivor on a loaded machine timed out on the live
+    # rank between it and the dead one before that rank's FAILED notice came, and named it.
     spec = {"cases": [{"numel": 400_000, "compression": "sparse", "chunk": 1024, "k": 8}], "die": 1,
             "die_after": 0, "hang": hang, **({"floor": 3.0} if hang else {})}
     ranks = run_ranks(4, spec, tmp_path, timeout=90)
@@ -114,7 +113,14 @@ def test_a_dead_or_hung_peer_makes_every_survivor_raise_naming_it(hang: bool, tm
     failed = [s for s in survivors if isinstance(s, dict)]
     # Rank 1 dies after sending its own payload, which may still reach every survivor: one whose receives all
     # came in finishes, with the right bits (the outer step's check-in then decides for the run, as for the ring).
-    assert len(failed) >= 2 and {s["rank"] for s in failed} == {1}, survivors
+    # The dead rank's neighbours (0 sends to it, 2 receives from it) name it. Rank 3's deadline on its live left
+    # neighbour 2 comes one step after rank 2's on rank 1, and gloo does not always see a killed peer's connections
+    # close before the deadline (a CI run saw rank 0's send to it time out): on a loaded machine rank 2's FAILED
+    # notice can come too late, and rank 3 names rank 2. A node so named keeps its place if it checks in within
+    # elastic.heartbeat_interval (docs/slow-links.md, "The exchange"); what is asserted is that nobody else is named.
+    named = {s["rank"] for s in failed}
+    assert len(failed) >= 2 and 1 in named and named <= {1, 2}, survivors
+    assert all(ranks[r]["rank"] == 1 for r in (0, 2) if isinstance(ranks[r], dict)), survivors
     import _allreduce_worker as worker
 
     case = spec["cases"][0]
