@@ -69,14 +69,21 @@ class Gather:
             self.residuals = [torch.zeros(n) for _ in deltas]
         return n
 
-    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+    def _decoded(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each node's payload from its accumulator (updated as the node does), decoded."""
         n = self._start(deltas)
-        total = torch.zeros(n)
+        out = []
         for d, e in zip(deltas, self.residuals):
             p = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
             twin.compress(d.float(), p, self.scheme, e, self.beta)
-            assert twin.decode_add(p, total, self.scheme)
-        return total / len(deltas)
+            mine = torch.zeros(n)
+            assert twin.decode_add(p, mine, self.scheme)
+            out.append(mine)
+        return out
+
+    def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        payloads = self._decoded(deltas)
+        return sum(payloads, torch.zeros_like(payloads[0])) / len(deltas)   # in node order, as decode_add sums
 
     def bytes_per_node(self, n: int, w: int) -> int:
         return (w - 1) * self.scheme.payload_bytes(n)
@@ -87,16 +94,9 @@ class Senders(Gather):
     node picked moves by that node's value, not by a W-th of it (what the outer lr makes up for in the gather)."""
 
     def __call__(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        n = self._start(deltas)
-        total, senders = torch.zeros(n), torch.zeros(n)
-        for d, e in zip(deltas, self.residuals):
-            p = torch.empty(self.scheme.payload_bytes(n), dtype=torch.uint8)
-            twin.compress(d.float(), p, self.scheme, e, self.beta)
-            mine = torch.zeros(n)
-            assert twin.decode_add(p, mine, self.scheme)
-            total += mine
-            senders += (mine != 0).float()
-        return total / senders.clamp(min=1)
+        payloads = self._decoded(deltas)
+        senders = sum(((p != 0).float() for p in payloads), torch.zeros_like(payloads[0]))
+        return sum(payloads, torch.zeros_like(payloads[0])) / senders.clamp(min=1)
 
 
 class Exact(Gather):
