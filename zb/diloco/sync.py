@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from zb.collectives import all_reduce
+from zb.collectives import AllReduceStats, all_reduce
 from zb.config_schema import DilocoConfig
 from zb.diloco.outer import OuterState
 from zb.elastic.view import WorldView
@@ -69,7 +69,7 @@ def share_factor(cfg: DilocoConfig, weight: float, nodes: int) -> float:
 
 def reduce_bucket(bucket: torch.Tensor, group: dist.ProcessGroup, streams: Sequence[dist.ProcessGroup],
                   cfg: DilocoConfig, wire: dict[str, Any], residual: torch.Tensor | None, nodes: int,
-                  weighted: bool) -> Any:
+                  weighted: bool) -> AllReduceStats:
     """All-reduce (SUM) one bucket of the `nodes` contributors' pseudo-gradients and make it their average in
     place: the sum over `nodes`, or as it is when weighted (the shares sum to the average). Under
     diloco.sparse_average = senders each entry is averaged over the nodes that sent it instead, weighted or not
